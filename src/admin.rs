@@ -1,0 +1,99 @@
+//! The admin listener, separate from the proxy port so it can be firewalled apart:
+//! `/metrics`, `/healthz`, `/readyz`, `/config` (secrets redacted), `/buckets`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::app::App;
+use crate::proxy::{Body, full};
+
+/// Serves admin requests until `stop` is cancelled.
+pub async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken) {
+    loop {
+        let (stream, _) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "admin accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = stop.cancelled() => return,
+        };
+        let app = app.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| {
+                let app = app.clone();
+                async move { Ok::<_, Infallible>(handle(&app, &req)) }
+            });
+            let conn = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .serve_connection(TokioIo::new(stream), svc);
+            tokio::select! {
+                _ = conn => {}
+                _ = stop.cancelled() => {}
+            }
+        });
+    }
+}
+
+pub fn handle(app: &App, req: &Request<Incoming>) -> Response<Body> {
+    let get = req.method() == Method::GET || req.method() == Method::HEAD;
+    match (req.uri().path(), get) {
+        ("/metrics", true) => reply(
+            StatusCode::OK,
+            "text/plain; version=0.0.4",
+            app.metrics.render(),
+        ),
+        ("/healthz", true) => reply(StatusCode::OK, "text/plain", "ok\n".into()),
+        ("/readyz", true) if app.is_draining() => reply(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "text/plain",
+            "draining\n".into(),
+        ),
+        ("/readyz", true) => reply(StatusCode::OK, "text/plain", "ready\n".into()),
+        ("/config", true) => json(&app.config().to_redacted_json()),
+        // The limiter (issue 3) fills this in; no bucket exists before it.
+        ("/buckets", true) => json(&serde_json::json!([])),
+        ("/metrics" | "/healthz" | "/readyz" | "/config" | "/buckets", false) => {
+            let mut r = reply(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "text/plain",
+                "use GET\n".into(),
+            );
+            r.headers_mut()
+                .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+            r
+        }
+        _ => reply(
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            "not found; try /metrics /healthz /readyz /config /buckets\n".into(),
+        ),
+    }
+}
+
+fn json(v: &serde_json::Value) -> Response<Body> {
+    let text =
+        serde_json::to_string_pretty(v).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
+    reply(StatusCode::OK, "application/json", text + "\n")
+}
+
+fn reply(status: StatusCode, content_type: &'static str, body: String) -> Response<Body> {
+    let mut r = Response::new(full(body));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
+}

@@ -1,0 +1,635 @@
+//! Configuration: the TOML file is read into `spec` structs (unknown keys rejected), then
+//! validated and resolved into an immutable [`Config`] in which every upstream and family
+//! carries its complete policy (`[defaults]` ← `[[upstream]]` ← `[[upstream.family]]`).
+//! Every error names `file:line:col`.
+
+pub mod pattern;
+pub mod spec;
+pub mod units;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http::{HeaderName, Method};
+use serde::{Serialize, Serializer};
+use sha2::{Digest, Sha256};
+
+pub use pattern::{HostPattern, PathGlob};
+pub use spec::{
+    Action, CooldownScope, Jitter, LimitSpec as Limit, OnRedisError, Priority, RetryOn, Scheme,
+    Scope, TlsMode, Unmatched,
+};
+use spec::{BreakerSpec, ConfigSpec, PolicySpec, RetrySpec};
+use units::ser_duration;
+
+use crate::route::Router;
+
+/// A config that could not be loaded; `Display` gives `file:line:col: message`.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: cannot read config: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}:{line}:{col}: {message}")]
+    Invalid {
+        path: String,
+        line: usize,
+        col: usize,
+        message: String,
+    },
+}
+
+/// A validation failure before it is placed in a file.
+struct Invalid {
+    span: Option<Range<usize>>,
+    message: String,
+}
+
+fn invalid(span: impl Into<Option<Range<usize>>>, message: impl Into<String>) -> Invalid {
+    Invalid {
+        span: span.into(),
+        message: message.into(),
+    }
+}
+
+type Result<T, E = Invalid> = std::result::Result<T, E>;
+
+#[derive(Debug, Serialize)]
+pub struct Config {
+    pub proxy: ProxyConfig,
+    pub defaults: Policy,
+    pub upstreams: Vec<Upstream>,
+    pub tls: Option<TlsConfig>,
+    pub cluster: Option<ClusterConfig>,
+    /// SHA-256 of the file's bytes, to tell which config is live.
+    pub sha256: String,
+    #[serde(skip)]
+    pub router: Router,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ProxyConfig {
+    pub listen: SocketAddr,
+    pub admin: SocketAddr,
+    pub unmatched: Unmatched,
+    pub max_replay_body: u64,
+    #[serde(serialize_with = "ser_duration")]
+    pub drain_timeout: Duration,
+    #[serde(serialize_with = "ser_duration")]
+    pub shutdown_delay: Duration,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Policy {
+    pub max_queue: u32,
+    #[serde(serialize_with = "ser_duration")]
+    pub max_wait: Duration,
+    #[serde(serialize_with = "ser_duration")]
+    pub attempt_timeout: Duration,
+    #[serde(serialize_with = "ser_duration")]
+    pub total_timeout: Duration,
+    pub retry: RetryPolicy,
+    pub breaker: BreakerPolicy,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RetryPolicy {
+    pub max_attempts: u32,
+    pub backoff: Backoff,
+    pub on: Vec<RetryOn>,
+    #[serde(serialize_with = "ser_duration")]
+    pub max_retry_after: Duration,
+    #[serde(serialize_with = "ser_header_name")]
+    pub idempotency_header: HeaderName,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Backoff {
+    #[serde(serialize_with = "ser_duration")]
+    pub base: Duration,
+    #[serde(serialize_with = "ser_duration")]
+    pub max: Duration,
+    pub jitter: Jitter,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BreakerPolicy {
+    pub failure_ratio: f64,
+    pub min_requests: u32,
+    #[serde(serialize_with = "ser_duration")]
+    pub window: Duration,
+    #[serde(serialize_with = "ser_duration")]
+    pub open_for: Duration,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Upstream {
+    pub name: String,
+    pub hosts: Vec<HostPattern>,
+    pub key: Option<KeySource>,
+    pub tls: TlsMode,
+    pub scheme: Scheme,
+    pub upstream_ca: Option<PathBuf>,
+    pub limits: Vec<Limit>,
+    pub families: Vec<Family>,
+    pub classify: Vec<ClassifyRule>,
+    pub idempotency_generate: bool,
+    pub cooldown: CooldownScope,
+    pub policy: Policy,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Family {
+    pub name: String,
+    /// `None` matches every method.
+    #[serde(serialize_with = "ser_methods")]
+    pub methods: Option<Vec<Method>>,
+    /// Empty matches every path.
+    pub paths: Vec<PathGlob>,
+    pub priority: Priority,
+    pub limits: Vec<Limit>,
+    /// Whether the family set `[breaker]` itself (its own circuit) or inherits the upstream's.
+    pub own_breaker: bool,
+    pub policy: Policy,
+}
+
+impl Family {
+    pub fn matches(&self, method: &Method, path: &str) -> bool {
+        self.methods.as_ref().is_none_or(|m| m.contains(method))
+            && (self.paths.is_empty() || self.paths.iter().any(|g| g.matches(path)))
+    }
+}
+
+/// Where a request's partition key comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    Header(HeaderName),
+}
+
+impl fmt::Display for KeySource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeySource::Header(h) => write!(f, "header:{h}"),
+        }
+    }
+}
+
+impl Serialize for KeySource {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ClassifyRule {
+    pub status: Option<u16>,
+    pub json: Option<String>,
+    pub equals: Vec<String>,
+    pub body_contains: Option<String>,
+    pub action: Action,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TlsConfig {
+    pub ca_cert: Option<PathBuf>,
+    pub ca_key: Option<PathBuf>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ClusterConfig {
+    #[serde(serialize_with = "ser_redacted_url")]
+    pub redis: String,
+    pub on_redis_error: OnRedisError,
+    pub replicas: Option<u64>,
+}
+
+fn ser_header_name<S: Serializer>(h: &HeaderName, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(h.as_str())
+}
+
+fn ser_methods<S: Serializer>(m: &Option<Vec<Method>>, s: S) -> Result<S::Ok, S::Error> {
+    match m {
+        None => s.serialize_none(),
+        Some(v) => s.collect_seq(v.iter().map(Method::as_str)),
+    }
+}
+
+/// `redis://user:secret@host/0` → `redis://user:***@host/0`: a password in the URL must not
+/// leave the process through `/config`.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let (auth, host) = match rest.rsplit_once('@') {
+        Some(parts) => parts,
+        None => return url.to_string(),
+    };
+    let user = auth.split_once(':').map_or("", |(u, _)| u);
+    format!("{scheme}://{user}:***@{host}")
+}
+
+fn ser_redacted_url<S: Serializer>(u: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&redact_url(u))
+}
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Config::parse(&text, &path.display().to_string())
+    }
+
+    /// Validates config text; `origin` names the file in error messages.
+    pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        let place = |span: Option<Range<usize>>, message: String| {
+            let (line, col) = line_col(text, span.map_or(0, |s| s.start));
+            ConfigError::Invalid {
+                path: origin.to_string(),
+                line,
+                col,
+                message,
+            }
+        };
+        let spec: ConfigSpec = toml::from_str(text)
+            .map_err(|e| place(e.span(), e.message().trim_end().to_string()))?;
+        let sha256 = hex(&Sha256::digest(text.as_bytes()));
+        build(spec, sha256).map_err(|e| place(e.span, e.message))
+    }
+
+    /// The effective config as JSON with secrets redacted, for `/config`.
+    pub fn to_redacted_json(&self) -> serde_json::Value {
+        serde_json::to_value(self).unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }))
+    }
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
+}
+
+/// 1-based line and column (in characters) of a byte offset.
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let offset = offset.min(text.len());
+    let before = text.get(..offset).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, col)
+}
+
+fn builtin_policy() -> Policy {
+    Policy {
+        max_queue: 1000,
+        max_wait: Duration::from_secs(30),
+        attempt_timeout: Duration::from_secs(10),
+        total_timeout: Duration::from_secs(60),
+        retry: RetryPolicy {
+            max_attempts: 4,
+            backoff: Backoff {
+                base: Duration::from_millis(500),
+                max: Duration::from_secs(30),
+                jitter: Jitter::Full,
+            },
+            on: vec![
+                RetryOn::Status(408),
+                RetryOn::Status(429),
+                RetryOn::Status(502),
+                RetryOn::Status(503),
+                RetryOn::Status(504),
+                RetryOn::Connect,
+                RetryOn::Reset,
+                RetryOn::Timeout,
+            ],
+            max_retry_after: Duration::from_secs(60),
+            idempotency_header: HeaderName::from_static("idempotency-key"),
+        },
+        breaker: BreakerPolicy {
+            failure_ratio: 0.5,
+            min_requests: 20,
+            window: Duration::from_secs(30),
+            open_for: Duration::from_secs(15),
+        },
+    }
+}
+
+/// Applies the keys set at one level on top of the level above it.
+fn merge_policy(base: &Policy, over: &PolicySpec) -> Result<Policy> {
+    Ok(Policy {
+        max_queue: over.max_queue.map_or(base.max_queue, |v| v.get()),
+        max_wait: over.max_wait.map_or(base.max_wait, |v| v.0),
+        attempt_timeout: over.attempt_timeout.map_or(base.attempt_timeout, |v| v.0),
+        total_timeout: over.total_timeout.map_or(base.total_timeout, |v| v.0),
+        retry: match &over.retry {
+            Some(r) => merge_retry(&base.retry, r)?,
+            None => base.retry.clone(),
+        },
+        breaker: match &over.breaker {
+            Some(b) => merge_breaker(&base.breaker, b)?,
+            None => base.breaker.clone(),
+        },
+    })
+}
+
+fn merge_retry(base: &RetryPolicy, over: &RetrySpec) -> Result<RetryPolicy> {
+    let mut backoff = base.backoff.clone();
+    if let Some(b) = &over.backoff {
+        let spec = b.get_ref();
+        backoff.base = spec.base.map_or(backoff.base, |d| d.0);
+        backoff.max = spec.max.map_or(backoff.max, |d| d.0);
+        backoff.jitter = spec.jitter.unwrap_or(backoff.jitter);
+        if backoff.base > backoff.max {
+            return Err(invalid(
+                b.span(),
+                format!(
+                    "backoff base ({}) is longer than its max ({})",
+                    units::fmt_duration(backoff.base),
+                    units::fmt_duration(backoff.max)
+                ),
+            ));
+        }
+    }
+    let idempotency_header = match &over.idempotency_header {
+        Some(h) => HeaderName::from_bytes(h.get_ref().as_bytes()).map_err(|_| {
+            invalid(
+                h.span(),
+                format!("{:?} is not a valid header name", h.get_ref()),
+            )
+        })?,
+        None => base.idempotency_header.clone(),
+    };
+    Ok(RetryPolicy {
+        max_attempts: over.max_attempts.map_or(base.max_attempts, |v| v.get()),
+        backoff,
+        on: over.on.clone().unwrap_or_else(|| base.on.clone()),
+        max_retry_after: over.max_retry_after.map_or(base.max_retry_after, |d| d.0),
+        idempotency_header,
+    })
+}
+
+fn merge_breaker(base: &BreakerPolicy, over: &BreakerSpec) -> Result<BreakerPolicy> {
+    let failure_ratio = match &over.failure_ratio {
+        Some(r) => {
+            let v = *r.get_ref();
+            if !(v > 0.0 && v <= 1.0) {
+                return Err(invalid(
+                    r.span(),
+                    format!("failure_ratio must be in (0, 1], got {v}"),
+                ));
+            }
+            v
+        }
+        None => base.failure_ratio,
+    };
+    Ok(BreakerPolicy {
+        failure_ratio,
+        min_requests: over.min_requests.map_or(base.min_requests, |v| v.get()),
+        window: over.window.map_or(base.window, |d| d.0),
+        open_for: over.open_for.map_or(base.open_for, |d| d.0),
+    })
+}
+
+/// Names end up in metric labels and in `/buckets`, so they stay short and plain.
+fn check_name(name: &toml::Spanned<String>, what: &str) -> Result<String> {
+    let n = name.get_ref();
+    let ok = !n.is_empty()
+        && n.len() <= 64
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+    if !ok {
+        return Err(invalid(
+            name.span(),
+            format!("{what} name {n:?} must be 1-64 characters of [A-Za-z0-9_.-]"),
+        ));
+    }
+    Ok(n.clone())
+}
+
+fn parse_addr(v: &Option<toml::Spanned<String>>, default: &str) -> Result<SocketAddr> {
+    match v {
+        None => default
+            .parse()
+            .map_err(|_| invalid(None, format!("bad built-in address {default}"))),
+        Some(s) => s.get_ref().parse().map_err(|_| {
+            invalid(
+                s.span(),
+                format!(
+                    "{:?} is not a socket address like \"127.0.0.1:3128\"",
+                    s.get_ref()
+                ),
+            )
+        }),
+    }
+}
+
+fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
+    let p = &spec.proxy;
+    let proxy = ProxyConfig {
+        listen: parse_addr(&p.listen, "127.0.0.1:3128")?,
+        admin: parse_addr(&p.admin, "127.0.0.1:9901")?,
+        unmatched: p.unmatched.unwrap_or_default(),
+        max_replay_body: p.max_replay_body.map_or(1 << 20, |b| b.0),
+        drain_timeout: p.drain_timeout.map_or(Duration::from_secs(25), |d| d.0),
+        shutdown_delay: p.shutdown_delay.map_or(Duration::ZERO, |d| d.0),
+    };
+    if let (Some(l), Some(a)) = (&p.listen, &p.admin)
+        && proxy.listen == proxy.admin
+        && proxy.listen.port() != 0
+    {
+        return Err(invalid(
+            a.span(),
+            format!("admin and listen are both {}", l.get_ref()),
+        ));
+    }
+
+    let defaults = merge_policy(&builtin_policy(), &spec.defaults)?;
+
+    let mut upstreams = Vec::with_capacity(spec.upstream.len());
+    let mut names: HashMap<String, ()> = HashMap::new();
+    let mut hosts_seen: HashMap<HostPattern, String> = HashMap::new();
+    for u in spec.upstream {
+        let name = check_name(&u.name, "upstream")?;
+        if name == "unmatched" {
+            return Err(invalid(
+                u.name.span(),
+                "\"unmatched\" is reserved for requests no upstream matches",
+            ));
+        }
+        if names.insert(name.clone(), ()).is_some() {
+            return Err(invalid(
+                u.name.span(),
+                format!("duplicate upstream name {name:?}"),
+            ));
+        }
+        if u.hosts.get_ref().is_empty() {
+            return Err(invalid(
+                u.hosts.span(),
+                format!("upstream {name:?} needs at least one host"),
+            ));
+        }
+        for h in u.hosts.get_ref() {
+            if let Some(other) = hosts_seen.insert(h.get_ref().clone(), name.clone()) {
+                return Err(invalid(
+                    h.span(),
+                    format!(
+                        "host {} is already claimed by upstream {other:?}",
+                        h.get_ref()
+                    ),
+                ));
+            }
+        }
+        let key = match &u.key {
+            None => None,
+            Some(k) => Some(parse_key(k)?),
+        };
+        let policy = merge_policy(&defaults, &u.policy())?;
+
+        let mut families = Vec::with_capacity(u.family.len());
+        let mut fam_names: HashMap<String, ()> = HashMap::new();
+        for f in &u.family {
+            let fname = check_name(&f.name, "family")?;
+            if fam_names.insert(fname.clone(), ()).is_some() {
+                return Err(invalid(
+                    f.name.span(),
+                    format!("duplicate family name {fname:?} in upstream {name:?}"),
+                ));
+            }
+            let methods = match &f.methods {
+                None => None,
+                Some(ms) => Some(ms.iter().map(parse_method).collect::<Result<Vec<_>>>()?),
+            };
+            families.push(Family {
+                name: fname,
+                methods,
+                paths: f.paths.clone().unwrap_or_default(),
+                priority: f.priority,
+                limits: f.limits.clone(),
+                own_breaker: f.breaker.is_some(),
+                policy: merge_policy(&policy, &f.policy())?,
+            });
+        }
+
+        let classify = u
+            .classify
+            .iter()
+            .map(check_classify)
+            .collect::<Result<Vec<_>>>()?;
+
+        upstreams.push(Upstream {
+            name,
+            hosts: u
+                .hosts
+                .into_inner()
+                .into_iter()
+                .map(|h| h.into_inner())
+                .collect(),
+            key,
+            tls: u.tls,
+            scheme: u.scheme,
+            upstream_ca: u.upstream_ca.map(PathBuf::from),
+            limits: u.limits,
+            families,
+            classify,
+            idempotency_generate: u.idempotency_generate.unwrap_or(false),
+            cooldown: u.cooldown.unwrap_or_default(),
+            policy,
+        });
+    }
+
+    let tls = spec.tls.map(|t| TlsConfig {
+        ca_cert: t.ca_cert.map(PathBuf::from),
+        ca_key: t.ca_key.map(PathBuf::from),
+    });
+    let cluster = match spec.cluster {
+        None => None,
+        Some(c) => {
+            let span = c.span();
+            let c = c.into_inner();
+            if !(c.redis.starts_with("redis://") || c.redis.starts_with("rediss://")) {
+                return Err(invalid(
+                    span,
+                    "cluster.redis must be a redis:// or rediss:// URL",
+                ));
+            }
+            Some(ClusterConfig {
+                redis: c.redis,
+                on_redis_error: c.on_redis_error,
+                replicas: c.replicas.map(|r| r.get()),
+            })
+        }
+    };
+
+    let router = Router::new(&upstreams);
+    Ok(Config {
+        proxy,
+        defaults,
+        upstreams,
+        tls,
+        cluster,
+        sha256,
+        router,
+    })
+}
+
+fn parse_key(k: &toml::Spanned<String>) -> Result<KeySource> {
+    let raw = k.get_ref();
+    match raw.split_once(':') {
+        Some(("header", name)) => HeaderName::from_bytes(name.trim().as_bytes())
+            .map(KeySource::Header)
+            .map_err(|_| invalid(k.span(), format!("{name:?} is not a valid header name"))),
+        _ => Err(invalid(
+            k.span(),
+            format!("key {raw:?} is not understood; write it as \"header:NAME\""),
+        )),
+    }
+}
+
+fn parse_method(m: &toml::Spanned<String>) -> Result<Method> {
+    let upper = m.get_ref().to_ascii_uppercase();
+    Method::from_bytes(upper.as_bytes())
+        .map_err(|_| invalid(m.span(), format!("{:?} is not an HTTP method", m.get_ref())))
+}
+
+fn check_classify(c: &toml::Spanned<spec::ClassifySpec>) -> Result<ClassifyRule> {
+    let r = c.get_ref();
+    let fail = |msg: &str| Err(invalid(c.span(), msg.to_string()));
+    if let Some(s) = r.status
+        && !(100..=599).contains(&s)
+    {
+        return fail("classify status must be an HTTP status code (100-599)");
+    }
+    match (&r.json, &r.equals) {
+        (Some(p), Some(_)) if !(p.is_empty() || p.starts_with('/')) => {
+            return fail("classify json must be a JSON pointer such as \"/error/code\"");
+        }
+        (Some(_), None) => return fail("classify json needs equals = [...] values to compare"),
+        (None, Some(_)) => return fail("classify equals needs json = \"/pointer\" to read"),
+        _ => {}
+    }
+    if r.status.is_none() && r.json.is_none() && r.body_contains.is_none() {
+        return fail("classify rule matches nothing: give status, json + equals, or body_contains");
+    }
+    Ok(ClassifyRule {
+        status: r.status,
+        json: r.json.clone(),
+        equals: r.equals.clone().unwrap_or_default(),
+        body_contains: r.body_contains.clone(),
+        action: r.action,
+    })
+}
+
+#[cfg(test)]
+mod tests;

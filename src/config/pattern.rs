@@ -1,0 +1,295 @@
+//! Host patterns and path globs as written in `hosts = [...]` and `paths = [...]`.
+//! They are parsed when the file is read, so a bad pattern is reported with its position
+//! and matching on the request path never has to deal with malformed patterns.
+
+use std::fmt;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer, de};
+
+/// `api.example.com`, `*.example.com`, either with an optional `:port`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct HostPattern {
+    /// Lower-case host name or IP literal (without brackets). For a wildcard this is the
+    /// suffix including its leading dot (`.example.com`).
+    pub host: String,
+    pub wildcard: bool,
+    pub port: Option<u16>,
+}
+
+impl HostPattern {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let (host, port) = split_host_port(s)
+            .ok_or_else(|| format!("invalid host pattern {s:?}: expected host or host:port"))?;
+        let port = match port {
+            None => None,
+            Some(p) => Some(
+                p.parse::<u16>()
+                    .ok()
+                    .filter(|p| *p != 0)
+                    .ok_or_else(|| format!("invalid port in host pattern {s:?}"))?,
+            ),
+        };
+        let host = host.trim_end_matches('.').to_ascii_lowercase();
+        let (wildcard, name) = match host.strip_prefix("*.") {
+            Some(rest) => (true, rest),
+            None => (false, host.as_str()),
+        };
+        let is_ip = name.parse::<std::net::IpAddr>().is_ok();
+        let valid_name = !name.is_empty()
+            && name.split('.').all(|label| {
+                !label.is_empty()
+                    && label.len() <= 63
+                    && label
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            });
+        if !(valid_name || (is_ip && !wildcard)) {
+            return Err(format!(
+                "invalid host pattern {s:?}: use an exact name, an IP address or \"*.suffix\" \
+                 (a wildcard only as the whole first label)"
+            ));
+        }
+        let host = if wildcard {
+            format!(".{name}")
+        } else {
+            name.to_string()
+        };
+        Ok(HostPattern {
+            host,
+            wildcard,
+            port,
+        })
+    }
+
+    /// `host` must already be lower-case without a trailing dot (see `route::normalize_host`).
+    pub fn matches(&self, host: &str, port: u16) -> bool {
+        if self.port.is_some_and(|p| p != port) {
+            return false;
+        }
+        if self.wildcard {
+            // `*.example.com` covers `a.example.com` and `a.b.example.com`, not `example.com`.
+            host.len() > self.host.len() && host.ends_with(&self.host)
+        } else {
+            host == self.host
+        }
+    }
+}
+
+/// Splits `host`, `host:port`, `[v6]` or `[v6]:port`. A bare IPv6 literal has no port.
+pub fn split_host_port(s: &str) -> Option<(&str, Option<&str>)> {
+    if let Some(rest) = s.strip_prefix('[') {
+        let (h, after) = rest.split_once(']')?;
+        return match after {
+            "" => Some((h, None)),
+            p => Some((h, Some(p.strip_prefix(':')?))),
+        };
+    }
+    match s.matches(':').count() {
+        0 => Some((s, None)),
+        1 => s.split_once(':').map(|(h, p)| (h, Some(p))),
+        _ => Some((s, None)),
+    }
+}
+
+impl fmt::Display for HostPattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = if self.wildcard {
+            format!("*{}", self.host)
+        } else if self.host.contains(':') {
+            format!("[{}]", self.host)
+        } else {
+            self.host.clone()
+        };
+        match self.port {
+            Some(p) => write!(f, "{name}:{p}"),
+            None => f.write_str(&name),
+        }
+    }
+}
+
+/// A path glob: `/v1/orders/**`, `/v1/products/*`. Segments are literal, `*` (exactly one
+/// non-empty segment) or `**` (any number of segments, including none).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathGlob {
+    source: String,
+    segments: Vec<Segment>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Segment {
+    Literal(String),
+    One,
+    Any,
+}
+
+impl PathGlob {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let Some(rest) = s.strip_prefix('/') else {
+            return Err(format!("invalid path glob {s:?}: it must start with '/'"));
+        };
+        if s.contains(['?', '#']) {
+            return Err(format!(
+                "invalid path glob {s:?}: globs match the path only, without query or fragment"
+            ));
+        }
+        let mut segments = Vec::new();
+        for seg in rest.split('/') {
+            let parsed = match seg {
+                "**" => Segment::Any,
+                "*" => Segment::One,
+                s if s.contains('*') => {
+                    return Err(format!(
+                        "invalid path glob {:?}: '*' and '**' must stand for a whole segment \
+                         (\"/v1/*/items\", \"/v1/**\"), found {s:?}",
+                        rest
+                    ));
+                }
+                lit => Segment::Literal(lit.to_string()),
+            };
+            // Two `**` in a row mean the same as one; keep matching linear.
+            if parsed == Segment::Any && segments.last() == Some(&Segment::Any) {
+                continue;
+            }
+            segments.push(parsed);
+        }
+        Ok(PathGlob {
+            source: s.to_string(),
+            segments,
+        })
+    }
+
+    /// Matches a request path (no query). Backtracks only over `**`, so the cost is
+    /// O(segments × pattern) in the worst case and patterns are short.
+    pub fn matches(&self, path: &str) -> bool {
+        let path = path.strip_prefix('/').unwrap_or(path);
+        let parts: Vec<&str> = path.split('/').collect();
+        match_segments(&self.segments, &parts)
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.source
+    }
+}
+
+fn match_segments(pat: &[Segment], parts: &[&str]) -> bool {
+    match pat.split_first() {
+        None => parts.is_empty() || parts == [""],
+        Some((Segment::Any, rest)) => {
+            if rest.is_empty() {
+                return true;
+            }
+            (0..=parts.len()).any(|skip| match_segments(rest, &parts[skip..]))
+        }
+        Some((seg, rest)) => match parts.split_first() {
+            None => false,
+            Some((part, more)) => {
+                let ok = match seg {
+                    Segment::One => !part.is_empty(),
+                    Segment::Literal(l) => l == part,
+                    Segment::Any => unreachable!("handled above"),
+                };
+                ok && match_segments(rest, more)
+            }
+        },
+    }
+}
+
+macro_rules! string_backed {
+    ($t:ty) => {
+        impl<'de> Deserialize<'de> for $t {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let s = String::deserialize(d)?;
+                <$t>::parse(&s).map_err(de::Error::custom)
+            }
+        }
+        impl Serialize for $t {
+            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+    };
+}
+
+impl fmt::Display for PathGlob {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.source)
+    }
+}
+
+string_backed!(HostPattern);
+string_backed!(PathGlob);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn glob(s: &str) -> PathGlob {
+        PathGlob::parse(s).unwrap()
+    }
+
+    #[test]
+    fn globs_match_segments() {
+        let g = glob("/v1/orders/**");
+        assert!(g.matches("/v1/orders"));
+        assert!(g.matches("/v1/orders/"));
+        assert!(g.matches("/v1/orders/123/items"));
+        assert!(!g.matches("/v1/ordersx"));
+        assert!(!g.matches("/v1/other/orders"));
+
+        let g = glob("/v1/products/*");
+        assert!(g.matches("/v1/products/42"));
+        assert!(!g.matches("/v1/products/"));
+        assert!(!g.matches("/v1/products"));
+        assert!(!g.matches("/v1/products/42/reviews"));
+
+        let g = glob("/**/items/*");
+        assert!(g.matches("/items/1"));
+        assert!(g.matches("/a/b/items/1"));
+        assert!(!g.matches("/a/b/items"));
+
+        assert!(glob("/").matches("/"));
+        assert!(!glob("/").matches("/a"));
+        assert!(glob("/a/*/c").matches("/a/b/c"));
+    }
+
+    #[test]
+    fn bad_globs_rejected() {
+        assert!(PathGlob::parse("v1/orders").is_err());
+        assert!(PathGlob::parse("/v1/ord*").is_err());
+        assert!(PathGlob::parse("/v1/***").is_err());
+        assert!(PathGlob::parse("/v1?x=1").is_err());
+    }
+
+    #[test]
+    fn hosts() {
+        let p = HostPattern::parse("*.Example.com").unwrap();
+        assert!(p.matches("a.example.com", 443));
+        assert!(p.matches("a.b.example.com", 80));
+        assert!(!p.matches("example.com", 80));
+        assert!(!p.matches("badexample.com", 80));
+
+        let p = HostPattern::parse("api.example.com:8443").unwrap();
+        assert!(p.matches("api.example.com", 8443));
+        assert!(!p.matches("api.example.com", 443));
+        assert_eq!(p.to_string(), "api.example.com:8443");
+
+        let p = HostPattern::parse("[::1]:8080").unwrap();
+        assert!(p.matches("::1", 8080));
+        assert_eq!(p.to_string(), "[::1]:8080");
+
+        for bad in [
+            "",
+            "a*.example.com",
+            "*.",
+            "api.example.com:0",
+            "a..b",
+            "x:y",
+            "*.1.2.3.4x:",
+        ] {
+            assert!(
+                HostPattern::parse(bad).is_err(),
+                "{bad:?} should be rejected"
+            );
+        }
+    }
+}

@@ -1,0 +1,343 @@
+//! The config file exactly as written (`*Spec`): serde structs that reject unknown keys.
+//! Everything optional here is resolved against `[defaults]` in `config::build`.
+
+use std::num::{NonZeroU32, NonZeroU64};
+
+use serde::{Deserialize, Serialize, de};
+use toml::Spanned;
+
+use super::pattern::{HostPattern, PathGlob};
+use super::units::{Bytes, Dur, PosDur};
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigSpec {
+    #[serde(default)]
+    pub proxy: ProxySpec,
+    #[serde(default)]
+    pub defaults: PolicySpec,
+    #[serde(default)]
+    pub upstream: Vec<UpstreamSpec>,
+    pub tls: Option<TlsSpec>,
+    pub cluster: Option<Spanned<ClusterSpec>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProxySpec {
+    pub listen: Option<Spanned<String>>,
+    pub admin: Option<Spanned<String>>,
+    pub unmatched: Option<Unmatched>,
+    pub max_replay_body: Option<Bytes>,
+    pub drain_timeout: Option<Dur>,
+    pub shutdown_delay: Option<Dur>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Unmatched {
+    #[default]
+    Pass,
+    Deny,
+}
+
+/// The policy keys that `[defaults]`, `[[upstream]]` and `[[upstream.family]]` share.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicySpec {
+    pub max_queue: Option<NonZeroU32>,
+    pub max_wait: Option<Dur>,
+    pub attempt_timeout: Option<PosDur>,
+    pub total_timeout: Option<PosDur>,
+    pub retry: Option<RetrySpec>,
+    pub breaker: Option<BreakerSpec>,
+}
+
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetrySpec {
+    pub max_attempts: Option<NonZeroU32>,
+    pub backoff: Option<Spanned<BackoffSpec>>,
+    pub on: Option<Vec<RetryOn>>,
+    pub max_retry_after: Option<Dur>,
+    pub idempotency_header: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackoffSpec {
+    pub base: Option<PosDur>,
+    pub max: Option<PosDur>,
+    pub jitter: Option<Jitter>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Jitter {
+    Full,
+    Equal,
+    Decorrelated,
+    None,
+}
+
+/// One entry of `retry.on`: a status code or a transport failure class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryOn {
+    Status(u16),
+    Connect,
+    Reset,
+    Timeout,
+}
+
+impl<'de> Deserialize<'de> for RetryOn {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl de::Visitor<'_> for V {
+            type Value = RetryOn;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a status code (100-599) or one of \"connect\", \"reset\", \"timeout\"")
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<RetryOn, E> {
+                match u16::try_from(v) {
+                    Ok(s @ 100..=599) => Ok(RetryOn::Status(s)),
+                    _ => Err(E::custom(format!(
+                        "{v} is not an HTTP status code (100-599)"
+                    ))),
+                }
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<RetryOn, E> {
+                match v {
+                    "connect" => Ok(RetryOn::Connect),
+                    "reset" => Ok(RetryOn::Reset),
+                    "timeout" => Ok(RetryOn::Timeout),
+                    _ => Err(E::invalid_value(de::Unexpected::Str(v), &self)),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl Serialize for RetryOn {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            RetryOn::Status(c) => s.serialize_u16(*c),
+            RetryOn::Connect => s.serialize_str("connect"),
+            RetryOn::Reset => s.serialize_str("reset"),
+            RetryOn::Timeout => s.serialize_str("timeout"),
+        }
+    }
+}
+
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BreakerSpec {
+    pub failure_ratio: Option<Spanned<f64>>,
+    pub min_requests: Option<NonZeroU32>,
+    pub window: Option<PosDur>,
+    pub open_for: Option<PosDur>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamSpec {
+    pub name: Spanned<String>,
+    pub hosts: Spanned<Vec<Spanned<HostPattern>>>,
+    pub key: Option<Spanned<String>>,
+    #[serde(default)]
+    pub tls: TlsMode,
+    #[serde(default)]
+    pub scheme: Scheme,
+    pub upstream_ca: Option<String>,
+    #[serde(default)]
+    pub limits: Vec<LimitSpec>,
+    #[serde(default)]
+    pub family: Vec<FamilySpec>,
+    #[serde(default)]
+    pub classify: Vec<Spanned<ClassifySpec>>,
+    pub idempotency_generate: Option<bool>,
+    pub cooldown: Option<CooldownScope>,
+    // Policy overrides; listed one by one because serde cannot flatten with
+    // `deny_unknown_fields`.
+    pub max_queue: Option<NonZeroU32>,
+    pub max_wait: Option<Dur>,
+    pub attempt_timeout: Option<PosDur>,
+    pub total_timeout: Option<PosDur>,
+    pub retry: Option<RetrySpec>,
+    pub breaker: Option<BreakerSpec>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FamilySpec {
+    pub name: Spanned<String>,
+    pub methods: Option<Vec<Spanned<String>>>,
+    pub paths: Option<Vec<PathGlob>>,
+    #[serde(default)]
+    pub priority: Priority,
+    #[serde(default)]
+    pub limits: Vec<LimitSpec>,
+    pub max_queue: Option<NonZeroU32>,
+    pub max_wait: Option<Dur>,
+    pub attempt_timeout: Option<PosDur>,
+    pub total_timeout: Option<PosDur>,
+    pub retry: Option<RetrySpec>,
+    pub breaker: Option<BreakerSpec>,
+}
+
+impl UpstreamSpec {
+    pub fn policy(&self) -> PolicySpec {
+        PolicySpec {
+            max_queue: self.max_queue,
+            max_wait: self.max_wait,
+            attempt_timeout: self.attempt_timeout,
+            total_timeout: self.total_timeout,
+            retry: self.retry.clone(),
+            breaker: self.breaker.clone(),
+        }
+    }
+}
+
+impl FamilySpec {
+    pub fn policy(&self) -> PolicySpec {
+        PolicySpec {
+            max_queue: self.max_queue,
+            max_wait: self.max_wait,
+            attempt_timeout: self.attempt_timeout,
+            total_timeout: self.total_timeout,
+            retry: self.retry.clone(),
+            breaker: self.breaker.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TlsMode {
+    #[default]
+    Tunnel,
+    Intercept,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scheme {
+    #[default]
+    Http,
+    Https,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Priority {
+    High,
+    #[default]
+    Normal,
+    Low,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CooldownScope {
+    #[default]
+    Family,
+    Upstream,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scope {
+    #[default]
+    Local,
+    Global,
+}
+
+/// One limit, tagged by `kind`. Counts are non-zero by type, so `permits = 0` is refused
+/// where it is written.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum LimitSpec {
+    TokenBucket {
+        rate: NonZeroU32,
+        #[serde(with = "pos_dur_serde")]
+        per: std::time::Duration,
+        burst: NonZeroU32,
+        #[serde(default)]
+        scope: Scope,
+    },
+    SlidingWindow {
+        permits: NonZeroU32,
+        #[serde(with = "pos_dur_serde")]
+        window: std::time::Duration,
+        #[serde(default)]
+        scope: Scope,
+    },
+    FixedWindow {
+        permits: NonZeroU32,
+        #[serde(with = "pos_dur_serde")]
+        window: std::time::Duration,
+        #[serde(default)]
+        scope: Scope,
+    },
+    Concurrency {
+        max: NonZeroU32,
+        #[serde(default)]
+        scope: Scope,
+    },
+}
+
+mod pos_dur_serde {
+    use super::super::units::{PosDur, ser_duration};
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        PosDur::deserialize(d).map(|p| p.0)
+    }
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        ser_duration(d, s)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    Retry,
+    Cooldown,
+    Fail,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassifySpec {
+    pub status: Option<u16>,
+    pub json: Option<String>,
+    pub equals: Option<Vec<String>>,
+    pub body_contains: Option<String>,
+    pub action: Action,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsSpec {
+    pub ca_cert: Option<String>,
+    pub ca_key: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSpec {
+    pub redis: String,
+    #[serde(default)]
+    pub on_redis_error: OnRedisError,
+    pub replicas: Option<NonZeroU64>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnRedisError {
+    #[default]
+    Local,
+    Allow,
+    Deny,
+}

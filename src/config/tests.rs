@@ -1,0 +1,216 @@
+use std::time::Duration;
+
+use super::*;
+
+fn err(text: &str) -> String {
+    match Config::parse(text, "s.toml") {
+        Ok(_) => panic!("expected an error for:\n{text}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn product_example_parses() {
+    let text = include_str!("../../tests/fixtures/product-example.toml");
+    let c = Config::parse(text, "product-example.toml").unwrap();
+    assert_eq!(c.proxy.listen.to_string(), "127.0.0.1:3128");
+    assert_eq!(c.proxy.max_replay_body, 1 << 20);
+    assert_eq!(c.proxy.drain_timeout, Duration::from_secs(25));
+    let m = &c.upstreams[0];
+    assert_eq!(m.name, "marketplace");
+    assert_eq!(m.tls, TlsMode::Intercept);
+    assert_eq!(m.families.len(), 2);
+    assert_eq!(m.families[0].priority, Priority::High);
+    assert_eq!(m.families[1].limits.len(), 2);
+    assert_eq!(m.classify[0].action, Action::Fail);
+    assert_eq!(m.policy.retry.backoff.max, Duration::from_secs(30));
+    assert_eq!(c.cluster.as_ref().unwrap().replicas, Some(3));
+}
+
+#[test]
+fn defaults_inherit_and_override_per_level() {
+    let c = Config::parse(
+        r#"
+[defaults]
+max_wait = "5s"
+[defaults.retry]
+max_attempts = 3
+backoff = { base = "100ms", max = "2s" }
+
+[[upstream]]
+name = "a"
+hosts = ["a.example"]
+max_wait = "1s"
+retry = { backoff = { jitter = "none" } }
+  [[upstream.family]]
+  name = "f"
+  max_queue = 5
+  retry = { max_attempts = 1 }
+  breaker = { open_for = "1m" }
+"#,
+        "s.toml",
+    )
+    .unwrap();
+    assert_eq!(c.defaults.max_wait, Duration::from_secs(5));
+    let u = &c.upstreams[0];
+    assert_eq!(u.policy.max_wait, Duration::from_secs(1));
+    assert_eq!(u.policy.retry.max_attempts, 3);
+    assert_eq!(u.policy.retry.backoff.base, Duration::from_millis(100));
+    assert_eq!(u.policy.retry.backoff.jitter, Jitter::None);
+    assert!(!u.families.is_empty());
+    let f = &u.families[0];
+    assert_eq!(f.policy.max_queue, 5);
+    assert_eq!(f.policy.max_wait, Duration::from_secs(1));
+    assert_eq!(f.policy.retry.max_attempts, 1);
+    assert_eq!(f.policy.retry.backoff.jitter, Jitter::None);
+    assert_eq!(f.policy.breaker.open_for, Duration::from_secs(60));
+    assert_eq!(f.policy.breaker.min_requests, 20);
+    assert!(f.own_breaker);
+}
+
+#[test]
+fn empty_file_gives_builtin_defaults() {
+    let c = Config::parse("", "empty.toml").unwrap();
+    assert_eq!(c.proxy.admin.to_string(), "127.0.0.1:9901");
+    assert_eq!(c.proxy.unmatched, Unmatched::Pass);
+    assert_eq!(c.defaults.max_queue, 1000);
+    assert!(c.upstreams.is_empty());
+}
+
+#[test]
+fn errors_name_line_and_column() {
+    assert!(err("[proxy]\nlisten = \"127.0.0.1:3128\"\nlisen = 1\n").starts_with("s.toml:3:1: "));
+    let e = err("[proxy]\nunmatched = \"maybe\"\n");
+    assert!(e.starts_with("s.toml:2:13: "), "{e}");
+    assert!(e.contains("unknown variant"), "{e}");
+    let e = err("[proxy]\ndrain_timeout = \"soon\"\n");
+    assert!(
+        e.starts_with("s.toml:2:17: ") && e.contains("invalid duration"),
+        "{e}"
+    );
+    let e = err("[proxy]\nmax_replay_body = \"1 lightyear\"\n");
+    assert!(e.contains("unknown size unit"), "{e}");
+    let e = err("[proxy]\nlisten = \"localhost\"\n");
+    assert!(
+        e.starts_with("s.toml:2:10: ") && e.contains("socket address"),
+        "{e}"
+    );
+    let e = err("[proxy\n");
+    assert!(e.starts_with("s.toml:1:"), "{e}");
+}
+
+#[test]
+fn every_rule_is_checked() {
+    let up = |body: &str| format!("[[upstream]]\nname = \"a\"\nhosts = [\"a.example\"]\n{body}");
+    let cases: &[(String, &str)] = &[
+        (
+            up("limits = [{ kind = \"sliding_window\", permits = 0, window = \"1s\" }]"),
+            "nonzero",
+        ),
+        (
+            up("limits = [{ kind = \"sliding_window\", permits = 3, window = \"0s\" }]"),
+            "greater than zero",
+        ),
+        (
+            up("limits = [{ kind = \"leaky\", permits = 3 }]"),
+            "unknown variant",
+        ),
+        (
+            up("limits = [{ kind = \"concurrency\", max = 3, extra = 1 }]"),
+            "unknown field",
+        ),
+        (
+            up("limits = [{ kind = \"token_bucket\", rate = 3, per = \"1s\" }]"),
+            "burst",
+        ),
+        (
+            up("[[upstream.family]]\nname = \"f\"\npaths = [\"/v1/ord*\"]"),
+            "whole segment",
+        ),
+        (
+            up("[[upstream.family]]\nname = \"f\"\npaths = [\"v1\"]"),
+            "start with '/'",
+        ),
+        (
+            up("[[upstream.family]]\nname = \"f\"\nmethods = [\"G ET\"]"),
+            "not an HTTP method",
+        ),
+        (
+            up("[[upstream.family]]\nname = \"f\"\n[[upstream.family]]\nname = \"f\""),
+            "duplicate family",
+        ),
+        (
+            up("") + "[[upstream]]\nname = \"a\"\nhosts = [\"b.example\"]\n",
+            "duplicate upstream",
+        ),
+        (
+            up("") + "[[upstream]]\nname = \"b\"\nhosts = [\"A.example\"]\n",
+            "already claimed",
+        ),
+        (up("key = \"cookie:x\""), "header:NAME"),
+        (
+            up("retry = { backoff = { base = \"2s\", max = \"1s\" } }"),
+            "longer than its max",
+        ),
+        (up("retry = { on = [200, 999] }"), "not an HTTP status"),
+        (up("retry = { on = [\"sometimes\"] }"), "invalid value"),
+        (up("breaker = { failure_ratio = 1.5 }"), "failure_ratio"),
+        (up("max_queue = 0"), "nonzero"),
+        (
+            up("[[upstream.classify]]\nstatus = 429\njson = \"/e\"\naction = \"fail\""),
+            "equals",
+        ),
+        (
+            up("[[upstream.classify]]\naction = \"fail\""),
+            "matches nothing",
+        ),
+        (
+            "[[upstream]]\nname = \"a b\"\nhosts = [\"a.example\"]\n".to_string(),
+            "must be 1-64",
+        ),
+        (
+            "[[upstream]]\nname = \"unmatched\"\nhosts = [\"a.example\"]\n".to_string(),
+            "reserved",
+        ),
+        (
+            "[[upstream]]\nname = \"a\"\nhosts = []\n".to_string(),
+            "at least one host",
+        ),
+        (
+            "[[upstream]]\nname = \"a\"\nhosts = [\"a.*.example\"]\n".to_string(),
+            "invalid host pattern",
+        ),
+        ("[cluster]\nredis = \"http://x\"\n".to_string(), "redis://"),
+    ];
+    for (text, needle) in cases {
+        let e = err(text);
+        assert!(
+            e.contains(needle),
+            "error {e:?} should mention {needle:?}\n---\n{text}"
+        );
+        assert!(e.starts_with("s.toml:"), "{e}");
+    }
+}
+
+#[test]
+fn position_points_at_the_offending_value() {
+    let text = "[[upstream]]\nname = \"a\"\nhosts = [\"a.example\"]\n[[upstream]]\nname = \"a\"\nhosts = [\"b.example\"]\n";
+    assert!(
+        err(text).starts_with("s.toml:5:8: duplicate upstream name"),
+        "{}",
+        err(text)
+    );
+}
+
+#[test]
+fn redis_password_is_redacted() {
+    let c = Config::parse(
+        "[cluster]\nredis = \"redis://app:s3cret@10.0.0.1:6379/0\"\n",
+        "s.toml",
+    )
+    .unwrap();
+    let json = c.to_redacted_json().to_string();
+    assert!(!json.contains("s3cret"), "{json}");
+    assert!(json.contains("redis://app:***@10.0.0.1:6379/0"), "{json}");
+    assert_eq!(redact_url("redis://127.0.0.1/0"), "redis://127.0.0.1/0");
+}

@@ -1,0 +1,315 @@
+//! `sluice explain`: what a request would get — upstream, family, partition, limits and
+//! policies — computed by the same routing code the proxy uses.
+
+use std::fmt::{self, Write};
+
+use http::{HeaderMap, Method, Uri};
+
+use crate::config::units::fmt_duration;
+use crate::config::{Config, Jitter, Limit, Policy, Priority, RetryOn, TlsMode, Unmatched};
+use crate::route::normalize_host;
+
+impl fmt::Display for Limit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (text, scope) = match self {
+            Limit::TokenBucket {
+                rate,
+                per,
+                burst,
+                scope,
+            } => (
+                format!(
+                    "token_bucket {rate} per {} (burst {burst})",
+                    fmt_duration(*per)
+                ),
+                scope,
+            ),
+            Limit::SlidingWindow {
+                permits,
+                window,
+                scope,
+            } => (
+                format!("sliding_window {permits} per {}", fmt_duration(*window)),
+                scope,
+            ),
+            Limit::FixedWindow {
+                permits,
+                window,
+                scope,
+            } => (
+                format!("fixed_window {permits} per {}", fmt_duration(*window)),
+                scope,
+            ),
+            Limit::Concurrency { max, scope } => (format!("concurrency {max} in flight"), scope),
+        };
+        f.write_str(&text)?;
+        if *scope == crate::config::Scope::Global {
+            f.write_str(" (global)")?;
+        }
+        Ok(())
+    }
+}
+
+/// Methods RFC 9110 calls idempotent; POST and PATCH only with an idempotency key.
+pub fn is_idempotent(method: &Method) -> bool {
+    matches!(
+        method.as_str(),
+        "GET" | "HEAD" | "OPTIONS" | "TRACE" | "PUT" | "DELETE"
+    )
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExplainError {
+    #[error("URL must be absolute (http://host/path or https://host/path)")]
+    NotAbsolute,
+    #[error("unsupported scheme {0:?}")]
+    Scheme(String),
+}
+
+pub fn explain(
+    config: &Config,
+    method: &Method,
+    url: &Uri,
+    headers: &HeaderMap,
+) -> Result<String, ExplainError> {
+    let (scheme, host) = match (url.scheme_str(), url.host()) {
+        (Some(s), Some(h)) => (s, normalize_host(h)),
+        _ => return Err(ExplainError::NotAbsolute),
+    };
+    let port = match (scheme, url.port_u16()) {
+        (_, Some(p)) => p,
+        ("http", None) => 80,
+        ("https", None) => 443,
+        (other, None) => return Err(ExplainError::Scheme(other.to_string())),
+    };
+    let path = url.path();
+    let mut out = String::new();
+    let line = |out: &mut String, k: &str, v: &str| {
+        let _ = writeln!(out, "{k:<11} {v}");
+    };
+    line(&mut out, "request", &format!("{method} {url}"));
+
+    let Some(upstream_idx) = config.router.upstream(&host, port) else {
+        let what = match config.proxy.unmatched {
+            Unmatched::Pass => "none: unmatched = \"pass\", forwarded without limits",
+            Unmatched::Deny => "none: unmatched = \"deny\", refused with 403 sluice_denied",
+        };
+        line(&mut out, "upstream", what);
+        return Ok(out);
+    };
+    let u = &config.upstreams[upstream_idx];
+    let pattern = u
+        .hosts
+        .iter()
+        .find(|p| p.matches(&host, port))
+        .map(|p| p.to_string());
+    line(
+        &mut out,
+        "upstream",
+        &format!("{} (host pattern {})", u.name, pattern.unwrap_or_default()),
+    );
+
+    // A blind tunnel carries no method or path: only upstream-level limits could apply.
+    let tunnelled = scheme == "https" && u.tls == TlsMode::Tunnel;
+    let route_method = if tunnelled {
+        Method::CONNECT
+    } else {
+        method.clone()
+    };
+    let route = config
+        .route(
+            &host,
+            port,
+            &route_method,
+            if tunnelled { "" } else { path },
+            headers,
+        )
+        .ok_or(ExplainError::NotAbsolute)?;
+    let family = route.family.map(|f| &u.families[f]);
+    match family {
+        Some(f) => {
+            let priority = match f.priority {
+                Priority::High => "high",
+                Priority::Normal => "normal",
+                Priority::Low => "low",
+            };
+            line(
+                &mut out,
+                "family",
+                &format!(
+                    "{} (first match in file order, priority {priority})",
+                    f.name
+                ),
+            )
+        }
+        None if tunnelled => line(
+            &mut out,
+            "family",
+            "- (https through a blind CONNECT tunnel: method and path are not visible)",
+        ),
+        None => line(
+            &mut out,
+            "family",
+            "- (no family matches; only the upstream's limits apply)",
+        ),
+    }
+    match (&u.key, route.partition) {
+        (None, _) => line(
+            &mut out,
+            "partition",
+            "- (no key configured: one set of buckets)",
+        ),
+        (Some(k), Some(p)) => line(
+            &mut out,
+            "partition",
+            &format!("{p} (from {k}; the value is never shown)"),
+        ),
+        (Some(k), None) => line(
+            &mut out,
+            "partition",
+            &format!("- ({k} absent: the unkeyed partition)"),
+        ),
+    }
+
+    let mut limits: Vec<String> = u
+        .limits
+        .iter()
+        .map(|l| format!("{l}  [upstream]"))
+        .collect();
+    if let Some(f) = family {
+        limits.extend(f.limits.iter().map(|l| format!("{l}  [family {}]", f.name)));
+    }
+    if limits.is_empty() {
+        limits.push("none".into());
+    }
+    for (i, l) in limits.iter().enumerate() {
+        line(&mut out, if i == 0 { "limits" } else { "" }, l);
+    }
+
+    let policy: &Policy = family.map_or(&u.policy, |f| &f.policy);
+    line(
+        &mut out,
+        "queue",
+        &format!(
+            "max_queue {}, max_wait {}",
+            policy.max_queue,
+            fmt_duration(policy.max_wait)
+        ),
+    );
+    line(
+        &mut out,
+        "timeouts",
+        &format!(
+            "attempt {}, total {}",
+            fmt_duration(policy.attempt_timeout),
+            fmt_duration(policy.total_timeout)
+        ),
+    );
+    let r = &policy.retry;
+    let key_name = &r.idempotency_header;
+    let retryable = is_idempotent(method) || headers.contains_key(key_name);
+    let retry = if tunnelled {
+        "no: inside a blind tunnel".to_string()
+    } else if !retryable && u.idempotency_generate && *method == Method::POST {
+        format!("yes: {key_name} is generated for this POST (idempotency_generate = true)")
+    } else if !retryable {
+        format!("no: {method} without {key_name} may have succeeded; it is sent once")
+    } else if r.max_attempts <= 1 {
+        "no: max_attempts = 1".to_string()
+    } else {
+        let on: Vec<String> =
+            r.on.iter()
+                .map(|o| match o {
+                    RetryOn::Status(s) => s.to_string(),
+                    RetryOn::Connect => "connect".into(),
+                    RetryOn::Reset => "reset".into(),
+                    RetryOn::Timeout => "timeout".into(),
+                })
+                .collect();
+        let jitter = match r.backoff.jitter {
+            Jitter::Full => "full",
+            Jitter::Equal => "equal",
+            Jitter::Decorrelated => "decorrelated",
+            Jitter::None => "no",
+        };
+        format!(
+            "yes: up to {} attempts on {}; backoff {}..{} with {jitter} jitter; Retry-After waited up to {}",
+            r.max_attempts,
+            on.join(" "),
+            fmt_duration(r.backoff.base),
+            fmt_duration(r.backoff.max),
+            fmt_duration(r.max_retry_after),
+        )
+    };
+    line(&mut out, "retry", &retry);
+    let b = &policy.breaker;
+    let scope = match family {
+        Some(f) if f.own_breaker => format!("family {}", f.name),
+        _ => format!("upstream {}", u.name),
+    };
+    line(
+        &mut out,
+        "breaker",
+        &format!(
+            "{scope}: opens at {}% failures of >= {} attempts in {}, stays open {}",
+            b.failure_ratio * 100.0,
+            b.min_requests,
+            fmt_duration(b.window),
+            fmt_duration(b.open_for)
+        ),
+    );
+    if scheme == "https" {
+        let tls = match u.tls {
+            TlsMode::Tunnel => {
+                "tunnel (CONNECT carried blind; family limits, retries and breaker cannot apply)"
+            }
+            TlsMode::Intercept => {
+                "intercept (requests inside the tunnel go through the full pipeline)"
+            }
+        };
+        line(&mut out, "tls", tls);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn explains_the_product_example() {
+        let c = Config::parse(
+            include_str!("../tests/fixtures/product-example.toml"),
+            "p.toml",
+        )
+        .unwrap();
+        let mut h = HeaderMap::new();
+        h.insert("authorization", "Bearer sk_live_123".parse().unwrap());
+        let url: Uri = "http://api.marketplace.example/v1/orders/9"
+            .parse()
+            .unwrap();
+        let out = explain(&c, &Method::POST, &url, &h).unwrap();
+        assert!(out.contains("upstream    marketplace"), "{out}");
+        assert!(out.contains("family      orders"), "{out}");
+        assert!(out.contains("fixed_window 300 per 1m  [upstream]"), "{out}");
+        assert!(
+            out.contains("sliding_window 12 per 1s  [family orders]"),
+            "{out}"
+        );
+        assert!(out.contains("no: POST without idempotency-key"), "{out}");
+        assert!(!out.contains("sk_live_123"), "{out}");
+
+        h.insert("idempotency-key", "k1".parse().unwrap());
+        let out = explain(&c, &Method::POST, &url, &h).unwrap();
+        assert!(out.contains("retry       yes: up to 4 attempts"), "{out}");
+
+        let out = explain(
+            &c,
+            &Method::GET,
+            &"http://elsewhere.example/".parse().unwrap(),
+            &h,
+        )
+        .unwrap();
+        assert!(out.contains("unmatched = \"pass\""), "{out}");
+    }
+}

@@ -1,0 +1,37 @@
+//! sluice: an HTTP forward-proxy sidecar that keeps a service inside the rate limits of
+//! the external APIs it calls.
+//!
+//! Module map, in the order a request meets them:
+//!
+//! - [`proxy::server`]: accept loop, per-connection HTTP/1.1, graceful drain.
+//! - [`proxy::forward`] / [`proxy::connect`]: absolute-form requests and CONNECT tunnels;
+//!   hop-by-hop handling; egress checks ([`egress`]).
+//! - [`route`]: host → upstream, method + path → family, key header → partition.
+//! - [`proxy::pipeline`]: the single function through which every request reaches an
+//!   upstream. Policies nest in this order, outermost first:
+//!
+//! ```text
+//! total timeout                 ends in 504 total_timeout
+//! └─ retry loop                 only safe requests; backoff / Retry-After; budget
+//!    └─ circuit breaker         open: fail fast, no permit spent
+//!       └─ limiter              wait FIFO until every limit admits; cool-down pauses
+//!          └─ attempt timeout
+//!             └─ upstream call  pooled client, hop-by-hop stripped
+//! ```
+//!
+//! - [`config`]: the TOML file, validated into an immutable [`config::Config`].
+//! - [`admin`] and [`metrics`]: the operator's side.
+//! - [`app::App`]: wires the parts together; no globals, tests build their own.
+
+pub mod admin;
+pub mod app;
+pub mod config;
+pub mod egress;
+pub mod explain;
+pub mod metrics;
+pub mod proxy;
+pub mod route;
+
+pub use app::App;
+pub use config::Config;
+pub use proxy::server::Server;

@@ -1,0 +1,168 @@
+//! The `sluice` binary: command line, logging, and the process around the library.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
+
+use sluice::{App, Config, Server};
+
+#[derive(Parser)]
+#[command(
+    name = "sluice",
+    version,
+    about = "Rate-limiting forward proxy for the external APIs a service calls"
+)]
+struct Cli {
+    /// Log line format on stderr; RUST_LOG filters (default "info").
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(clap::Args)]
+struct ConfigArg {
+    /// Config file.
+    #[arg(
+        short = 'c',
+        long = "config",
+        env = "SLUICE_CONFIG",
+        default_value = "sluice.toml"
+    )]
+    config: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the proxy.
+    Run(ConfigArg),
+    /// Validate a config file: exit 0 when valid, 1 with file:line:col: message otherwise.
+    Check(ConfigArg),
+    /// Show the upstream, family, partition, limits and policies a request would get.
+    Explain {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// HTTP method, e.g. GET.
+        method: String,
+        /// Absolute URL, e.g. http://api.example.com/v1/orders.
+        url: String,
+        /// Request header 'Name: value' (repeatable); key headers pick the partition.
+        #[arg(short = 'H', long = "header")]
+        headers: Vec<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let result = match cli.command {
+        Command::Run(c) => run(&c.config),
+        Command::Check(c) => check(&c.config),
+        Command::Explain {
+            config,
+            method,
+            url,
+            headers,
+        } => explain(&config.config, &method, &url, &headers),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+fn check(path: &Path) -> anyhow::Result<()> {
+    let config = Config::load(path)?;
+    println!(
+        "{}: ok ({} upstreams, {} families)",
+        path.display(),
+        config.upstreams.len(),
+        config
+            .upstreams
+            .iter()
+            .map(|u| u.families.len())
+            .sum::<usize>()
+    );
+    Ok(())
+}
+
+fn explain(path: &Path, method: &str, url: &str, headers: &[String]) -> anyhow::Result<()> {
+    let config = Config::load(path)?;
+    let method =
+        Method::from_bytes(method.to_ascii_uppercase().as_bytes()).context("invalid method")?;
+    let url: Uri = url
+        .parse()
+        .with_context(|| format!("invalid URL {url:?}"))?;
+    let mut map = HeaderMap::new();
+    for h in headers {
+        let (name, value) = h
+            .split_once(':')
+            .with_context(|| format!("header {h:?} is not 'Name: value'"))?;
+        let name = HeaderName::from_bytes(name.trim().as_bytes()).context("invalid header name")?;
+        let value = HeaderValue::from_str(value.trim()).context("invalid header value")?;
+        map.append(name, value);
+    }
+    print!(
+        "{}",
+        sluice::explain::explain(&config, &method, &url, &map)?
+    );
+    Ok(())
+}
+
+fn run(path: &Path) -> anyhow::Result<()> {
+    let config = Config::load(path)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")?;
+    runtime.block_on(async {
+        let app = App::builder(config).build().context("cannot register metrics")?;
+        let server = Server::bind(app).await?;
+        tracing::info!(proxy = %server.proxy_addr(), admin = %server.admin_addr(), config = %path.display(), "listening");
+        server.run(shutdown_signal()).await;
+        Ok(())
+    })
+}
+
+/// Resolves on the first SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (mut term, mut int) = match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(t), Ok(i)) => (t, i),
+        _ => {
+            tracing::error!("cannot install signal handlers; stop with SIGKILL");
+            return std::future::pending().await;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+}

@@ -1,0 +1,65 @@
+//! Prometheus metrics: typed handles registered once on a registry the caller owns.
+//! Names and labels are the contract in PRODUCT.md; label values are bounded (upstream and
+//! family names from the config, status codes, reasons), never hosts, URLs or keys.
+
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+
+#[derive(Clone)]
+pub struct Metrics {
+    pub registry: Registry,
+    /// `{upstream, family, outcome}`: one per request, outcome = final status or `sluice_<reason>`.
+    pub requests: IntCounterVec,
+    /// `{upstream, family, status}`: one per upstream attempt.
+    pub upstream_responses: IntCounterVec,
+    /// `{upstream, family}`: time from sending an attempt to its response headers.
+    pub upstream_duration: HistogramVec,
+}
+
+/// 1 ms to 60 s, roughly ×2.5 per step: resolves fast APIs and long queue waits alike.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+impl Metrics {
+    pub fn new(registry: Registry) -> prometheus::Result<Metrics> {
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "sluice_requests_total",
+                "Requests handled, by final outcome",
+            ),
+            &["upstream", "family", "outcome"],
+        )?;
+        let upstream_responses = IntCounterVec::new(
+            Opts::new(
+                "sluice_upstream_responses_total",
+                "Upstream responses, one per attempt",
+            ),
+            &["upstream", "family", "status"],
+        )?;
+        let upstream_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "sluice_upstream_duration_seconds",
+                "Time from sending an attempt upstream to its response headers",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["upstream", "family"],
+        )?;
+        registry.register(Box::new(requests.clone()))?;
+        registry.register(Box::new(upstream_responses.clone()))?;
+        registry.register(Box::new(upstream_duration.clone()))?;
+        Ok(Metrics {
+            registry,
+            requests,
+            upstream_responses,
+            upstream_duration,
+        })
+    }
+
+    /// Prometheus text exposition of everything registered.
+    pub fn render(&self) -> String {
+        let families = self.registry.gather();
+        prometheus::TextEncoder::new()
+            .encode_to_string(&families)
+            .unwrap_or_else(|e| format!("# encoding failed: {e}\n"))
+    }
+}

@@ -1,0 +1,141 @@
+//! Everything that can stop a request before an upstream answers it, and the single
+//! mapping from those failures to the responses sluice makes itself (PRODUCT.md's table):
+//! status, `sluice-reason`, and a JSON body `{"error": {"code", "message"}}`.
+
+use std::time::Duration;
+
+use http::{HeaderValue, Response, StatusCode, header};
+
+use super::{Body, BoxError, full};
+use crate::config::units::fmt_duration;
+use crate::egress::EgressError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// A request line in origin-form (`GET /path`) sent to the proxy port.
+    #[error(
+        "this is a forward proxy: send the absolute URL in the request line \
+         (GET http://host/path) or set HTTP_PROXY, and use CONNECT for https"
+    )]
+    NotProxyRequest,
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    #[error("the destination host is not configured and unmatched = \"deny\"")]
+    UnmatchedDenied,
+    #[error(transparent)]
+    Egress(EgressError),
+    #[error("upstream unreachable: {0}")]
+    UpstreamUnreachable(#[source] BoxError),
+    #[error("total_timeout of {} ran out", fmt_duration(*.0))]
+    TotalTimeout(Duration),
+}
+
+impl ProxyError {
+    /// The `sluice-reason` value; metrics use `sluice_<reason>` as the outcome.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ProxyError::NotProxyRequest | ProxyError::BadRequest(_) => "bad_request",
+            ProxyError::UnmatchedDenied | ProxyError::Egress(EgressError::Denied { .. }) => {
+                "denied"
+            }
+            ProxyError::Egress(_) | ProxyError::UpstreamUnreachable(_) => "upstream_unreachable",
+            ProxyError::TotalTimeout(_) => "total_timeout",
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self.reason() {
+            "bad_request" => StatusCode::BAD_REQUEST,
+            "denied" => StatusCode::FORBIDDEN,
+            "total_timeout" => StatusCode::GATEWAY_TIMEOUT,
+            _ => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    pub fn outcome(&self) -> String {
+        format!("sluice_{}", self.reason())
+    }
+
+    pub fn to_response(&self) -> Response<Body> {
+        let reason = self.reason();
+        let body = serde_json::json!({
+            "error": { "code": format!("sluice_{reason}"), "message": self.to_string() }
+        });
+        let mut resp = Response::new(full(format!("{body}\n")));
+        *resp.status_mut() = self.status();
+        let h = resp.headers_mut();
+        h.insert("sluice-reason", HeaderValue::from_static(reason));
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        resp
+    }
+}
+
+/// Walks an error's causes to the first one of type `T`.
+pub fn find_cause<'a, T: std::error::Error + 'static>(
+    err: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a T> {
+    let mut cur = Some(err);
+    while let Some(e) = cur {
+        if let Some(t) = e.downcast_ref::<T>() {
+            return Some(t);
+        }
+        cur = e.source();
+    }
+    None
+}
+
+/// The full cause chain on one line, for logs.
+pub fn chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = err.to_string();
+    let mut cur = err.source();
+    while let Some(e) = cur {
+        out.push_str(": ");
+        out.push_str(&e.to_string());
+        cur = e.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    #[tokio::test]
+    async fn local_response_shape() {
+        let resp = ProxyError::UnmatchedDenied.to_response();
+        assert_eq!(resp.status(), StatusCode::FORBIDDEN);
+        assert_eq!(resp.headers()["sluice-reason"], "denied");
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["code"], "sluice_denied");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("unmatched")
+        );
+    }
+
+    #[test]
+    fn statuses() {
+        assert_eq!(
+            ProxyError::NotProxyRequest.status(),
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            ProxyError::TotalTimeout(Duration::from_secs(1)).status(),
+            StatusCode::GATEWAY_TIMEOUT
+        );
+        let denied = ProxyError::Egress(EgressError::Denied {
+            addr: "169.254.169.254".parse().unwrap(),
+        });
+        assert_eq!(denied.status(), StatusCode::FORBIDDEN);
+        let dns = ProxyError::Egress(EgressError::NoAddresses);
+        assert_eq!(dns.status(), StatusCode::BAD_GATEWAY);
+        assert_eq!(dns.outcome(), "sluice_upstream_unreachable");
+    }
+}

@@ -1,0 +1,227 @@
+//! Absolute-form requests (`GET http://host/path HTTP/1.1`): parse the target, route it,
+//! apply the egress rules, rewrite it for the upstream (hop-by-hop fields out, `Host` set
+//! to the target), hand it to the pipeline, and relay the answer with its body streamed.
+
+use std::net::IpAddr;
+
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, Uri, Version};
+use hyper::body::Incoming;
+use tokio::time::Instant;
+
+use super::error::ProxyError;
+use super::headers::{append_via, strip_hop_by_hop};
+use super::{Body, pipeline, stream};
+use crate::app::App;
+use crate::config::{Config, Unmatched};
+use crate::egress::{EgressError, is_denied};
+use crate::route::{Route, normalize_host};
+
+/// Where an absolute-form request is going.
+#[derive(Debug)]
+pub struct Target {
+    /// Normalised for routing: lower-case, no brackets, no trailing dot.
+    pub host: String,
+    pub port: u16,
+    /// What goes into `Host`: the URI's host and explicit port, without any userinfo.
+    pub host_header: String,
+    pub path_and_query: String,
+}
+
+impl Target {
+    pub fn from_uri(uri: &Uri) -> Result<Target, ProxyError> {
+        let scheme = uri.scheme_str().ok_or(ProxyError::NotProxyRequest)?;
+        match scheme {
+            "http" => {}
+            "https" => {
+                return Err(ProxyError::BadRequest(
+                    "https:// URLs go through a CONNECT tunnel (HTTPS_PROXY), not a plain request"
+                        .into(),
+                ));
+            }
+            other => {
+                return Err(ProxyError::BadRequest(format!(
+                    "unsupported scheme {other:?}"
+                )));
+            }
+        }
+        let raw_host = uri
+            .host()
+            .filter(|h| !h.is_empty())
+            .ok_or_else(|| ProxyError::BadRequest("the URL has no host".into()))?;
+        let host_header = match uri.port_u16() {
+            Some(p) => format!("{raw_host}:{p}"),
+            None => raw_host.to_string(),
+        };
+        Ok(Target {
+            host: normalize_host(raw_host),
+            port: uri.port_u16().unwrap_or(80),
+            host_header,
+            path_and_query: uri.path_and_query().map_or("/", |p| p.as_str()).to_string(),
+        })
+    }
+
+    pub fn path(&self) -> &str {
+        self.path_and_query.split('?').next().unwrap_or("/")
+    }
+}
+
+pub async fn forward(app: &App, req: Request<Incoming>) -> Response<Body> {
+    let start = Instant::now();
+    let config = app.config();
+    let method = req.method().clone();
+    let target = match Target::from_uri(req.uri()) {
+        Ok(t) => t,
+        Err(e) => return finish(app, &config, None, &method, "-", "-", start, Err(e)),
+    };
+    let route = config.route(
+        &target.host,
+        target.port,
+        &method,
+        target.path(),
+        req.headers(),
+    );
+    let result = send(app, &config, route.as_ref(), &target, req).await;
+    finish(
+        app,
+        &config,
+        route.as_ref(),
+        &method,
+        &target.host,
+        target.path(),
+        start,
+        result,
+    )
+}
+
+async fn send(
+    app: &App,
+    config: &Config,
+    route: Option<&Route>,
+    target: &Target,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, ProxyError> {
+    if route.is_none() && config.proxy.unmatched == Unmatched::Deny {
+        return Err(ProxyError::UnmatchedDenied);
+    }
+    // Names are checked by the connector's resolver; literals never reach it.
+    if let Ok(ip) = target.host.parse::<IpAddr>()
+        && is_denied(ip)
+    {
+        return Err(ProxyError::Egress(EgressError::Denied { addr: ip }));
+    }
+    let req = to_upstream(req, target)?;
+    let resp = pipeline::run(app, config, route, req).await?;
+    Ok(from_upstream(resp))
+}
+
+fn to_upstream(req: Request<Incoming>, target: &Target) -> Result<Request<Body>, ProxyError> {
+    let (mut parts, body) = req.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    // hyper has already answered `100 Continue` to the client when we started reading the
+    // body; passing the expectation on would make the upstream wait for a second one.
+    parts.headers.remove(header::EXPECT);
+    let host = HeaderValue::from_str(&target.host_header)
+        .map_err(|_| ProxyError::BadRequest("the URL's host is not a valid Host value".into()))?;
+    parts.headers.insert(header::HOST, host);
+    append_via(&mut parts.headers);
+    parts.uri = format!("http://{}{}", target.host_header, target.path_and_query)
+        .parse()
+        .map_err(|_| ProxyError::BadRequest("the URL cannot be forwarded".into()))?;
+    parts.version = Version::HTTP_11;
+    Ok(Request::from_parts(parts, stream(body)))
+}
+
+fn from_upstream(resp: Response<Body>) -> Response<Body> {
+    let (mut parts, body) = resp.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    append_via(&mut parts.headers);
+    Response::from_parts(parts, body)
+}
+
+/// Turns the result into the client's response and records it: one counter increment and
+/// one access-log line per request. The log names the path without its query, where
+/// secrets tend to travel, and never a header value.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn finish(
+    app: &App,
+    config: &Config,
+    route: Option<&Route>,
+    method: &Method,
+    host: &str,
+    path: &str,
+    start: Instant,
+    result: Result<Response<Body>, ProxyError>,
+) -> Response<Body> {
+    let (upstream, family) = config.labels(route);
+    let (resp, outcome) = match result {
+        Ok(resp) => {
+            let status = resp.status();
+            (resp, status.as_str().to_string())
+        }
+        Err(e) => {
+            if matches!(
+                e,
+                ProxyError::UpstreamUnreachable(_) | ProxyError::Egress(_)
+            ) {
+                tracing::warn!(%method, upstream, family, error = %super::error::chain(&e), "upstream request failed");
+            }
+            (e.to_response(), e.outcome())
+        }
+    };
+    app.metrics
+        .requests
+        .with_label_values(&[upstream, family, &outcome])
+        .inc();
+    tracing::info!(
+        target: "sluice::access",
+        %method,
+        host,
+        path,
+        upstream,
+        family,
+        status = resp.status().as_u16(),
+        outcome,
+        duration_ms = start.elapsed().as_secs_f64() * 1000.0,
+    );
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets() {
+        let t = Target::from_uri(
+            &"http://User:pw@API.Example.com:8080/a/b?q=1"
+                .parse()
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(t.host, "api.example.com");
+        assert_eq!(t.port, 8080);
+        assert_eq!(t.host_header, "API.Example.com:8080");
+        assert_eq!(t.path(), "/a/b");
+        assert_eq!(t.path_and_query, "/a/b?q=1");
+
+        let t = Target::from_uri(&"http://[::1]/".parse().unwrap()).unwrap();
+        assert_eq!(
+            (t.host.as_str(), t.port, t.host_header.as_str()),
+            ("::1", 80, "[::1]")
+        );
+
+        assert!(matches!(
+            Target::from_uri(&"/path".parse().unwrap()),
+            Err(ProxyError::NotProxyRequest)
+        ));
+        assert!(matches!(
+            Target::from_uri(&"*".parse().unwrap()),
+            Err(ProxyError::NotProxyRequest)
+        ));
+        assert!(matches!(
+            Target::from_uri(&"https://a.example/".parse().unwrap()),
+            Err(ProxyError::BadRequest(_))
+        ));
+    }
+}

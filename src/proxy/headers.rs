@@ -1,0 +1,69 @@
+//! RFC 9110 §7.6.1: connection-specific ("hop-by-hop") fields belong to one connection and
+//! are never forwarded, in either direction.
+
+use http::HeaderMap;
+use http::header::{self, HeaderName, HeaderValue};
+
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "proxy-connection",
+    "keep-alive",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-authorization",
+    "proxy-authenticate",
+];
+
+/// Removes the fixed hop-by-hop fields and every field that `Connection` names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .collect();
+    for name in &named {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+/// RFC 9110 §7.6.3: a proxy adds itself to `Via` on what it forwards.
+pub fn append_via(headers: &mut HeaderMap) {
+    headers.append(header::VIA, HeaderValue::from_static("1.1 sluice"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_fixed_and_named_fields() {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("connection", "close, X-Session"),
+            ("connection", "x-trace"),
+            ("x-session", "1"),
+            ("x-trace", "2"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-connection", "keep-alive"),
+            ("te", "trailers"),
+            ("trailer", "x-sum"),
+            ("transfer-encoding", "chunked"),
+            ("upgrade", "websocket"),
+            ("proxy-authorization", "Basic eDp5"),
+            ("authorization", "Bearer keep-me"),
+            ("x-other", "keep"),
+        ] {
+            h.append(HeaderName::from_static(k), HeaderValue::from_static(v));
+        }
+        strip_hop_by_hop(&mut h);
+        let left: Vec<_> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left, ["authorization", "x-other"]);
+    }
+}

@@ -1,0 +1,41 @@
+//! The proxy side: listener and connections ([`server`]), the two request kinds
+//! ([`forward`] for absolute-form, [`connect`] for tunnels), the [`pipeline`] every
+//! upstream request goes through, the pooled [`client`], and [`error`], the one place
+//! that turns failures into the responses sluice makes itself.
+
+pub mod client;
+pub mod connect;
+pub mod error;
+pub mod forward;
+pub mod headers;
+pub mod pipeline;
+pub mod server;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use http_body_util::combinators::UnsyncBoxBody;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Bodies in both directions: streamed from the peer, or small and made here.
+pub type Body = UnsyncBoxBody<Bytes, BoxError>;
+
+pub fn full(bytes: impl Into<Bytes>) -> Body {
+    http_body_util::Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
+
+pub fn empty() -> Body {
+    http_body_util::Empty::new()
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
+
+pub fn stream<B>(body: B) -> Body
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    body.map_err(Into::into).boxed_unsync()
+}

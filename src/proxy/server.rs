@@ -1,0 +1,183 @@
+//! The proxy listener: accept loop, one HTTP/1.1 connection task per client (keep-alive,
+//! upgrades for CONNECT), and the shutdown sequence: stop being ready, optionally keep
+//! accepting for `shutdown_delay`, stop accepting, let work finish for `drain_timeout`.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Method, Request, Response};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::{Body, connect, forward};
+use crate::admin;
+use crate::app::App;
+
+/// Request heads larger than this (request line plus headers) are answered 431, close to
+/// Envoy's 60 KiB default.
+pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// More header fields than this are answered 431 too (Envoy's default is 100 as well).
+pub const MAX_HEADERS: usize = 100;
+
+/// What connection and tunnel tasks need to know about shutdown.
+#[derive(Clone)]
+pub(crate) struct Lifecycle {
+    pub tracker: TaskTracker,
+    /// Cancelled when the drain starts: connections finish their current request and close.
+    pub drain: CancellationToken,
+    /// Cancelled when the drain time is up: whatever still runs is cut.
+    pub stop: CancellationToken,
+}
+
+pub struct Server {
+    app: Arc<App>,
+    proxy: TcpListener,
+    admin: TcpListener,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("cannot listen on {addr} ({what}): {source}")]
+pub struct BindError {
+    addr: SocketAddr,
+    what: &'static str,
+    #[source]
+    source: io::Error,
+}
+
+impl Server {
+    /// Binds the proxy and admin listeners named in the config (port 0 picks a free port).
+    pub async fn bind(app: Arc<App>) -> Result<Server, BindError> {
+        let config = app.config();
+        let bind = |addr: SocketAddr, what: &'static str| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| BindError { addr, what, source })
+        };
+        let proxy = bind(config.proxy.listen, "proxy listener").await?;
+        let admin = bind(config.proxy.admin, "admin listener").await?;
+        Ok(Server { app, proxy, admin })
+    }
+
+    pub fn proxy_addr(&self) -> SocketAddr {
+        self.proxy
+            .local_addr()
+            .unwrap_or_else(|_| self.app.config().proxy.listen)
+    }
+
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin
+            .local_addr()
+            .unwrap_or_else(|_| self.app.config().proxy.admin)
+    }
+
+    /// Serves until `shutdown` resolves, then drains and returns.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        let Server { app, proxy, admin } = self;
+        let lc = Lifecycle {
+            tracker: TaskTracker::new(),
+            drain: CancellationToken::new(),
+            stop: CancellationToken::new(),
+        };
+        let admin_task = tokio::spawn(admin::serve(app.clone(), admin, lc.stop.clone()));
+        tracing::info!(
+            listen = %proxy.local_addr().map_or("?".into(), |a| a.to_string()),
+            "sluice is ready"
+        );
+
+        // Boxed so that dropping it below really closes the listener.
+        let mut accept = Box::pin(accept_loop(app.clone(), proxy, lc.clone()));
+        tokio::select! {
+            _ = &mut accept => {}
+            _ = shutdown => {}
+        }
+
+        let config = app.config();
+        app.start_draining();
+        let delay = config.proxy.shutdown_delay;
+        tracing::info!(shutdown_delay = ?delay, drain_timeout = ?config.proxy.drain_timeout, "shutdown: not ready any more");
+        if !delay.is_zero() {
+            let _ = tokio::time::timeout(delay, &mut accept).await;
+        }
+        drop(accept); // new connections are refused from here on
+
+        lc.drain.cancel();
+        lc.tracker.close();
+        if tokio::time::timeout(config.proxy.drain_timeout, lc.tracker.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                remaining = lc.tracker.len(),
+                "drain_timeout ran out; cutting what is left"
+            );
+        }
+        lc.stop.cancel();
+        lc.tracker.wait().await;
+        let _ = admin_task.await;
+        tracing::info!("shutdown complete");
+    }
+}
+
+async fn accept_loop(app: Arc<App>, listener: TcpListener, lc: Lifecycle) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                lc.tracker
+                    .spawn(serve_connection(app.clone(), stream, peer, lc.clone()));
+            }
+            Err(e) => {
+                // Typically EMFILE: back off a little instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+async fn serve_connection(app: Arc<App>, stream: TcpStream, peer: SocketAddr, lc: Lifecycle) {
+    let handler_lc = lc.clone();
+    let svc = service_fn(move |req: Request<Incoming>| {
+        let app = app.clone();
+        let lc = handler_lc.clone();
+        async move { Ok::<_, Infallible>(handle(&app, &lc, req).await) }
+    });
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .max_header_size(MAX_HEAD_BYTES)
+        .max_headers(MAX_HEADERS)
+        .serve_connection(TokioIo::new(stream), svc)
+        .with_upgrades();
+    tokio::pin!(conn);
+    let result = tokio::select! {
+        r = conn.as_mut() => r,
+        _ = lc.drain.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            tokio::select! {
+                r = conn.as_mut() => r,
+                _ = lc.stop.cancelled() => Ok(()),
+            }
+        }
+    };
+    if let Err(e) = result {
+        tracing::debug!(%peer, error = %e, "client connection ended with an error");
+    }
+}
+
+async fn handle(app: &App, lc: &Lifecycle, req: Request<Incoming>) -> Response<Body> {
+    if req.method() == Method::CONNECT {
+        connect::tunnel(app, lc, req).await
+    } else {
+        forward::forward(app, req).await
+    }
+}

@@ -1,0 +1,269 @@
+//! Routing: a request's target (host, port, method, path, headers) → the upstream that
+//! names the host, the first family that matches in file order, and the partition the
+//! request is counted against. Pure lookups; nothing here does I/O.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use http::{HeaderMap, Method};
+use sha2::{Digest, Sha256};
+
+use crate::config::{Config, HostPattern, KeySource, Upstream};
+
+/// Host index built once per config. Exact names win over wildcards, a longer wildcard
+/// suffix wins over a shorter one, and a pattern with a port wins over one without —
+/// the precedence nginx uses for `server_name`, so it surprises nobody.
+#[derive(Debug, Default)]
+pub struct Router {
+    exact: HashMap<String, Vec<(Option<u16>, usize)>>,
+    /// (suffix with leading dot, port, upstream index), longest suffix first.
+    wildcards: Vec<(String, Option<u16>, usize)>,
+}
+
+impl Router {
+    pub fn new(upstreams: &[Upstream]) -> Router {
+        let mut r = Router::default();
+        for (i, u) in upstreams.iter().enumerate() {
+            for HostPattern {
+                host,
+                wildcard,
+                port,
+            } in &u.hosts
+            {
+                if *wildcard {
+                    r.wildcards.push((host.clone(), *port, i));
+                } else {
+                    r.exact.entry(host.clone()).or_default().push((*port, i));
+                }
+            }
+        }
+        for v in r.exact.values_mut() {
+            v.sort_by_key(|(port, _)| port.is_none());
+        }
+        r.wildcards.sort_by(|a, b| {
+            b.0.len()
+                .cmp(&a.0.len())
+                .then(a.1.is_none().cmp(&b.1.is_none()))
+        });
+        r
+    }
+
+    /// Index of the upstream for `host` (already normalised) and `port`.
+    pub fn upstream(&self, host: &str, port: u16) -> Option<usize> {
+        let fits = |p: &Option<u16>| p.is_none_or(|p| p == port);
+        if let Some((_, i)) = self
+            .exact
+            .get(host)
+            .and_then(|c| c.iter().find(|(p, _)| fits(p)))
+        {
+            return Some(*i);
+        }
+        self.wildcards
+            .iter()
+            .find(|(suffix, p, _)| {
+                fits(p) && host.len() > suffix.len() && host.ends_with(suffix.as_str())
+            })
+            .map(|(_, _, i)| *i)
+    }
+}
+
+/// Lower-case, no trailing dot, no IPv6 brackets: the form host patterns are stored in.
+pub fn normalize_host(host: &str) -> String {
+    let h = host.trim_end_matches('.');
+    let h = h
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(h);
+    h.to_ascii_lowercase()
+}
+
+/// The subject a request is counted against: a 128-bit prefix of SHA-256 over the key's
+/// value. Unsalted on purpose so every replica derives the same partition; the value
+/// itself is never kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Partition(pub u128);
+
+impl Partition {
+    pub fn of(value: &[u8]) -> Partition {
+        let digest = Sha256::digest(value);
+        let mut first = [0u8; 16];
+        first.copy_from_slice(&digest[..16]);
+        Partition(u128::from_be_bytes(first))
+    }
+
+    /// Short form for `/buckets`, logs and `explain`: 12 hex digits.
+    pub fn short(&self) -> String {
+        format!("{:012x}", self.0 >> 80)
+    }
+}
+
+impl fmt::Display for Partition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.short())
+    }
+}
+
+/// Where a request goes. Indices point into the `Config` it was routed with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Route {
+    pub upstream: usize,
+    pub family: Option<usize>,
+    /// `None`: the upstream's unkeyed partition (no key configured, or the header absent).
+    pub partition: Option<Partition>,
+}
+
+impl Config {
+    /// Routes a request; `None` means no upstream names the host.
+    pub fn route(
+        &self,
+        host: &str,
+        port: u16,
+        method: &Method,
+        path: &str,
+        headers: &HeaderMap,
+    ) -> Option<Route> {
+        let upstream = self.router.upstream(host, port)?;
+        let u = &self.upstreams[upstream];
+        let family = u.families.iter().position(|f| f.matches(method, path));
+        let partition = u.key.as_ref().and_then(|k| partition_of(k, headers));
+        Some(Route {
+            upstream,
+            family,
+            partition,
+        })
+    }
+
+    /// Metric labels for a route: `("unmatched", "-")` when there is none.
+    pub fn labels(&self, route: Option<&Route>) -> (&str, &str) {
+        match route {
+            None => ("unmatched", "-"),
+            Some(r) => {
+                let u = &self.upstreams[r.upstream];
+                let f = r.family.map_or("-", |f| u.families[f].name.as_str());
+                (u.name.as_str(), f)
+            }
+        }
+    }
+}
+
+fn partition_of(key: &KeySource, headers: &HeaderMap) -> Option<Partition> {
+    match key {
+        KeySource::Header(name) => {
+            let mut values = headers.get_all(name).iter().peekable();
+            values.peek()?;
+            // Several fields of one name count as one subject, joined as a list would be.
+            let mut hasher_input = Vec::new();
+            for (i, v) in values.enumerate() {
+                if i > 0 {
+                    hasher_input.extend_from_slice(b", ");
+                }
+                hasher_input.extend_from_slice(v.as_bytes());
+            }
+            Some(Partition::of(&hasher_input))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CONF: &str = r#"
+[[upstream]]
+name = "market"
+hosts = ["api.market.example", "*.market.example", "*.eu.market.example:8443"]
+key = "header:Authorization"
+  [[upstream.family]]
+  name = "orders"
+  methods = ["POST", "put"]
+  paths = ["/v1/orders/**"]
+  [[upstream.family]]
+  name = "catalog"
+  paths = ["/v1/catalog/**", "/v1/products/*"]
+  [[upstream.family]]
+  name = "orders-read"
+  paths = ["/v1/orders/**"]
+
+[[upstream]]
+name = "eu"
+hosts = ["*.eu.market.example"]
+
+[[upstream]]
+name = "pinned"
+hosts = ["api.market.example:8080"]
+"#;
+
+    fn conf() -> Config {
+        Config::parse(CONF, "test.toml").unwrap()
+    }
+
+    fn route(c: &Config, host: &str, port: u16, m: &str, path: &str) -> (String, String) {
+        let m = Method::from_bytes(m.as_bytes()).unwrap();
+        let r = c.route(host, port, &m, path, &HeaderMap::new());
+        let (u, f) = c.labels(r.as_ref());
+        (u.to_string(), f.to_string())
+    }
+
+    #[test]
+    fn hosts_and_precedence() {
+        let c = conf();
+        let r = |h: &str, p: u16| route(&c, h, p, "GET", "/").0;
+        assert_eq!(r("api.market.example", 443), "market");
+        assert_eq!(r("api.market.example", 8080), "pinned");
+        assert_eq!(r("x.market.example", 80), "market");
+        assert_eq!(r("x.eu.market.example", 80), "eu");
+        assert_eq!(r("x.eu.market.example", 8443), "market");
+        assert_eq!(r("market.example", 80), "unmatched");
+        assert_eq!(r("other.example", 80), "unmatched");
+    }
+
+    #[test]
+    fn families_first_match_in_file_order() {
+        let c = conf();
+        let f = |m: &str, p: &str| route(&c, "api.market.example", 443, m, p).1;
+        assert_eq!(f("POST", "/v1/orders/1"), "orders");
+        assert_eq!(f("PUT", "/v1/orders"), "orders");
+        assert_eq!(f("GET", "/v1/orders/1"), "orders-read");
+        assert_eq!(f("GET", "/v1/products/7"), "catalog");
+        assert_eq!(f("GET", "/v1/products/7/x"), "-");
+        assert_eq!(f("DELETE", "/v1/catalog"), "catalog");
+    }
+
+    #[test]
+    fn partition_is_stable_and_keyed() {
+        let c = conf();
+        let mut h = HeaderMap::new();
+        h.insert("authorization", "Bearer live_abc".parse().unwrap());
+        let r1 = c
+            .route("api.market.example", 443, &Method::GET, "/", &h)
+            .unwrap();
+        let r2 = c
+            .route("api.market.example", 443, &Method::GET, "/", &h)
+            .unwrap();
+        assert_eq!(r1.partition, r2.partition);
+        // The same value hashes the same everywhere: pin the digest.
+        assert_eq!(Partition::of(b"Bearer live_abc"), r1.partition.unwrap());
+        assert_eq!(Partition::of(b"abc").short(), "ba7816bf8f01");
+
+        h.insert("authorization", "Bearer test_abc".parse().unwrap());
+        let r3 = c
+            .route("api.market.example", 443, &Method::GET, "/", &h)
+            .unwrap();
+        assert_ne!(r1.partition, r3.partition);
+
+        let none = c.route(
+            "api.market.example",
+            443,
+            &Method::GET,
+            "/",
+            &HeaderMap::new(),
+        );
+        assert_eq!(none.unwrap().partition, None);
+    }
+
+    #[test]
+    fn normalizes() {
+        assert_eq!(normalize_host("API.Example.com."), "api.example.com");
+        assert_eq!(normalize_host("[::1]"), "::1");
+    }
+}

@@ -1,0 +1,494 @@
+//! The forward proxy end to end: a real upstream, sluice in-process on loopback, and real
+//! clients (reqwest, raw sockets, curl, python's urllib).
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+#[tokio::test]
+async fn get_reaches_upstream_with_target_host_and_via() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start("").await;
+    let resp = proxy
+        .client()
+        .get(up.url("/hello?x=1"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-upstream"], "yes");
+    assert!(resp.headers()["via"].to_str().unwrap().contains("sluice"));
+    assert_eq!(resp.text().await.unwrap(), "hello");
+    let seen = up.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].uri, "/hello?x=1", "upstream gets origin-form");
+    assert_eq!(seen[0].header("host"), Some(up.addr.to_string().as_str()));
+    assert_eq!(seen[0].header("via"), Some("1.1 sluice"));
+}
+
+#[tokio::test]
+async fn request_and_response_bodies_stream_without_buffering() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start("").await;
+    let (tx, body) = body_channel();
+    // Ping-pong: each chunk must come back before the next is sent. A proxy that buffered
+    // either body whole would stall here until the timeout.
+    let send = proxy.client().post(up.url("/echo")).body(body).send();
+    tx.send(Ok(Bytes::from_static(b"first;"))).await.unwrap();
+    let mut resp = tokio::time::timeout(Duration::from_secs(10), send)
+        .await
+        .expect("headers before the body ended")
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut got = Vec::new();
+    for next in ["second;", "third;"] {
+        let chunk = tokio::time::timeout(Duration::from_secs(10), resp.chunk())
+            .await
+            .expect("echo streamed")
+            .unwrap()
+            .unwrap();
+        got.extend_from_slice(&chunk);
+        tx.send(Ok(Bytes::from(next))).await.unwrap();
+    }
+    drop(tx);
+    while let Some(c) = resp.chunk().await.unwrap() {
+        got.extend_from_slice(&c);
+    }
+    assert_eq!(got, b"first;second;third;");
+}
+
+#[tokio::test]
+async fn large_post_body_round_trips() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start("").await;
+    let body: Vec<u8> = (0..8 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
+    let resp = proxy
+        .client()
+        .post(up.url("/echo"))
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.bytes().await.unwrap().as_ref(), body.as_slice());
+    assert_eq!(up.seen()[0].header("content-length"), Some("8388608"));
+}
+
+#[tokio::test]
+async fn chunked_bodies_pass_both_ways() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start("").await;
+    // Chunked request body upstream, chunked response back, over one raw connection.
+    let req = format!(
+        "POST {} HTTP/1.1\r\nHost: {}\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+        up.url("/echo"),
+        up.addr
+    );
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut all = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !all.ends_with(b"0\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0);
+        all.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&all).to_lowercase();
+    assert!(text.starts_with("http/1.1 200"), "{text}");
+    assert!(text.contains("transfer-encoding: chunked"), "{text}");
+    assert!(text.contains("hello") && text.contains(" world"), "{text}");
+    assert_eq!(up.seen()[0].header("transfer-encoding"), Some("chunked"));
+
+    let resp = proxy
+        .client()
+        .get(up.url("/chunked/5"))
+        .send()
+        .await
+        .unwrap();
+    assert!(resp.headers().get("content-length").is_none());
+    assert_eq!(
+        resp.text().await.unwrap(),
+        "chunk-0;chunk-1;chunk-2;chunk-3;chunk-4;"
+    );
+}
+
+#[tokio::test]
+async fn keep_alive_on_both_sides() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start("").await;
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    for i in 0..5 {
+        let req = format!(
+            "GET {} HTTP/1.1\r\nHost: x\r\n\r\n",
+            up.url(&format!("/n{i}"))
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let resp = read_response(&mut s).await;
+        assert_eq!(resp.status, 200);
+        assert_eq!(resp.body, b"hello");
+    }
+    assert_eq!(up.seen().len(), 5);
+    assert_eq!(
+        up.connections.load(Ordering::SeqCst),
+        1,
+        "upstream connection pooled and reused"
+    );
+}
+
+#[tokio::test]
+async fn hop_by_hop_fields_are_not_forwarded() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start("").await;
+    let req = format!(
+        "GET {} HTTP/1.1\r\nHost: wrong.example\r\nConnection: keep-alive, X-Private\r\nX-Private: 1\r\n\
+         Keep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\nTE: trailers\r\nTrailer: X-Sum\r\n\
+         Upgrade: h2c\r\nProxy-Authorization: Basic dXNlcjpwYXNz\r\nAuthorization: Bearer app-token\r\n\
+         X-Keep: 2\r\n\r\n",
+        up.url("/h")
+    );
+    let resp = raw(proxy.addr, req.as_bytes()).await;
+    assert_eq!(resp.status, 200);
+    // The upstream's own hop-by-hop fields do not reach the client either.
+    assert_eq!(resp.header("x-upstream-private"), None);
+    assert_eq!(resp.header("keep-alive"), None);
+    assert_eq!(resp.header("x-upstream").as_deref(), Some("yes"));
+
+    let seen = &up.seen()[0];
+    for gone in [
+        "x-private",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+    ] {
+        assert_eq!(seen.header(gone), None, "{gone} was forwarded: {seen:?}");
+    }
+    assert_ne!(seen.header("connection"), Some("keep-alive, X-Private"));
+    assert_eq!(seen.header("x-keep"), Some("2"));
+    assert_eq!(seen.header("authorization"), Some("Bearer app-token"));
+    assert_eq!(
+        seen.header("host"),
+        Some(up.addr.to_string().as_str()),
+        "Host is the target's"
+    );
+}
+
+#[tokio::test]
+async fn origin_form_request_gets_400_with_explanation() {
+    let proxy = Proxy::start("").await;
+    let resp = raw(
+        proxy.addr,
+        b"GET /v1/orders HTTP/1.1\r\nHost: api.example\r\n\r\n",
+    )
+    .await;
+    assert_eq!(resp.status, 400);
+    assert_eq!(resp.header("sluice-reason").as_deref(), Some("bad_request"));
+    let v: serde_json::Value = serde_json::from_slice(&resp.body).unwrap();
+    assert_eq!(v["error"]["code"], "sluice_bad_request");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("forward proxy")
+    );
+}
+
+#[tokio::test]
+async fn malformed_and_oversized_requests_are_refused_and_the_proxy_stays_up() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start("").await;
+    let bad = raw(proxy.addr, b"THIS IS NOT HTTP\r\n\r\n").await;
+    assert_eq!(bad.status, 400);
+
+    let huge = format!(
+        "GET {} HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
+        up.url("/"),
+        "a".repeat(100 * 1024)
+    );
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    // The proxy may answer before it has read everything; a failed write is fine.
+    let _ = s.write_all(huge.as_bytes()).await;
+    assert_eq!(read_response(&mut s).await.status, 431);
+
+    let many: String = (0..150).map(|i| format!("X-H{i}: v\r\n")).collect();
+    let resp = raw(
+        proxy.addr,
+        format!("GET {} HTTP/1.1\r\nHost: x\r\n{many}\r\n", up.url("/")).as_bytes(),
+    )
+    .await;
+    assert_eq!(resp.status, 431);
+
+    let ok = proxy.client().get(up.url("/")).send().await.unwrap();
+    assert_eq!(ok.status(), 200);
+}
+
+#[tokio::test]
+async fn unreachable_upstream_is_502() {
+    let port = closed_port().await;
+    let proxy = Proxy::start("").await;
+    let resp = proxy
+        .client()
+        .get(format!("http://{port}/"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 502);
+    assert_eq!(resp.headers()["sluice-reason"], "upstream_unreachable");
+    let v: serde_json::Value = serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap();
+    assert_eq!(v["error"]["code"], "sluice_upstream_unreachable");
+
+    let tunnel = raw(
+        proxy.addr,
+        format!("CONNECT {port} HTTP/1.1\r\nHost: {port}\r\n\r\n").as_bytes(),
+    )
+    .await;
+    assert_eq!(tunnel.status, 502);
+}
+
+#[tokio::test]
+async fn link_local_destinations_are_denied_even_behind_a_name() {
+    let lookup = StaticLookup(BTreeMap::from([
+        (
+            "metadata.test".to_string(),
+            vec!["169.254.169.254".parse().unwrap()],
+        ),
+        (
+            "v6meta.test".to_string(),
+            vec!["127.0.0.1".parse().unwrap(), "fe80::1".parse().unwrap()],
+        ),
+    ]));
+    let proxy = Proxy::start_with("", Some(Arc::new(lookup))).await;
+    let client = proxy.client();
+    for url in [
+        "http://169.254.169.254/latest/meta-data/",
+        "http://metadata.test/latest/meta-data/",
+        "http://v6meta.test:8080/",
+        "http://[fe80::1]/",
+        "http://[::ffff:169.254.169.254]/",
+    ] {
+        let resp = tokio::time::timeout(Duration::from_secs(5), client.get(url).send())
+            .await
+            .expect("refused at once")
+            .unwrap();
+        assert_eq!(resp.status(), 403, "{url}");
+        assert_eq!(resp.headers()["sluice-reason"], "denied", "{url}");
+    }
+    for target in ["169.254.169.254:443", "metadata.test:443", "[fe80::1]:443"] {
+        let resp = raw(
+            proxy.addr,
+            format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes(),
+        )
+        .await;
+        assert_eq!(resp.status, 403, "{target}");
+        assert_eq!(resp.header("sluice-reason").as_deref(), Some("denied"));
+    }
+    let m = proxy.metrics().await;
+    assert!(
+        m.contains(
+            r#"sluice_requests_total{family="-",outcome="sluice_denied",upstream="unmatched"} 8"#
+        ),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn unmatched_deny_refuses_unknown_hosts_only() {
+    let up = Upstream::start().await;
+    let echo = echo_server().await;
+    let proxy = Proxy::start(
+        "unmatched = \"deny\"\n[[upstream]]\nname = \"local\"\nhosts = [\"127.0.0.1\"]\n",
+    )
+    .await;
+    let ok = proxy.client().get(up.url("/")).send().await.unwrap();
+    assert_eq!(ok.status(), 200);
+    let denied = proxy
+        .client()
+        .get(format!("http://localhost:{}/", up.addr.port()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(denied.status(), 403);
+    assert_eq!(denied.headers()["sluice-reason"], "denied");
+
+    let t = raw(
+        proxy.addr,
+        format!(
+            "CONNECT localhost:{0} HTTP/1.1\r\nHost: localhost:{0}\r\n\r\n",
+            echo.port()
+        )
+        .as_bytes(),
+    )
+    .await;
+    assert_eq!(t.status, 403);
+    let t = raw(
+        proxy.addr,
+        format!("CONNECT {echo} HTTP/1.1\r\nHost: {echo}\r\n\r\n").as_bytes(),
+    )
+    .await;
+    assert_eq!(t.status, 200);
+
+    let m = proxy.metrics().await;
+    assert!(
+        m.contains(r#"sluice_requests_total{family="-",outcome="200",upstream="local"} 2"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(
+            r#"sluice_requests_total{family="-",outcome="sluice_denied",upstream="unmatched"} 2"#
+        ),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn connect_tunnel_carries_bytes_both_ways() {
+    let echo = echo_server().await;
+    let proxy = Proxy::start("").await;
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(format!("CONNECT {echo} HTTP/1.1\r\nHost: {echo}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let resp = read_response(&mut s).await;
+    assert_eq!(resp.status, 200);
+    assert!(resp.body.is_empty());
+    let payload: Vec<u8> = (0..256 * 1024u32).map(|i| (i % 241) as u8).collect();
+    let (mut r, mut w) = s.into_split();
+    let expected = payload.clone();
+    let writer = tokio::spawn(async move {
+        w.write_all(&payload).await.unwrap();
+        w
+    });
+    let mut back = vec![0u8; expected.len()];
+    tokio::time::timeout(Duration::from_secs(10), r.read_exact(&mut back))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(back, expected);
+    let mut w = writer.await.unwrap();
+    w.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), r.read_to_end(&mut rest))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        rest.is_empty(),
+        "the tunnel closes after both sides are done"
+    );
+}
+
+#[tokio::test]
+async fn total_timeout_ends_in_504() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start("[defaults]\ntotal_timeout = \"300ms\"\n").await;
+    let resp = proxy
+        .client()
+        .get(up.url("/slow/5000"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 504);
+    assert_eq!(resp.headers()["sluice-reason"], "total_timeout");
+}
+
+#[tokio::test]
+async fn admin_endpoints() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(
+        "[[upstream]]\nname = \"local\"\nhosts = [\"127.0.0.1\"]\nkey = \"header:Authorization\"\n\
+         [[upstream.family]]\nname = \"reads\"\nmethods = [\"GET\"]\n\
+         [cluster]\nredis = \"redis://user:hunter2@127.0.0.1:6379/0\"\n",
+    )
+    .await;
+    let resp = proxy
+        .client()
+        .get(up.url("/"))
+        .header("authorization", "Bearer very-secret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+
+    assert_eq!(proxy.admin_get("/healthz").await.0, 200);
+    assert_eq!(proxy.admin_get("/readyz").await.0, 200);
+    let (status, body) = proxy.admin_get("/metrics").await;
+    assert_eq!(status, 200);
+    assert!(
+        body.contains(r#"sluice_requests_total{family="reads",outcome="200",upstream="local"} 1"#),
+        "{body}"
+    );
+    assert!(
+        body.contains(
+            r#"sluice_upstream_responses_total{family="reads",status="200",upstream="local"} 1"#
+        ),
+        "{body}"
+    );
+    assert!(
+        body.contains(
+            r#"sluice_upstream_duration_seconds_count{family="reads",upstream="local"} 1"#
+        ),
+        "{body}"
+    );
+    assert!(!body.contains("very-secret"));
+
+    let (status, config) = proxy.admin_get("/config").await;
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_str(&config).unwrap();
+    assert_eq!(v["upstreams"][0]["name"], "local");
+    assert_eq!(v["upstreams"][0]["key"], "header:authorization");
+    assert!(!config.contains("hunter2"), "{config}");
+
+    let (status, buckets) = proxy.admin_get("/buckets").await;
+    assert_eq!(status, 200);
+    assert!(
+        serde_json::from_str::<serde_json::Value>(&buckets)
+            .unwrap()
+            .is_array()
+    );
+    assert_eq!(proxy.admin_get("/nope").await.0, 404);
+}
+
+#[tokio::test]
+async fn shutdown_lets_in_flight_requests_finish() {
+    let up = Upstream::start().await;
+    let mut proxy = Proxy::start("drain_timeout = \"10s\"\n").await;
+    let client = proxy.client();
+    let url = up.url("/slow/700");
+    let in_flight = tokio::spawn(async move { client.get(url).send().await.unwrap() });
+    // Wait until the upstream holds the request, then ask the proxy to stop.
+    while up.seen().is_empty() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    proxy.shutdown();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        proxy.admin_get("/readyz").await.0,
+        503,
+        "not ready while draining"
+    );
+
+    let resp = in_flight.await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.text().await.unwrap(), "slow");
+    tokio::time::timeout(Duration::from_secs(10), proxy.task.take().unwrap())
+        .await
+        .expect("drain finishes")
+        .unwrap();
+    assert!(
+        TcpStream::connect(proxy.addr).await.is_err(),
+        "listener closed after shutdown"
+    );
+}

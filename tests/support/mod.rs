@@ -1,0 +1,350 @@
+//! Test fixtures on 127.0.0.1:0: a scripted upstream that records what reaches it, a TCP
+//! echo server for tunnels, the proxy started in-process, and a raw HTTP/1.1 client for
+//! the cases well-behaved clients never send.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use sluice::egress::Lookup;
+use sluice::proxy::BoxError;
+use sluice::{App, Config, Server};
+
+/// What the upstream saw of one request.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub method: String,
+    pub uri: String,
+    pub headers: Vec<(String, String)>,
+}
+
+impl Seen {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// A hyper server answering by path:
+/// `/echo` streams the request body back; `/chunked/N` sends N chunks without a length;
+/// `/status/NNN` answers that status; `/slow/MS` waits before answering; anything else
+/// answers 200 `hello`. Every response carries hop-by-hop fields sluice must strip.
+pub struct Upstream {
+    pub addr: SocketAddr,
+    pub seen: Arc<Mutex<Vec<Seen>>>,
+    pub connections: Arc<AtomicUsize>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+type TestBody = http_body_util::combinators::BoxBody<Bytes, BoxError>;
+
+impl Upstream {
+    pub async fn start() -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let connections = Arc::new(AtomicUsize::new(0));
+        let (s, c) = (seen.clone(), connections.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                c.fetch_add(1, Ordering::SeqCst);
+                let s = s.clone();
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| {
+                        let s = s.clone();
+                        async move { Ok::<_, Infallible>(respond(req, &s).await) }
+                    });
+                    let _ = http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Upstream {
+            addr,
+            seen,
+            connections,
+            task,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+async fn respond(req: Request<Incoming>, seen: &Mutex<Vec<Seen>>) -> Response<TestBody> {
+    seen.lock().unwrap().push(Seen {
+        method: req.method().to_string(),
+        uri: req.uri().to_string(),
+        headers: req
+            .headers()
+            .iter()
+            .map(|(k, v)| {
+                (
+                    k.to_string(),
+                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                )
+            })
+            .collect(),
+    });
+    let path = req.uri().path().to_string();
+    let mut parts = path.trim_start_matches('/').splitn(2, '/');
+    let (head, arg) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let mut resp = match head {
+        "echo" => Response::new(req.into_body().map_err(Into::into).boxed()),
+        "chunked" => {
+            let n: usize = arg.parse().unwrap_or(3);
+            let chunks =
+                (0..n).map(|i| Ok::<_, BoxError>(Frame::data(Bytes::from(format!("chunk-{i};")))));
+            Response::new(BodyExt::boxed(StreamBody::new(futures_util::stream::iter(
+                chunks,
+            ))))
+        }
+        "status" => {
+            let mut r = text("status");
+            *r.status_mut() = StatusCode::from_u16(arg.parse().unwrap_or(500)).unwrap();
+            r
+        }
+        "slow" => {
+            tokio::time::sleep(Duration::from_millis(arg.parse().unwrap_or(100))).await;
+            text("slow")
+        }
+        _ => text("hello"),
+    };
+    let h = resp.headers_mut();
+    h.insert("connection", "x-upstream-private".parse().unwrap());
+    h.insert("x-upstream-private", "secret-hop".parse().unwrap());
+    h.insert("keep-alive", "timeout=30".parse().unwrap());
+    h.insert("x-upstream", "yes".parse().unwrap());
+    resp
+}
+
+fn text(s: &'static str) -> Response<TestBody> {
+    Response::new(
+        Full::new(Bytes::from_static(s.as_bytes()))
+            .map_err(|n| match n {})
+            .boxed(),
+    )
+}
+
+/// A TCP server that echoes every byte back, for tunnels.
+pub async fn echo_server() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let (mut r, mut w) = s.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+    });
+    addr
+}
+
+/// A port with nothing listening on it.
+pub async fn closed_port() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    l.local_addr().unwrap()
+}
+
+/// sluice running in-process on free ports.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub app: Arc<App>,
+    stop: Option<oneshot::Sender<()>>,
+    pub task: Option<JoinHandle<()>>,
+}
+
+impl Proxy {
+    /// `extra` is appended to a config that listens on 127.0.0.1:0.
+    pub async fn start(extra: &str) -> Proxy {
+        Proxy::start_with(extra, None).await
+    }
+
+    pub async fn start_with(extra: &str, lookup: Option<Arc<dyn Lookup>>) -> Proxy {
+        let text = format!("[proxy]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n{extra}");
+        let config = Config::parse(&text, "test.toml").unwrap_or_else(|e| panic!("{e}"));
+        let mut builder = App::builder(config);
+        if let Some(l) = lookup {
+            builder = builder.lookup(l);
+        }
+        let app = builder.build().unwrap();
+        let server = Server::bind(app.clone()).await.unwrap();
+        let (addr, admin) = (server.proxy_addr(), server.admin_addr());
+        let (tx, rx) = oneshot::channel();
+        let task = tokio::spawn(server.run(async {
+            let _ = rx.await;
+        }));
+        Proxy {
+            addr,
+            admin,
+            app,
+            stop: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// A reqwest client that sends everything through this proxy.
+    pub fn client(&self) -> reqwest::Client {
+        reqwest::Client::builder()
+            .proxy(reqwest::Proxy::all(self.url()).unwrap())
+            .build()
+            .unwrap()
+    }
+
+    /// Starts the shutdown sequence; await `task` to see it finish.
+    pub fn shutdown(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+    }
+
+    pub async fn admin_get(&self, path: &str) -> (u16, String) {
+        let resp = reqwest::get(format!("http://{}{}", self.admin, path))
+            .await
+            .unwrap();
+        (resp.status().as_u16(), resp.text().await.unwrap())
+    }
+
+    pub async fn metrics(&self) -> String {
+        self.admin_get("/metrics").await.1
+    }
+}
+
+/// Name resolution from a fixed table, to point a name at an address of the test's choice.
+pub struct StaticLookup(pub BTreeMap<String, Vec<std::net::IpAddr>>);
+
+impl Lookup for StaticLookup {
+    fn lookup(
+        &self,
+        host: String,
+    ) -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = std::io::Result<Vec<std::net::IpAddr>>> + Send>,
+    > {
+        let r = self
+            .0
+            .get(&host)
+            .cloned()
+            .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "no such host"));
+        Box::pin(async move { r })
+    }
+}
+
+/// A response read off a raw connection.
+#[derive(Debug)]
+pub struct RawResponse {
+    pub status: u16,
+    pub head: String,
+    pub body: Vec<u8>,
+}
+
+impl RawResponse {
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.head.lines().skip(1).find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim()
+                .eq_ignore_ascii_case(name)
+                .then(|| v.trim().to_string())
+        })
+    }
+}
+
+/// Reads one response with a Content-Length (or none, for CONNECT 200) off `stream`.
+pub async fn read_response(stream: &mut TcpStream) -> RawResponse {
+    let mut buf = Vec::new();
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let mut chunk = [0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut chunk))
+            .await
+            .expect("response head in time")
+            .unwrap();
+        assert!(
+            n > 0,
+            "connection closed before a response head; got {:?}",
+            String::from_utf8_lossy(&buf)
+        );
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap();
+    let mut resp = RawResponse {
+        status,
+        head,
+        body: buf[head_end..].to_vec(),
+    };
+    if let Some(len) = resp
+        .header("content-length")
+        .and_then(|l| l.parse::<usize>().ok())
+    {
+        while resp.body.len() < len {
+            let mut chunk = vec![0u8; len - resp.body.len()];
+            let n = stream.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "body cut short");
+            resp.body.extend_from_slice(&chunk[..n]);
+        }
+    }
+    resp
+}
+
+/// Sends raw bytes on a new connection and reads one response.
+pub async fn raw(addr: SocketAddr, request: &[u8]) -> RawResponse {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(request).await.unwrap();
+    read_response(&mut s).await
+}
+
+/// A body streamed from a channel, for the proxy's request bodies.
+pub fn body_channel() -> (
+    tokio::sync::mpsc::Sender<Result<Bytes, BoxError>>,
+    reqwest::Body,
+) {
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let stream =
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
+    (tx, reqwest::Body::wrap_stream(stream))
+}
