@@ -4,17 +4,21 @@
 use http::HeaderMap;
 use http::header::{self, HeaderName, HeaderValue};
 
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "proxy-connection",
-    "keep-alive",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authorization",
-    "proxy-authenticate",
-];
+/// The fixed hop-by-hop fields, as typed names: removing by `&str` would parse each name
+/// again on every request.
+fn hop_by_hop() -> [HeaderName; 9] {
+    [
+        header::CONNECTION,
+        HeaderName::from_static("proxy-connection"),
+        HeaderName::from_static("keep-alive"),
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::PROXY_AUTHORIZATION,
+        header::PROXY_AUTHENTICATE,
+    ]
+}
 
 /// Removes the fixed hop-by-hop fields and every field that `Connection` names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
@@ -28,7 +32,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for name in &named {
         headers.remove(name);
     }
-    for name in HOP_BY_HOP {
+    for name in hop_by_hop() {
         headers.remove(name);
     }
 }

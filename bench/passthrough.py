@@ -1,0 +1,170 @@
+"""Runs the pass-through benchmark (see passthrough.sh) and prints a Markdown table.
+
+Targets are interleaved (A B C A B C ...) so that noise from the shared machine spreads
+over all of them; each figure is the median of the rounds with the min-max beside it.
+"""
+
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 10
+CONNS = int(sys.argv[3]) if len(sys.argv) > 3 else 32
+NGINX_PORT, NGINX_PORT_MATCHED = 18080, 18081
+PROXY_PORT, ADMIN_PORT = 13128, 19901
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLUICE = os.path.join(ROOT, "target", "release", "sluice")
+
+work = tempfile.mkdtemp(prefix="sluice-bench-")
+procs = []
+
+
+def start(cmd, **kw):
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
+    procs.append(p)
+    return p
+
+
+def stop_all():
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def wait_http(url):
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"{url} never answered")
+
+
+def cpu_seconds(pid):
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_kib(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def ms(value, unit):
+    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+
+
+def wrk(url, script=None):
+    cmd = ["wrk", "-t2", f"-c{CONNS}", f"-d{SECONDS}s", "--latency"]
+    if script:
+        cmd += ["-s", script]
+    out = subprocess.run(cmd + [url], capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    lat = {p: ms(v, u) for p, v, u in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)", out, re.M)}
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if errors:
+        raise SystemExit(f"{url}: {errors.group(1)} non-2xx responses\n{out}")
+    return rps, lat["50"], lat["99"]
+
+
+def main():
+    nginx_conf = os.path.join(work, "nginx.conf")
+    with open(nginx_conf, "w") as f:
+        f.write(f"""
+worker_processes 1;
+daemon off;
+pid {work}/nginx.pid;
+error_log {work}/error.log;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  keepalive_requests 1000000;
+  server {{
+    listen 127.0.0.1:{NGINX_PORT};
+    listen 127.0.0.1:{NGINX_PORT_MATCHED};
+    location / {{ return 200 "hello\\n"; }}
+  }}
+}}
+""")
+    start(["nginx", "-c", nginx_conf, "-p", work])
+    sluice_conf = os.path.join(work, "sluice.toml")
+    with open(sluice_conf, "w") as f:
+        f.write(f"""
+[proxy]
+listen = "127.0.0.1:{PROXY_PORT}"
+admin = "127.0.0.1:{ADMIN_PORT}"
+[[upstream]]
+name = "bench"
+hosts = ["127.0.0.1:{NGINX_PORT_MATCHED}"]
+  [[upstream.family]]
+  name = "all"
+  paths = ["/**"]
+""")
+    sluice = start([SLUICE, "run", "-c", sluice_conf], env={**os.environ, "RUST_LOG": "warn"})
+    wait_http(f"http://127.0.0.1:{NGINX_PORT}/")
+    wait_http(f"http://127.0.0.1:{ADMIN_PORT}/readyz")
+
+    scripts = {}
+    for name, port in [("unmatched", NGINX_PORT), ("matched", NGINX_PORT_MATCHED)]:
+        path = os.path.join(work, f"{name}.lua")
+        with open(path, "w") as f:
+            # Absolute-form request line, as a client configured with HTTP_PROXY sends it.
+            f.write(f'wrk.path = "http://127.0.0.1:{port}/"\n')
+        scripts[name] = path
+
+    targets = [
+        ("direct", f"http://127.0.0.1:{NGINX_PORT}/", None),
+        ("sluice, unmatched host", f"http://127.0.0.1:{PROXY_PORT}", scripts["unmatched"]),
+        ("sluice, matched upstream + family", f"http://127.0.0.1:{PROXY_PORT}", scripts["matched"]),
+    ]
+    results = {t[0]: [] for t in targets}
+    cpu = {t[0]: [] for t in targets}
+    wrk(targets[1][1], targets[1][2])  # warm the pool and the page cache
+    for r in range(ROUNDS):
+        for name, url, script in targets:
+            before = cpu_seconds(sluice.pid)
+            results[name].append(wrk(url, script))
+            cpu[name].append((cpu_seconds(sluice.pid) - before) / SECONDS * 100)
+            print(f"round {r + 1} {name}: {results[name][-1][0]:.0f} req/s", file=sys.stderr)
+
+    def cell(values, fmt):
+        return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+
+    direct = statistics.median(v[0] for v in results["direct"])
+    direct_p99 = statistics.median(v[2] for v in results["direct"])
+    print(f"\nwrk -t2 -c{CONNS} -d{SECONDS}s, {ROUNDS} rounds interleaved; median (min–max)\n")
+    print("| target | req/s | % of direct | p50 ms | p99 ms | p99 added ms | sluice CPU % |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, _, _ in targets:
+        rows = results[name]
+        rps = [v[0] for v in rows]
+        p99 = statistics.median(v[2] for v in rows)
+        added = "–" if name == "direct" else f"{p99 - direct_p99:.2f}"
+        print(
+            f"| {name} | {cell(rps, '{:.0f}')} | {statistics.median(rps) / direct * 100:.0f}% "
+            f"| {cell([v[1] for v in rows], '{:.2f}')} | {cell([v[2] for v in rows], '{:.2f}')} "
+            f"| {added} | {statistics.median(cpu[name]):.0f} |"
+        )
+    print(f"\nsluice RSS after the run: {rss_kib(sluice.pid) / 1024:.1f} MiB")
+
+
+try:
+    main()
+finally:
+    stop_all()

@@ -1,0 +1,218 @@
+//! The real `sluice` binary: `check`, `explain`, and `run` with a SIGTERM that lets the
+//! request in flight finish. Logs are read back to check that secrets never reach them.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use support::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_sluice");
+
+fn sluice(args: &[&str]) -> std::process::Output {
+    Command::new(BIN)
+        .args(args)
+        .env_remove("SLUICE_CONFIG")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn check_accepts_the_bundled_and_product_configs() {
+    for file in ["config/sluice.toml", "tests/fixtures/product-example.toml"] {
+        let out = sluice(&["check", "-c", file]);
+        assert!(
+            out.status.success(),
+            "{file}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(String::from_utf8_lossy(&out.stdout).contains("ok"));
+    }
+}
+
+#[test]
+fn check_reports_file_line_col_and_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(
+        &path,
+        "[proxy]\nlisten = \"127.0.0.1:3128\"\n\n[[upstream]]\nname = \"m\"\nhosts = [\"a.example\"]\nburst = 3\n",
+    )
+    .unwrap();
+    let out = sluice(&["check", "-c", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with(&format!("{}:7:1: ", path.display())),
+        "{err}"
+    );
+    assert!(err.contains("unknown field `burst`"), "{err}");
+
+    let out = sluice(&["check", "-c", "/nonexistent/sluice.toml"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read config"));
+}
+
+#[test]
+fn config_path_comes_from_the_environment() {
+    let out = Command::new(BIN)
+        .arg("check")
+        .env("SLUICE_CONFIG", "config/sluice.toml")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn explain_prints_route_limits_and_policies_without_the_key() {
+    let out = sluice(&[
+        "explain",
+        "-c",
+        "config/sluice.toml",
+        "POST",
+        "http://api.marketplace.example/v1/orders/17",
+        "-H",
+        "Authorization: Bearer sk_live_topsecret",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "upstream    marketplace",
+        "family      orders",
+        "partition   ",
+        "fixed_window 300 per 1m",
+        "sliding_window 12 per 1s",
+        "retry       no: POST without idempotency-key",
+        "breaker     upstream marketplace",
+    ] {
+        assert!(text.contains(needle), "missing {needle:?} in\n{text}");
+    }
+    assert!(!text.contains("topsecret"), "{text}");
+
+    let out = sluice(&["explain", "-c", "config/sluice.toml", "GET", "/relative"]);
+    assert!(!out.status.success());
+}
+
+/// A port that was free a moment ago, for the binary's listeners.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test]
+async fn run_serves_logs_safely_and_drains_on_sigterm() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin) = (free_port(), free_port());
+    let config = dir.path().join("sluice.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:{port}\"\nadmin = \"127.0.0.1:{admin}\"\ndrain_timeout = \"10s\"\n\
+             [[upstream]]\nname = \"local\"\nhosts = [\"127.0.0.1\"]\nkey = \"header:Authorization\"\n"
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(BIN)
+        .args([
+            "--log-format",
+            "json",
+            "run",
+            "-c",
+            config.to_str().unwrap(),
+        ])
+        .env("RUST_LOG", "info")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let log_lines = std::thread::spawn(move || {
+        BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+            .collect::<Vec<_>>()
+    });
+
+    let admin_url = format!("http://127.0.0.1:{admin}");
+    let mut ready = false;
+    for _ in 0..100 {
+        if let Ok(r) = reqwest::get(format!("{admin_url}/readyz")).await {
+            ready = r.status() == 200;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(ready, "the binary became ready");
+
+    let client = reqwest::Client::builder()
+        .proxy(reqwest::Proxy::all(format!("http://127.0.0.1:{port}")).unwrap())
+        .build()
+        .unwrap();
+    let resp = client
+        .get(up.url("/orders?token=query-secret"))
+        .header("authorization", "Bearer header-secret")
+        .header("cookie", "session=cookie-secret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+
+    // A slow request in flight when SIGTERM arrives still gets its whole response.
+    let slow = tokio::spawn({
+        let client = client.clone();
+        let url = up.url("/slow/800");
+        async move { client.get(url).send().await.unwrap() }
+    });
+    while up.seen().len() < 2 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let resp = slow.await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.text().await.unwrap(), "slow");
+
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(status.code(), Some(0), "clean exit after the drain");
+
+    let lines = log_lines.join().unwrap();
+    let all = lines.join("\n");
+    for secret in ["query-secret", "header-secret", "cookie-secret"] {
+        assert!(
+            !all.contains(secret),
+            "{secret} leaked into the log:\n{all}"
+        );
+    }
+    let access: Vec<serde_json::Value> = lines
+        .iter()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["target"] == "sluice::access")
+        .collect();
+    assert_eq!(access.len(), 2, "one access line per request:\n{all}");
+    let first = &access[0];
+    assert_eq!(first["method"], "GET");
+    assert_eq!(first["upstream"], "local");
+    assert_eq!(first["family"], "-");
+    assert_eq!(first["status"], 200);
+    assert_eq!(first["path"], "/orders");
+    assert!(first["duration_ms"].is_number());
+    assert!(all.contains("SIGTERM received"), "{all}");
+}
