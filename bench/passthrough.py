@@ -117,8 +117,11 @@ hosts = ["127.0.0.1:{NGINX_PORT_MATCHED}"]
   paths = ["/**"]
 """)
     sluice = start([SLUICE, "run", "-c", sluice_conf], env={**os.environ, "RUST_LOG": "warn"})
-    wait_http(f"http://127.0.0.1:{NGINX_PORT}/")
+    wait_http(f"http://127.0.0.1:{NGINX_PORT_MATCHED}/")
     wait_http(f"http://127.0.0.1:{ADMIN_PORT}/readyz")
+    for p in procs:
+        if p.poll() is not None:
+            raise SystemExit(f"{p.args[0]} exited at start (port in use?)")
 
     scripts = {}
     for name, port in [("unmatched", NGINX_PORT), ("matched", NGINX_PORT_MATCHED)]:

@@ -28,6 +28,7 @@ pub mod app;
 pub mod config;
 pub mod egress;
 pub mod explain;
+pub mod limit;
 pub mod metrics;
 pub mod proxy;
 pub mod route;

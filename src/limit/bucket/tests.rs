@@ -1,0 +1,309 @@
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use tokio::time::Instant;
+
+use super::*;
+use crate::config::Scope;
+
+fn nz(v: u32) -> NonZeroU32 {
+    NonZeroU32::new(v).unwrap()
+}
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}
+fn sliding(p: u32, w: u64) -> Limit {
+    Limit::SlidingWindow { permits: nz(p), window: ms(w), scope: Scope::Local }
+}
+fn fixed(p: u32, w: u64) -> Limit {
+    Limit::FixedWindow { permits: nz(p), window: ms(w), scope: Scope::Local }
+}
+fn token(rate: u32, per: u64, burst: u32) -> Limit {
+    Limit::TokenBucket { rate: nz(rate), per: ms(per), burst: nz(burst), scope: Scope::Local }
+}
+fn conc(max: u32) -> Limit {
+    Limit::Concurrency { max: nz(max), scope: Scope::Local }
+}
+fn fam(name: &str, priority: Priority, limits: Vec<Limit>) -> FamilySpec {
+    FamilySpec { name: name.into(), priority, limits, max_queue: 1000, max_wait: Duration::from_secs(30) }
+}
+fn spec(upstream: Vec<Limit>, families: Vec<FamilySpec>) -> PartitionSpec {
+    let mut families = families;
+    families.push(fam("-", Priority::Normal, vec![]));
+    PartitionSpec { upstream_limits: upstream, families }
+}
+
+/// Admits at `now` and returns the waiter ids admitted, in order.
+fn run(b: &mut Bucket<u32>, now: Instant) -> Vec<u32> {
+    let mut out = Vec::new();
+    b.dispatch(now, &mut out);
+    out.into_iter().map(|a| a.waiter).collect()
+}
+
+#[test]
+fn fifo_within_a_family() {
+    let t0 = Instant::now();
+    let mut b = Bucket::new(&spec(vec![], vec![fam("f", Priority::Normal, vec![sliding(2, 1000)])]), t0);
+    for id in 0..6 {
+        b.push(0, id, t0);
+    }
+    assert_eq!(run(&mut b, t0), [0, 1]);
+    assert_eq!(run(&mut b, t0 + ms(999)), Vec::<u32>::new());
+    assert_eq!(run(&mut b, t0 + ms(1000)), [2, 3]);
+    assert_eq!(run(&mut b, t0 + ms(2000)), [4, 5]);
+    assert_eq!(b.waiting(), 0);
+}
+
+#[test]
+fn a_saturated_family_does_not_delay_another() {
+    let t0 = Instant::now();
+    let s = spec(
+        vec![fixed(100, 60_000)],
+        vec![fam("orders", Priority::High, vec![sliding(1, 1000)]), fam("catalog", Priority::Normal, vec![])],
+    );
+    let mut b = Bucket::new(&s, t0);
+    b.push(0, 1, t0);
+    b.push(0, 2, t0);
+    assert_eq!(run(&mut b, t0), [1]);
+    b.push(1, 10, t0 + ms(1));
+    b.push(1, 11, t0 + ms(1));
+    assert_eq!(run(&mut b, t0 + ms(1)), [10, 11], "catalog goes while orders waits");
+    assert_eq!(run(&mut b, t0 + ms(1000)), [2]);
+}
+
+#[test]
+fn priority_then_arrival_on_a_shared_limit_and_low_still_served() {
+    let t0 = Instant::now();
+    let s = spec(
+        vec![sliding(1, 100)],
+        vec![fam("low", Priority::Low, vec![]), fam("high", Priority::High, vec![]), fam("normal", Priority::Normal, vec![])],
+    );
+    let mut b = Bucket::new(&s, t0);
+    assert_eq!(b.push(0, 1, t0), 0);
+    b.push(0, 2, t0);
+    b.push(2, 20, t0);
+    b.push(1, 10, t0);
+    b.push(1, 11, t0);
+    let mut order = Vec::new();
+    for step in 0..5 {
+        order.extend(run(&mut b, t0 + ms(100 * step)));
+    }
+    assert_eq!(order, [10, 11, 20, 1, 2], "high, then normal, then low once high is idle");
+}
+
+#[test]
+fn multi_limit_admission_takes_all_or_nothing() {
+    let t0 = Instant::now();
+    let s = spec(vec![fixed(10, 60_000)], vec![fam("f", Priority::Normal, vec![conc(1)])]);
+    let mut b = Bucket::new(&s, t0);
+    b.push(0, 1, t0);
+    b.push(0, 2, t0);
+    assert_eq!(run(&mut b, t0), [1]);
+    for i in 1..100 {
+        assert!(run(&mut b, t0 + ms(i)).is_empty());
+    }
+    // The waiting request held no fixed-window permit while it waited.
+    assert_eq!(b.upstream[0].available(t0 + ms(100)), 9);
+    b.release(0);
+    assert_eq!(run(&mut b, t0 + ms(100)), [2]);
+    assert_eq!(b.upstream[0].available(t0 + ms(100)), 8);
+}
+
+#[test]
+fn pause_holds_order_and_resumes_within_the_burst() {
+    let t0 = Instant::now();
+    let mut b = Bucket::new(&spec(vec![], vec![fam("f", Priority::Normal, vec![token(10, 1000, 3)])]), t0);
+    b.pause(Some(0), t0 + ms(5000));
+    for id in 0..10 {
+        b.push(0, id, t0);
+    }
+    assert!(run(&mut b, t0).is_empty());
+    assert!(run(&mut b, t0 + ms(4999)).is_empty());
+    assert_eq!(b.next_wakeup(t0 + ms(10)), Some(t0 + ms(5000)));
+    assert_eq!(run(&mut b, t0 + ms(5000)), [0, 1, 2], "no more than the burst at once");
+    assert_eq!(run(&mut b, t0 + ms(5100)), [3]);
+    // A shorter pause never cuts a longer one short; an upstream pause stops every family.
+    b.pause(Some(0), t0 + ms(9000));
+    b.pause(Some(0), t0 + ms(6000));
+    assert!(run(&mut b, t0 + ms(8999)).is_empty());
+    b.pause(None, t0 + ms(12_000));
+    assert!(run(&mut b, t0 + ms(11_999)).is_empty());
+    assert_eq!(run(&mut b, t0 + ms(12_000)), [4, 5, 6]);
+}
+
+#[test]
+fn bounds_reject_at_once_with_a_hint() {
+    let t0 = Instant::now();
+    let mut s = spec(vec![], vec![fam("f", Priority::Normal, vec![sliding(1, 2000)])]);
+    s.families[0].max_queue = 3;
+    s.families[0].max_wait = ms(5000);
+    let mut b = Bucket::new(&s, t0);
+    assert_eq!(b.check(0, t0), Ok(()));
+    b.push(0, 0, t0);
+    assert_eq!(run(&mut b, t0), [0]);
+    // Positions 1 and 2 would wait 2 s and 4 s: fine. Position 3 would wait 6 s.
+    for id in 1..3 {
+        assert_eq!(b.check(0, t0), Ok(()));
+        b.push(0, id, t0);
+    }
+    assert_eq!(b.check(0, t0), Err(Reject::QueueTimeout { retry_after: Duration::from_secs(6) }));
+    let mut s2 = s.clone();
+    s2.families[0].limits = vec![conc(1)];
+    let mut b2: Bucket<u32> = Bucket::new(&s2, t0);
+    for id in 0..4 {
+        b2.push(0, id, t0);
+    }
+    // With concurrency the wait cannot be known: only the queue bound rejects at once.
+    assert!(matches!(b2.check(0, t0), Err(Reject::QueueFull { .. })));
+}
+
+#[test]
+fn a_cancelled_waiter_takes_nothing() {
+    let t0 = Instant::now();
+    let mut b = Bucket::new(&spec(vec![sliding(1, 1000)], vec![fam("f", Priority::Normal, vec![])]), t0);
+    b.push(0, 0, t0);
+    assert_eq!(run(&mut b, t0), [0]);
+    let s1 = b.push(0, 1, t0);
+    b.push(0, 2, t0);
+    assert_eq!(b.cancel(0, s1).map(|q| q.waiter), Some(1));
+    assert!(b.cancel(0, s1).is_none());
+    assert_eq!(run(&mut b, t0 + ms(1000)), [2]);
+    assert_eq!(b.waiting(), 0);
+}
+
+#[test]
+fn idle_once_everything_is_back() {
+    let t0 = Instant::now();
+    let s = spec(vec![token(1, 1000, 1)], vec![fam("f", Priority::Normal, vec![conc(2), fixed(5, 1000)])]);
+    let mut b = Bucket::new(&s, t0);
+    assert!(b.is_idle(t0));
+    b.push(0, 0, t0);
+    let mut out = Vec::new();
+    b.dispatch(t0, &mut out);
+    assert!(!b.is_idle(t0 + ms(5000)), "a concurrency permit is still out");
+    b.release(0);
+    assert!(!b.is_idle(t0 + ms(999)));
+    assert!(b.is_idle(t0 + ms(1000)));
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Arrive(usize),
+    Cancel(usize),
+    Complete(usize),
+    Advance(u64),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..3usize).prop_map(Op::Arrive),
+        1 => any::<usize>().prop_map(Op::Cancel),
+        2 => any::<usize>().prop_map(Op::Complete),
+        3 => (0..400u64).prop_map(Op::Advance),
+    ]
+}
+
+/// Checks one limit's promise against the admissions that paid it.
+fn check_limit(limit: &Limit, admitted: &[Instant], in_flight_max: u32) {
+    match *limit {
+        Limit::SlidingWindow { permits, window, .. } => {
+            for (i, t) in admitted.iter().enumerate() {
+                let in_window = admitted[..=i].iter().filter(|a| **a + window > *t).count();
+                assert!(in_window <= permits.get() as usize, "sliding window exceeded at {i}");
+            }
+        }
+        Limit::FixedWindow { permits, window, .. } => {
+            let mut start: Option<Instant> = None;
+            let mut count = 0;
+            for t in admitted {
+                if start.is_none_or(|s| *t >= s + window) {
+                    start = Some(*t);
+                    count = 0;
+                }
+                count += 1;
+                assert!(count <= permits.get(), "fixed window exceeded");
+            }
+        }
+        Limit::TokenBucket { rate, per, burst, .. } => {
+            for i in 0..admitted.len() {
+                for j in i..admitted.len() {
+                    let span = admitted[j] - admitted[i];
+                    let allowed = u128::from(burst.get())
+                        + span.as_nanos() * u128::from(rate.get()) / per.as_nanos();
+                    assert!((j - i + 1) as u128 <= allowed, "token bucket exceeded between {i} and {j}");
+                }
+            }
+        }
+        Limit::Concurrency { max, .. } => assert!(in_flight_max <= max.get(), "concurrency exceeded"),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Random arrivals, cancellations, completions and time: every limit holds, each
+    /// family is served in arrival order, and once everything is done every permit is back.
+    #[test]
+    fn invariants_hold_under_random_traffic(ops in prop::collection::vec(op(), 1..300)) {
+        let upstream = vec![sliding(5, 1000), conc(4)];
+        let families = vec![
+            fam("a", Priority::High, vec![token(3, 1000, 2)]),
+            fam("b", Priority::Low, vec![fixed(3, 700)]),
+        ];
+        let s = spec(upstream.clone(), families.clone());
+        let t0 = Instant::now();
+        let mut now = t0;
+        let mut b: Bucket<u64> = Bucket::new(&s, t0);
+        let mut queued: Vec<(usize, u64)> = Vec::new();
+        let mut in_flight: Vec<usize> = Vec::new();
+        let mut log: Vec<(usize, u64, Instant)> = Vec::new();
+        let mut max_in_flight = 0u32;
+        let mut out = Vec::new();
+        for op in ops {
+            match op {
+                Op::Arrive(f) => {
+                    let seq = b.push(f, 0, now);
+                    queued.push((f, seq));
+                }
+                Op::Cancel(i) if !queued.is_empty() => {
+                    let (f, seq) = queued.remove(i % queued.len());
+                    prop_assert!(b.cancel(f, seq).is_some());
+                }
+                Op::Complete(i) if !in_flight.is_empty() => {
+                    let f = in_flight.remove(i % in_flight.len());
+                    b.release(f);
+                }
+                Op::Advance(d) => now += ms(d),
+                _ => {}
+            }
+            b.dispatch(now, &mut out);
+            for a in out.drain(..) {
+                queued.retain(|q| *q != (a.family, a.seq));
+                in_flight.push(a.family);
+                log.push((a.family, a.seq, a.at));
+            }
+            max_in_flight = max_in_flight.max(in_flight.len() as u32);
+            prop_assert_eq!(b.waiting(), queued.len());
+        }
+        let all: Vec<Instant> = log.iter().map(|e| e.2).collect();
+        for l in &upstream {
+            check_limit(l, &all, max_in_flight);
+        }
+        for (fi, f) in families.iter().enumerate() {
+            let mine: Vec<&(usize, u64, Instant)> = log.iter().filter(|e| e.0 == fi).collect();
+            let times: Vec<Instant> = mine.iter().map(|e| e.2).collect();
+            for l in &f.limits {
+                check_limit(l, &times, 0);
+            }
+            prop_assert!(mine.windows(2).all(|w| w[0].1 < w[1].1), "family {} out of order", fi);
+        }
+        for (f, seq) in queued.drain(..) {
+            prop_assert!(b.cancel(f, seq).is_some());
+        }
+        for f in in_flight.drain(..) {
+            b.release(f);
+        }
+        prop_assert!(b.is_idle(now + Duration::from_secs(60)), "permits still out: {:?}", b);
+    }
+}

@@ -1,0 +1,3 @@
+//! The limiter.
+pub mod bucket;
+pub mod kinds;
