@@ -64,8 +64,7 @@ pub fn handle(app: &App, req: &Request<Incoming>) -> Response<Body> {
         ),
         ("/readyz", true) => reply(StatusCode::OK, "text/plain", "ready\n".into()),
         ("/config", true) => json(&app.config().to_redacted_json()),
-        // The limiter (issue 3) fills this in; no bucket exists before it.
-        ("/buckets", true) => json(&serde_json::json!([])),
+        ("/buckets", true) => json(&app.limiter.snapshot()),
         ("/metrics" | "/healthz" | "/readyz" | "/config" | "/buckets", false) => {
             let mut r = reply(
                 StatusCode::METHOD_NOT_ALLOWED,

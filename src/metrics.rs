@@ -2,7 +2,7 @@
 //! Names and labels are the contract in PRODUCT.md; label values are bounded (upstream and
 //! family names from the config, status codes, reasons), never hosts, URLs or keys.
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 
 #[derive(Clone)]
 pub struct Metrics {
@@ -13,6 +13,12 @@ pub struct Metrics {
     pub upstream_responses: IntCounterVec,
     /// `{upstream, family}`: time from sending an attempt to its response headers.
     pub upstream_duration: HistogramVec,
+    /// `{upstream, family}`: time from arrival to admission, zero waits included.
+    pub queue_wait: HistogramVec,
+    /// `{upstream, family}`: requests waiting now, over all partitions.
+    pub queue_depth: IntGaugeVec,
+    /// `{upstream, family, reason}`: requests refused by the limiter's bounds.
+    pub rejections: IntCounterVec,
 }
 
 /// 1 ms to 60 s, roughly ×2.5 per step: resolves fast APIs and long queue waits alike.
@@ -44,14 +50,39 @@ impl Metrics {
             .buckets(LATENCY_BUCKETS.to_vec()),
             &["upstream", "family"],
         )?;
+        let queue_wait = HistogramVec::new(
+            HistogramOpts::new(
+                "sluice_queue_wait_seconds",
+                "Time spent waiting for admission",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["upstream", "family"],
+        )?;
+        let queue_depth = IntGaugeVec::new(
+            Opts::new("sluice_queue_depth", "Requests waiting for admission"),
+            &["upstream", "family"],
+        )?;
+        let rejections = IntCounterVec::new(
+            Opts::new(
+                "sluice_rejections_total",
+                "Requests refused by the limiter's queue bounds",
+            ),
+            &["upstream", "family", "reason"],
+        )?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(upstream_responses.clone()))?;
         registry.register(Box::new(upstream_duration.clone()))?;
+        registry.register(Box::new(queue_wait.clone()))?;
+        registry.register(Box::new(queue_depth.clone()))?;
+        registry.register(Box::new(rejections.clone()))?;
         Ok(Metrics {
             registry,
             requests,
             upstream_responses,
             upstream_duration,
+            queue_wait,
+            queue_depth,
+            rejections,
         })
     }
 

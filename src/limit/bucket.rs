@@ -82,20 +82,27 @@ fn paused(until: Option<Instant>, now: Instant) -> bool {
 
 /// Whole seconds, rounded up, at least one: the form `Retry-After` takes.
 pub fn retry_after(wait: Duration) -> Duration {
-    Duration::from_secs(wait.as_secs() + u64::from(wait.subsec_nanos() > 0)).max(Duration::from_secs(1))
+    Duration::from_secs(wait.as_secs() + u64::from(wait.subsec_nanos() > 0))
+        .max(Duration::from_secs(1))
 }
 
 impl<W> Bucket<W> {
     pub fn new(spec: &PartitionSpec, now: Instant) -> Bucket<W> {
-        let upstream: Vec<LimitState> = spec.upstream_limits.iter().map(|l| LimitState::new(l, now)).collect();
+        let upstream: Vec<LimitState> = spec
+            .upstream_limits
+            .iter()
+            .map(|l| LimitState::new(l, now))
+            .collect();
         let upstream_conc = upstream.iter().any(LimitState::is_concurrency);
         let families = spec
             .families
             .iter()
             .map(|f| {
-                let limits: Vec<LimitState> = f.limits.iter().map(|l| LimitState::new(l, now)).collect();
+                let limits: Vec<LimitState> =
+                    f.limits.iter().map(|l| LimitState::new(l, now)).collect();
                 FamilyBucket {
-                    holds_concurrency: upstream_conc || limits.iter().any(LimitState::is_concurrency),
+                    holds_concurrency: upstream_conc
+                        || limits.iter().any(LimitState::is_concurrency),
                     limits,
                     priority: f.priority,
                     paused_until: None,
@@ -105,7 +112,13 @@ impl<W> Bucket<W> {
                 }
             })
             .collect();
-        Bucket { upstream, paused_until: None, families, next_seq: 0, waiting: 0 }
+        Bucket {
+            upstream,
+            paused_until: None,
+            families,
+            next_seq: 0,
+            waiting: 0,
+        }
     }
 
     /// Requests queued in every family.
@@ -122,7 +135,9 @@ impl<W> Bucket<W> {
     /// it can be known (a lower bound: other families may take upstream permits first).
     pub fn eta(&mut self, family: usize, n: u64, now: Instant) -> Option<Instant> {
         let f = &mut self.families[family];
-        let mut at = now.max(f.paused_until.unwrap_or(now)).max(self.paused_until.unwrap_or(now));
+        let mut at = now
+            .max(f.paused_until.unwrap_or(now))
+            .max(self.paused_until.unwrap_or(now));
         for l in f.limits.iter_mut().chain(self.upstream.iter_mut()) {
             at = at.max(l.ready_at(n, now)?);
         }
@@ -136,19 +151,27 @@ impl<W> Bucket<W> {
         let f = &self.families[family];
         let hint = |eta: Option<Instant>| retry_after(eta.map_or(Duration::ZERO, |t| t - now));
         if ahead >= f.max_queue {
-            return Err(Reject::QueueFull { retry_after: hint(eta) });
+            return Err(Reject::QueueFull {
+                retry_after: hint(eta),
+            });
         }
         if let Some(t) = eta
             && t - now > f.max_wait
         {
-            return Err(Reject::QueueTimeout { retry_after: hint(Some(t)) });
+            return Err(Reject::QueueTimeout {
+                retry_after: hint(Some(t)),
+            });
         }
         Ok(())
     }
 
     /// `Retry-After` for a waiter of `family` whose `max_wait` ran out at position `seq`.
     pub fn timeout_hint(&mut self, family: usize, seq: u64, now: Instant) -> Duration {
-        let pos = self.families[family].queue.iter().position(|q| q.seq == seq).unwrap_or(0);
+        let pos = self.families[family]
+            .queue
+            .iter()
+            .position(|q| q.seq == seq)
+            .unwrap_or(0);
         let eta = self.eta(family, pos as u64 + 1, now);
         retry_after(eta.map_or(Duration::ZERO, |t| t - now))
     }
@@ -156,7 +179,11 @@ impl<W> Bucket<W> {
     pub fn push(&mut self, family: usize, waiter: W, now: Instant) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.families[family].queue.push_back(Queued { seq, since: now, waiter });
+        self.families[family].queue.push_back(Queued {
+            seq,
+            since: now,
+            waiter,
+        });
         self.waiting += 1;
         seq
     }
@@ -177,7 +204,9 @@ impl<W> Bucket<W> {
         loop {
             let mut best: Option<(usize, (Priority, u64))> = None;
             for (i, f) in self.families.iter_mut().enumerate() {
-                let Some(head) = f.queue.front() else { continue };
+                let Some(head) = f.queue.front() else {
+                    continue;
+                };
                 if paused(f.paused_until, now) || !f.limits.iter_mut().all(|l| l.can_take(now)) {
                     continue;
                 }
@@ -196,20 +225,34 @@ impl<W> Bucket<W> {
             }
             let Some(q) = f.queue.pop_front() else { return };
             self.waiting -= 1;
-            out.push(Admitted { family: i, seq: q.seq, since: q.since, at: now, waiter: q.waiter });
+            out.push(Admitted {
+                family: i,
+                seq: q.seq,
+                since: q.since,
+                at: now,
+                waiter: q.waiter,
+            });
         }
     }
 
     /// Gives back the permits of an admission at `at` that never reached its request.
     pub fn undo(&mut self, family: usize, at: Instant, now: Instant) {
-        for l in self.families[family].limits.iter_mut().chain(self.upstream.iter_mut()) {
+        for l in self.families[family]
+            .limits
+            .iter_mut()
+            .chain(self.upstream.iter_mut())
+        {
             l.undo(at, now);
         }
     }
 
     /// A response of `family` ended: its concurrency permits come back.
     pub fn release(&mut self, family: usize) {
-        for l in self.families[family].limits.iter_mut().chain(self.upstream.iter_mut()) {
+        for l in self.families[family]
+            .limits
+            .iter_mut()
+            .chain(self.upstream.iter_mut())
+        {
             l.release();
         }
     }

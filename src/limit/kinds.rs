@@ -47,22 +47,34 @@ pub enum LimitState {
 impl LimitState {
     pub fn new(spec: &Limit, now: Instant) -> LimitState {
         match *spec {
-            Limit::TokenBucket { rate, per, burst, .. } => LimitState::TokenBucket {
+            Limit::TokenBucket {
+                rate, per, burst, ..
+            } => LimitState::TokenBucket {
                 rate: u128::from(rate.get()),
                 per_ns: per.as_nanos(),
                 burst: u128::from(burst.get()),
                 base: now,
                 tat: 0,
             },
-            Limit::SlidingWindow { permits, window, .. } => LimitState::SlidingWindow {
+            Limit::SlidingWindow {
+                permits, window, ..
+            } => LimitState::SlidingWindow {
                 permits: permits.get() as usize,
                 window,
                 taken: VecDeque::new(),
             },
-            Limit::FixedWindow { permits, window, .. } => {
-                LimitState::FixedWindow { permits: permits.get(), window, start: None, count: 0 }
-            }
-            Limit::Concurrency { max, .. } => LimitState::Concurrency { max: max.get(), in_flight: 0 },
+            Limit::FixedWindow {
+                permits, window, ..
+            } => LimitState::FixedWindow {
+                permits: permits.get(),
+                window,
+                start: None,
+                count: 0,
+            },
+            Limit::Concurrency { max, .. } => LimitState::Concurrency {
+                max: max.get(),
+                in_flight: 0,
+            },
         }
     }
 
@@ -74,7 +86,12 @@ impl LimitState {
                     taken.pop_front();
                 }
             }
-            LimitState::FixedWindow { window, start, count, .. } => {
+            LimitState::FixedWindow {
+                window,
+                start,
+                count,
+                ..
+            } => {
                 if start.is_some_and(|s| now >= s + *window) {
                     *start = None;
                     *count = 0;
@@ -88,15 +105,29 @@ impl LimitState {
     pub fn available(&mut self, now: Instant) -> u64 {
         self.refresh(now);
         match self {
-            LimitState::TokenBucket { rate, per_ns, burst, base, tat } => {
+            LimitState::TokenBucket {
+                rate,
+                per_ns,
+                burst,
+                base,
+                tat,
+            } => {
                 let t = scaled(*base, now, *rate);
                 let tau = (*burst - 1) * *per_ns;
                 let next = (*tat).max(t);
                 // Admissions k = 0.. while next + k·T <= t + τ.
-                if next > t + tau { 0 } else { ((t + tau - next) / *per_ns + 1) as u64 }
+                if next > t + tau {
+                    0
+                } else {
+                    ((t + tau - next) / *per_ns + 1) as u64
+                }
             }
-            LimitState::SlidingWindow { permits, taken, .. } => (*permits - taken.len().min(*permits)) as u64,
-            LimitState::FixedWindow { permits, count, .. } => u64::from(*permits - (*count).min(*permits)),
+            LimitState::SlidingWindow { permits, taken, .. } => {
+                (*permits - taken.len().min(*permits)) as u64
+            }
+            LimitState::FixedWindow { permits, count, .. } => {
+                u64::from(*permits - (*count).min(*permits))
+            }
             LimitState::Concurrency { max, in_flight } => u64::from(*max - (*in_flight).min(*max)),
         }
     }
@@ -110,7 +141,13 @@ impl LimitState {
     pub fn take(&mut self, now: Instant) {
         self.refresh(now);
         match self {
-            LimitState::TokenBucket { rate, per_ns, base, tat, .. } => {
+            LimitState::TokenBucket {
+                rate,
+                per_ns,
+                base,
+                tat,
+                ..
+            } => {
                 *tat = (*tat).max(scaled(*base, now, *rate)) + *per_ns;
             }
             LimitState::SlidingWindow { taken, .. } => taken.push_back(now),
@@ -165,7 +202,13 @@ impl LimitState {
         self.refresh(now);
         let n = n.max(1);
         match self {
-            LimitState::TokenBucket { rate, per_ns, burst, base, tat } => {
+            LimitState::TokenBucket {
+                rate,
+                per_ns,
+                burst,
+                base,
+                tat,
+            } => {
                 let t = scaled(*base, now, *rate);
                 let tau = (*burst - 1) * *per_ns;
                 let need = (*tat).max(t) + u128::from(n - 1) * *per_ns;
@@ -176,7 +219,11 @@ impl LimitState {
                 let at_ns = (need - tau).div_ceil(*rate);
                 Some(*base + Duration::from_nanos(u64::try_from(at_ns).unwrap_or(u64::MAX)))
             }
-            LimitState::SlidingWindow { permits, window, taken } => {
+            LimitState::SlidingWindow {
+                permits,
+                window,
+                taken,
+            } => {
                 // Slot i of the window frees at taken[i] + window (free slots: now); the
                 // m-th future admission reuses slot (m-1) mod permits, one window later
                 // for every full turn.
@@ -185,10 +232,19 @@ impl LimitState {
                 let m = n - 1;
                 let slot = m % p;
                 let turns = (m / p) as u32;
-                let base = if slot < free { now } else { taken[(slot - free) as usize] + *window };
+                let base = if slot < free {
+                    now
+                } else {
+                    taken[(slot - free) as usize] + *window
+                };
                 Some(base + *window * turns)
             }
-            LimitState::FixedWindow { permits, window, start, count } => {
+            LimitState::FixedWindow {
+                permits,
+                window,
+                start,
+                count,
+            } => {
                 let p = u64::from(*permits);
                 let (open, used) = match start {
                     Some(s) => (*s, u64::from(*count)),
@@ -211,7 +267,9 @@ impl LimitState {
     pub fn is_pristine(&mut self, now: Instant) -> bool {
         self.refresh(now);
         match self {
-            LimitState::TokenBucket { rate, base, tat, .. } => *tat <= scaled(*base, now, *rate),
+            LimitState::TokenBucket {
+                rate, base, tat, ..
+            } => *tat <= scaled(*base, now, *rate),
             LimitState::SlidingWindow { taken, .. } => taken.is_empty(),
             LimitState::FixedWindow { start, .. } => start.is_none(),
             LimitState::Concurrency { in_flight, .. } => *in_flight == 0,
@@ -237,7 +295,12 @@ mod tests {
     }
 
     fn token(rate: u32, per: Duration, burst: u32, now: Instant) -> LimitState {
-        let spec = Limit::TokenBucket { rate: nz(rate), per, burst: nz(burst), scope: Default::default() };
+        let spec = Limit::TokenBucket {
+            rate: nz(rate),
+            per,
+            burst: nz(burst),
+            scope: Default::default(),
+        };
         LimitState::new(&spec, now)
     }
 
@@ -261,11 +324,22 @@ mod tests {
         let mut l = token(3, Duration::from_secs(1), 6, t0);
         assert_eq!(l.available(t0), 6);
         let got = drive(&mut l, t0, Duration::from_secs(10));
-        assert_eq!(got.iter().filter(|t| **t == t0).count(), 6, "the burst at once");
+        assert_eq!(
+            got.iter().filter(|t| **t == t0).count(),
+            6,
+            "the burst at once"
+        );
         // Then one every 333.33 ms: 6 + 3 per second over 10 s (the last refill lands at 9.999 s).
         assert_eq!(got.len(), 6 + 29);
-        assert_eq!(got[6], t0 + ms(334), "the first refill, rounded up to the next ms");
-        assert_eq!(l.ready_at(1, t0 + ms(10_000)), Some(t0 + Duration::from_nanos(10_000_000_000)));
+        assert_eq!(
+            got[6],
+            t0 + ms(334),
+            "the first refill, rounded up to the next ms"
+        );
+        assert_eq!(
+            l.ready_at(1, t0 + ms(10_000)),
+            Some(t0 + Duration::from_nanos(10_000_000_000))
+        );
     }
 
     #[test]
@@ -274,7 +348,10 @@ mod tests {
         let mut l = token(7, Duration::from_secs(3), 1, t0);
         l.take(t0);
         // Emission interval 3/7 s = 428571428.57 ns: ready at the next whole nanosecond.
-        assert_eq!(l.ready_at(1, t0), Some(t0 + Duration::from_nanos(428_571_429)));
+        assert_eq!(
+            l.ready_at(1, t0),
+            Some(t0 + Duration::from_nanos(428_571_429))
+        );
         assert!(!l.can_take(t0 + Duration::from_nanos(428_571_428)));
         assert!(l.can_take(t0 + Duration::from_nanos(428_571_429)));
         assert_eq!(l.ready_at(7, t0), Some(t0 + Duration::from_secs(3)));
@@ -283,7 +360,11 @@ mod tests {
     #[test]
     fn sliding_window_returns_each_permit_window_after_it_was_taken() {
         let t0 = Instant::now();
-        let spec = Limit::SlidingWindow { permits: nz(3), window: ms(1000), scope: Default::default() };
+        let spec = Limit::SlidingWindow {
+            permits: nz(3),
+            window: ms(1000),
+            scope: Default::default(),
+        };
         let mut l = LimitState::new(&spec, t0);
         l.take(t0);
         l.take(t0 + ms(100));
@@ -300,7 +381,11 @@ mod tests {
     #[test]
     fn fixed_window_opens_at_first_admission() {
         let t0 = Instant::now();
-        let spec = Limit::FixedWindow { permits: nz(2), window: ms(1000), scope: Default::default() };
+        let spec = Limit::FixedWindow {
+            permits: nz(2),
+            window: ms(1000),
+            scope: Default::default(),
+        };
         let mut l = LimitState::new(&spec, t0);
         let first = t0 + ms(300);
         l.take(first);
@@ -320,10 +405,19 @@ mod tests {
     #[test]
     fn concurrency_holds_until_release() {
         let t0 = Instant::now();
-        let mut l = LimitState::new(&Limit::Concurrency { max: nz(2), scope: Default::default() }, t0);
+        let mut l = LimitState::new(
+            &Limit::Concurrency {
+                max: nz(2),
+                scope: Default::default(),
+            },
+            t0,
+        );
         l.take(t0);
         l.take(t0);
-        assert!(!l.can_take(t0 + Duration::from_secs(3600)), "time alone frees nothing");
+        assert!(
+            !l.can_take(t0 + Duration::from_secs(3600)),
+            "time alone frees nothing"
+        );
         assert_eq!(l.ready_at(1, t0), None);
         l.release();
         assert!(l.can_take(t0));
@@ -335,10 +429,26 @@ mod tests {
     fn undo_restores_the_untaken_state() {
         let t0 = Instant::now();
         let specs = [
-            Limit::TokenBucket { rate: nz(1), per: ms(1000), burst: nz(2), scope: Default::default() },
-            Limit::SlidingWindow { permits: nz(2), window: ms(1000), scope: Default::default() },
-            Limit::FixedWindow { permits: nz(2), window: ms(1000), scope: Default::default() },
-            Limit::Concurrency { max: nz(2), scope: Default::default() },
+            Limit::TokenBucket {
+                rate: nz(1),
+                per: ms(1000),
+                burst: nz(2),
+                scope: Default::default(),
+            },
+            Limit::SlidingWindow {
+                permits: nz(2),
+                window: ms(1000),
+                scope: Default::default(),
+            },
+            Limit::FixedWindow {
+                permits: nz(2),
+                window: ms(1000),
+                scope: Default::default(),
+            },
+            Limit::Concurrency {
+                max: nz(2),
+                scope: Default::default(),
+            },
         ];
         for spec in &specs {
             let mut l = LimitState::new(spec, t0);

@@ -1,3 +1,565 @@
-//! The limiter.
+//! The limiter: every request that matches an upstream waits here, FIFO within its
+//! family, until every limit of its upstream and family admits it at one instant.
+//!
+//! - [`kinds`]: the four limit kinds, pure in `now`.
+//! - [`bucket`]: one partition's limits, queues and pauses, and the admission rule.
+//! - this module: the async side. Each (upstream, partition) is a [`Cell`]: one mutex
+//!   over its [`Bucket`], so a request takes all its permits under one lock. Arrivals and
+//!   releases admit inline; a driver task per cell (alive only while someone waits)
+//!   sleeps until the next instant time alone could admit someone. Admitted waiters get
+//!   a [`Grant`] through a oneshot channel; a grant that is never received gives its
+//!   permits back, so a waiter that disappears at the moment it is admitted costs nothing.
+//!   Permit returns are owned by the limiter: sliding windows by their stored instants,
+//!   concurrency by the [`Permit`] guard that the response body carries to its end.
+
 pub mod bucket;
 pub mod kinds;
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use prometheus::{Histogram, IntCounter, IntGauge};
+use serde_json::json;
+use tokio::sync::{Notify, oneshot};
+use tokio::time::Instant;
+
+use bucket::{Admitted, Bucket, FamilySpec, PartitionSpec, Reject};
+use kinds::LimitState;
+
+use crate::config::{Config, Limit, Priority, Upstream};
+use crate::metrics::Metrics;
+use crate::proxy::{Body, BoxError};
+use crate::route::{Partition, Route};
+
+/// How often idle partitions are looked for and dropped.
+pub const SWEEP_EVERY: Duration = Duration::from_secs(5);
+
+/// Metric handles of one (upstream, family), resolved once so the hot path does no
+/// label lookups.
+struct FamilyMetrics {
+    wait: Histogram,
+    depth: IntGauge,
+    queue_full: IntCounter,
+    queue_timeout: IntCounter,
+}
+
+/// An upstream's limits as the limiter uses them, with its metric handles.
+pub struct Plan {
+    name: Arc<str>,
+    spec: PartitionSpec,
+    metrics: Vec<FamilyMetrics>,
+}
+
+impl Plan {
+    fn new(u: &Upstream, metrics: &Metrics) -> Plan {
+        let mut families: Vec<FamilySpec> = u
+            .families
+            .iter()
+            .map(|f| FamilySpec {
+                name: f.name.clone(),
+                priority: f.priority,
+                limits: f.limits.clone(),
+                max_queue: f.policy.max_queue,
+                max_wait: f.policy.max_wait,
+            })
+            .collect();
+        families.push(FamilySpec {
+            name: "-".into(),
+            priority: Priority::Normal,
+            limits: Vec::new(),
+            max_queue: u.policy.max_queue,
+            max_wait: u.policy.max_wait,
+        });
+        let handles = families
+            .iter()
+            .map(|f| {
+                let l = [u.name.as_str(), f.name.as_str()];
+                FamilyMetrics {
+                    wait: metrics.queue_wait.with_label_values(&l),
+                    depth: metrics.queue_depth.with_label_values(&l),
+                    queue_full: metrics
+                        .rejections
+                        .with_label_values(&[l[0], l[1], "queue_full"]),
+                    queue_timeout: metrics.rejections.with_label_values(&[
+                        l[0],
+                        l[1],
+                        "queue_timeout",
+                    ]),
+                }
+            })
+            .collect();
+        Plan {
+            name: Arc::from(u.name.as_str()),
+            spec: PartitionSpec {
+                upstream_limits: u.limits.clone(),
+                families,
+            },
+            metrics: handles,
+        }
+    }
+
+    /// The queue index of a route's family (the last one holds requests of no family).
+    fn family_index(&self, family: Option<usize>) -> usize {
+        family.unwrap_or(self.spec.families.len() - 1)
+    }
+}
+
+/// A request waiting in a queue: where to send its grant.
+struct Waiter {
+    tx: oneshot::Sender<Grant>,
+}
+
+struct CellState {
+    bucket: Bucket<Waiter>,
+    driver: bool,
+}
+
+/// One (upstream, partition): its bucket under one lock, and the driver's wake-up.
+pub struct Cell {
+    plan: Arc<Plan>,
+    partition: Option<Partition>,
+    state: Mutex<CellState>,
+    notify: Notify,
+}
+
+impl Cell {
+    fn lock(&self) -> MutexGuard<'_, CellState> {
+        // Nothing panics while holding this lock; if something did, the state is still
+        // consistent at every await-free step, so keep serving rather than poison.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Admits whoever can go now and hands them their grants. A grant whose waiter is
+    /// already gone is undone on the spot, which may let the next one in.
+    fn dispatch(self: &Arc<Self>, st: &mut CellState, now: Instant) {
+        let mut admitted: Vec<Admitted<Waiter>> = Vec::new();
+        loop {
+            st.bucket.dispatch(now, &mut admitted);
+            if admitted.is_empty() {
+                return;
+            }
+            let mut undone = false;
+            for a in admitted.drain(..) {
+                let m = &self.plan.metrics[a.family];
+                m.depth.dec();
+                m.wait.observe((a.at - a.since).as_secs_f64());
+                let grant = Grant {
+                    permit: Some(Permit {
+                        cell: self.clone(),
+                        family: a.family,
+                        holds: st.bucket.holds_concurrency(a.family),
+                    }),
+                    at: a.at,
+                };
+                if let Err(mut g) = a.waiter.tx.send(grant) {
+                    g.disarm();
+                    st.bucket.undo(a.family, a.at, now);
+                    undone = true;
+                }
+            }
+            if !undone {
+                return;
+            }
+        }
+    }
+
+    /// After a change that may matter to time-based waiting, make sure a driver looks.
+    fn wake_driver(self: &Arc<Self>, st: &mut CellState) {
+        if st.bucket.waiting() == 0 {
+            return;
+        }
+        if st.driver {
+            self.notify.notify_one();
+        } else {
+            st.driver = true;
+            tokio::spawn(drive(self.clone()));
+        }
+    }
+}
+
+/// Sleeps until time alone could admit a waiter, admits, and repeats; ends when nobody
+/// waits. It owns the timing of every permit that comes back with time.
+async fn drive(cell: Arc<Cell>) {
+    loop {
+        let next = {
+            let mut st = cell.lock();
+            let now = Instant::now();
+            cell.dispatch(&mut st, now);
+            if st.bucket.waiting() == 0 {
+                st.driver = false;
+                return;
+            }
+            st.bucket.next_wakeup(now)
+        };
+        match next {
+            Some(at) => tokio::select! {
+                _ = tokio::time::sleep_until(at) => {}
+                _ = cell.notify.notified() => {}
+            },
+            None => cell.notify.notified().await,
+        }
+    }
+}
+
+/// Permits in transit from the limiter to a waiter. Dropped unreceived, it gives them back.
+pub struct Grant {
+    permit: Option<Permit>,
+    at: Instant,
+}
+
+impl Grant {
+    fn disarm(&mut self) {
+        if let Some(mut p) = self.permit.take() {
+            p.holds = false;
+        }
+    }
+
+    fn into_permit(mut self) -> Option<Permit> {
+        self.permit.take()
+    }
+}
+
+impl Drop for Grant {
+    fn drop(&mut self) {
+        let Some(mut permit) = self.permit.take() else {
+            return;
+        };
+        permit.holds = false;
+        let cell = permit.cell.clone();
+        let mut st = cell.lock();
+        let now = Instant::now();
+        st.bucket.undo(permit.family, self.at, now);
+        cell.dispatch(&mut st, now);
+        cell.wake_driver(&mut st);
+    }
+}
+
+/// An admitted request's hold on its concurrency permits, released on drop: when the
+/// response body has been sent, or the request ended any other way (error, client gone,
+/// panic). Rate permits are not held: they come back with time.
+pub struct Permit {
+    cell: Arc<Cell>,
+    family: usize,
+    holds: bool,
+}
+
+impl std::fmt::Debug for Permit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Permit")
+            .field("upstream", &&*self.cell.plan.name)
+            .field("family", &self.family)
+            .field("holds", &self.holds)
+            .finish()
+    }
+}
+
+impl Permit {
+    /// Whether the permit must travel with the response body.
+    pub fn holds_concurrency(&self) -> bool {
+        self.holds
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if !self.holds {
+            return;
+        }
+        let mut st = self.cell.lock();
+        st.bucket.release(self.family);
+        self.cell.dispatch(&mut st, Instant::now());
+        self.cell.wake_driver(&mut st);
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum LimitError {
+    #[error("the queue for this bucket is full")]
+    QueueFull { retry_after: Duration },
+    #[error("admission would take longer than max_wait")]
+    QueueTimeout { retry_after: Duration },
+}
+
+impl From<Reject> for LimitError {
+    fn from(r: Reject) -> Self {
+        match r {
+            Reject::QueueFull { retry_after } => LimitError::QueueFull { retry_after },
+            Reject::QueueTimeout { retry_after } => LimitError::QueueTimeout { retry_after },
+        }
+    }
+}
+
+type CellKey = (Arc<str>, Option<Partition>);
+
+/// All partitions of all upstreams, and the plans they are built from.
+pub struct Limiter {
+    plans: RwLock<Vec<Arc<Plan>>>,
+    cells: RwLock<HashMap<CellKey, Arc<Cell>>>,
+}
+
+impl Limiter {
+    pub fn new(config: &Config, metrics: &Metrics) -> Limiter {
+        Limiter {
+            plans: RwLock::new(
+                config
+                    .upstreams
+                    .iter()
+                    .map(|u| Arc::new(Plan::new(u, metrics)))
+                    .collect(),
+            ),
+            cells: RwLock::new(HashMap::new()),
+        }
+    }
+
+    fn cell(&self, route: &Route) -> Option<Arc<Cell>> {
+        let plan = self
+            .plans
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(route.upstream)?
+            .clone();
+        let key = (plan.name.clone(), route.partition);
+        if let Some(c) = self
+            .cells
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+        {
+            return Some(c.clone());
+        }
+        let mut cells = self.cells.write().unwrap_or_else(|e| e.into_inner());
+        let cell = cells.entry(key).or_insert_with(|| {
+            Arc::new(Cell {
+                state: Mutex::new(CellState {
+                    bucket: Bucket::new(&plan.spec, Instant::now()),
+                    driver: false,
+                }),
+                partition: route.partition,
+                plan: plan.clone(),
+                notify: Notify::new(),
+            })
+        });
+        Some(cell.clone())
+    }
+
+    /// Waits, FIFO within the route's family, until every limit admits the request.
+    /// Dropping the future while it waits leaves the queue and takes nothing.
+    pub async fn acquire(&self, route: &Route) -> Result<Option<Permit>, LimitError> {
+        let Some(cell) = self.cell(route) else {
+            return Ok(None);
+        };
+        let family = cell.plan.family_index(route.family);
+        let metrics = &cell.plan.metrics[family];
+        let max_wait = cell.plan.spec.families[family].max_wait;
+        let (mut rx, seq) = {
+            let mut st = cell.lock();
+            let now = Instant::now();
+            if let Err(r) = st.bucket.check(family, now) {
+                match r {
+                    Reject::QueueFull { .. } => metrics.queue_full.inc(),
+                    Reject::QueueTimeout { .. } => metrics.queue_timeout.inc(),
+                }
+                return Err(r.into());
+            }
+            let (tx, rx) = oneshot::channel();
+            let seq = st.bucket.push(family, Waiter { tx }, now);
+            metrics.depth.inc();
+            cell.dispatch(&mut st, now);
+            cell.wake_driver(&mut st);
+            (rx, seq)
+        };
+        if let Ok(grant) = rx.try_recv() {
+            return Ok(grant.into_permit());
+        }
+        let mut guard = Queued {
+            cell: &cell,
+            family,
+            seq,
+            armed: true,
+        };
+        match tokio::time::timeout(max_wait, &mut rx).await {
+            Ok(Ok(grant)) => {
+                guard.armed = false;
+                Ok(grant.into_permit())
+            }
+            // The sender went away without a grant: the cell was dropped under us,
+            // which only a reload can do. Count it as running out of time.
+            Ok(Err(_)) | Err(_) => {
+                let retry_after = {
+                    let mut st = cell.lock();
+                    st.bucket.timeout_hint(family, seq, Instant::now())
+                };
+                metrics.queue_timeout.inc();
+                drop(guard);
+                // Admitted in the same instant the wait ran out: `rx` drops the grant,
+                // which gives the permits back.
+                Err(LimitError::QueueTimeout { retry_after })
+            }
+        }
+    }
+
+    /// Pauses a route's family (`family = true`) or its whole upstream, for this
+    /// partition, until `until`: the 429 cool-down hook.
+    pub fn pause(&self, route: &Route, family: bool, until: Instant) {
+        let Some(cell) = self.cell(route) else { return };
+        let mut st = cell.lock();
+        let f = family.then(|| cell.plan.family_index(route.family));
+        st.bucket.pause(f, until);
+        cell.wake_driver(&mut st);
+    }
+
+    /// Drops partitions nobody uses that are back to their initial state; returns how
+    /// many remain. Memory is thus bounded by the partitions active recently.
+    pub fn sweep(&self) -> usize {
+        let now = Instant::now();
+        let mut cells = self.cells.write().unwrap_or_else(|e| e.into_inner());
+        // Only the map holds an idle cell (no waiter, driver, permit or grant has a
+        // clone), and the write lock keeps anyone from taking a new one meanwhile.
+        cells.retain(|_, c| Arc::strong_count(c) > 1 || !c.lock().bucket.is_idle(now));
+        let live = cells.len();
+        cells.shrink_to(live * 2);
+        live
+    }
+
+    pub fn partitions(&self) -> usize {
+        self.cells.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Every live bucket for `/buckets`: one entry for each partition's upstream limits and
+    /// one per family, with available permits, queue depth and remaining pause.
+    pub fn snapshot(&self) -> serde_json::Value {
+        let now = Instant::now();
+        let cells: Vec<Arc<Cell>> = self
+            .cells
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        let mut out = Vec::new();
+        for cell in cells {
+            let mut st = cell.lock();
+            let partition = cell
+                .partition
+                .map_or_else(|| "-".to_string(), |p| p.short());
+            let b = &mut st.bucket;
+            let paused =
+                |t: Option<Instant>| t.filter(|t| *t > now).map(|t| (t - now).as_secs_f64());
+            out.push(json!({
+                "upstream": &*cell.plan.name,
+                "family": null,
+                "partition": partition,
+                "limits": limits_json(&cell.plan.spec.upstream_limits, &mut b.upstream, now),
+                "queue_depth": b.waiting(),
+                "paused_for_seconds": paused(b.paused_until),
+            }));
+            let last = b.families.len() - 1;
+            for (i, f) in cell.plan.spec.families.iter().enumerate() {
+                let fb = &mut b.families[i];
+                // The queue of requests in no family is shown only while it holds some.
+                if i == last && fb.queue.is_empty() {
+                    continue;
+                }
+                out.push(json!({
+                    "upstream": &*cell.plan.name,
+                    "family": f.name,
+                    "partition": partition,
+                    "priority": f.priority,
+                    "limits": limits_json(&f.limits, &mut fb.limits, now),
+                    "queue_depth": fb.queue.len(),
+                    "paused_for_seconds": paused(fb.paused_until),
+                }));
+            }
+        }
+        serde_json::Value::Array(out)
+    }
+}
+
+fn limits_json(specs: &[Limit], states: &mut [LimitState], now: Instant) -> serde_json::Value {
+    specs
+        .iter()
+        .zip(states.iter_mut())
+        .map(|(spec, state)| {
+            let mut v = serde_json::to_value(spec).unwrap_or(serde_json::Value::Null);
+            if let Some(o) = v.as_object_mut() {
+                o.insert("available".into(), state.available(now).into());
+            }
+            v
+        })
+        .collect()
+}
+
+/// A waiter's place in a queue; leaving scope without a grant removes it.
+struct Queued<'a> {
+    cell: &'a Arc<Cell>,
+    family: usize,
+    seq: u64,
+    armed: bool,
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let mut st = self.cell.lock();
+        if st.bucket.cancel(self.family, self.seq).is_some() {
+            self.cell.plan.metrics[self.family].depth.dec();
+            // A head that leaves may unblock the next one in its family.
+            self.cell.dispatch(&mut st, Instant::now());
+            self.cell.wake_driver(&mut st);
+        }
+    }
+}
+
+/// A response body that carries the request's concurrency permit until the body has been
+/// sent to the end, or dropped.
+pub struct PermitBody {
+    inner: Body,
+    permit: Option<Permit>,
+}
+
+impl PermitBody {
+    pub fn wrap(inner: Body, permit: Option<Permit>) -> Body {
+        match permit {
+            Some(p) if p.holds_concurrency() => http_body_util::BodyExt::boxed_unsync(PermitBody {
+                inner,
+                permit: Some(p),
+            }),
+            _ => inner,
+        }
+    }
+}
+
+impl HttpBody for PermitBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        let r = Pin::new(&mut this.inner).poll_frame(cx);
+        if matches!(r, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
+            this.permit = None;
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests;

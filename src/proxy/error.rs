@@ -9,6 +9,7 @@ use http::{HeaderValue, Response, StatusCode, header};
 use super::{Body, BoxError, full};
 use crate::config::units::fmt_duration;
 use crate::egress::EgressError;
+use crate::limit::LimitError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
@@ -24,6 +25,8 @@ pub enum ProxyError {
     UnmatchedDenied,
     #[error(transparent)]
     Egress(EgressError),
+    #[error(transparent)]
+    Limit(#[from] LimitError),
     #[error("upstream unreachable: {0}")]
     UpstreamUnreachable(#[source] BoxError),
     #[error("total_timeout of {} ran out", fmt_duration(*.0))]
@@ -40,6 +43,8 @@ impl ProxyError {
             }
             ProxyError::Egress(_) | ProxyError::UpstreamUnreachable(_) => "upstream_unreachable",
             ProxyError::TotalTimeout(_) => "total_timeout",
+            ProxyError::Limit(LimitError::QueueFull { .. }) => "queue_full",
+            ProxyError::Limit(LimitError::QueueTimeout { .. }) => "queue_timeout",
         }
     }
 
@@ -48,7 +53,18 @@ impl ProxyError {
             "bad_request" => StatusCode::BAD_REQUEST,
             "denied" => StatusCode::FORBIDDEN,
             "total_timeout" => StatusCode::GATEWAY_TIMEOUT,
+            "queue_full" | "queue_timeout" => StatusCode::TOO_MANY_REQUESTS,
             _ => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    /// The `Retry-After` a local response carries, when waiting helps.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ProxyError::Limit(
+                LimitError::QueueFull { retry_after } | LimitError::QueueTimeout { retry_after },
+            ) => Some(*retry_after),
+            _ => None,
         }
     }
 
@@ -69,6 +85,9 @@ impl ProxyError {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        if let Some(after) = self.retry_after() {
+            h.insert(header::RETRY_AFTER, HeaderValue::from(after.as_secs()));
+        }
         resp
     }
 }

@@ -5,7 +5,7 @@
 //! total timeout          (here)           ends in 504 total_timeout
 //! └─ retry loop          (issue 4)
 //!    └─ circuit breaker  (issue 4)
-//!       └─ limiter       (issue 3)        FIFO admission within every limit
+//!       └─ limiter       (here)           FIFO admission within every limit
 //!          └─ attempt timeout (issue 4)
 //!             └─ upstream call (here)     pooled client
 //! ```
@@ -17,6 +17,7 @@ use super::Body;
 use super::error::ProxyError;
 use crate::app::App;
 use crate::config::Config;
+use crate::limit::PermitBody;
 use crate::route::Route;
 
 /// Sends `req` (already stripped and addressed to the upstream) under the route's policy.
@@ -34,7 +35,15 @@ pub async fn run(
         None => &config.defaults,
     };
     let total = policy.total_timeout;
-    match tokio::time::timeout(total, attempt(app, config, route, req)).await {
+    let limited = async {
+        let permit = match route {
+            Some(r) => app.limiter.acquire(r).await?,
+            None => None,
+        };
+        let resp = attempt(app, config, route, req).await?;
+        Ok(resp.map(|body| PermitBody::wrap(body, permit)))
+    };
+    match tokio::time::timeout(total, limited).await {
         Ok(result) => result,
         Err(_) => Err(ProxyError::TotalTimeout(total)),
     }

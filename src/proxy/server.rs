@@ -89,6 +89,7 @@ impl Server {
             stop: CancellationToken::new(),
         };
         let admin_task = tokio::spawn(admin::serve(app.clone(), admin, lc.stop.clone()));
+        let sweeper = tokio::spawn(sweep_idle_partitions(app.clone(), lc.stop.clone()));
         tracing::info!(
             listen = %proxy.local_addr().map_or("?".into(), |a| a.to_string()),
             "sluice is ready"
@@ -124,7 +125,20 @@ impl Server {
         lc.stop.cancel();
         lc.tracker.wait().await;
         let _ = admin_task.await;
+        let _ = sweeper.await;
         tracing::info!("shutdown complete");
+    }
+}
+
+/// Drops partitions that are idle and full again, so memory follows active keys.
+async fn sweep_idle_partitions(app: Arc<App>, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(crate::limit::SWEEP_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => { app.limiter.sweep(); }
+            _ = stop.cancelled() => return,
+        }
     }
 }
 

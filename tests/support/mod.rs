@@ -30,6 +30,7 @@ use sluice::{App, Config, Server};
 /// What the upstream saw of one request.
 #[derive(Debug, Clone)]
 pub struct Seen {
+    pub at: tokio::time::Instant,
     pub method: String,
     pub uri: String,
     pub headers: Vec<(String, String)>,
@@ -46,7 +47,8 @@ impl Seen {
 
 /// A hyper server answering by path:
 /// `/echo` streams the request body back; `/chunked/N` sends N chunks without a length;
-/// `/status/NNN` answers that status; `/slow/MS` waits before answering; anything else
+/// `/status/NNN` answers that status; `/slow/MS` waits before answering; `/drip/N/MS`
+/// sends N chunks MS milliseconds apart; anything else
 /// answers 200 `hello`. Every response carries hop-by-hop fields sluice must strip.
 pub struct Upstream {
     pub addr: SocketAddr,
@@ -107,6 +109,7 @@ impl Upstream {
 
 async fn respond(req: Request<Incoming>, seen: &Mutex<Vec<Seen>>) -> Response<TestBody> {
     seen.lock().unwrap().push(Seen {
+        at: tokio::time::Instant::now(),
         method: req.method().to_string(),
         uri: req.uri().to_string(),
         headers: req
@@ -132,6 +135,21 @@ async fn respond(req: Request<Incoming>, seen: &Mutex<Vec<Seen>>) -> Response<Te
             Response::new(BodyExt::boxed(StreamBody::new(futures_util::stream::iter(
                 chunks,
             ))))
+        }
+        "drip" => {
+            let (n, gap) = arg.split_once('/').unwrap_or(("3", "100"));
+            let (n, gap): (u64, u64) = (n.parse().unwrap_or(3), gap.parse().unwrap_or(100));
+            let chunks = futures_util::stream::unfold(0, move |i| async move {
+                if i == n {
+                    return None;
+                }
+                tokio::time::sleep(Duration::from_millis(gap)).await;
+                Some((
+                    Ok::<_, BoxError>(Frame::data(Bytes::from(format!("drip-{i};")))),
+                    i + 1,
+                ))
+            });
+            Response::new(BodyExt::boxed(StreamBody::new(chunks)))
         }
         "status" => {
             let mut r = text("status");

@@ -14,24 +14,49 @@ fn ms(v: u64) -> Duration {
     Duration::from_millis(v)
 }
 fn sliding(p: u32, w: u64) -> Limit {
-    Limit::SlidingWindow { permits: nz(p), window: ms(w), scope: Scope::Local }
+    Limit::SlidingWindow {
+        permits: nz(p),
+        window: ms(w),
+        scope: Scope::Local,
+    }
 }
 fn fixed(p: u32, w: u64) -> Limit {
-    Limit::FixedWindow { permits: nz(p), window: ms(w), scope: Scope::Local }
+    Limit::FixedWindow {
+        permits: nz(p),
+        window: ms(w),
+        scope: Scope::Local,
+    }
 }
 fn token(rate: u32, per: u64, burst: u32) -> Limit {
-    Limit::TokenBucket { rate: nz(rate), per: ms(per), burst: nz(burst), scope: Scope::Local }
+    Limit::TokenBucket {
+        rate: nz(rate),
+        per: ms(per),
+        burst: nz(burst),
+        scope: Scope::Local,
+    }
 }
 fn conc(max: u32) -> Limit {
-    Limit::Concurrency { max: nz(max), scope: Scope::Local }
+    Limit::Concurrency {
+        max: nz(max),
+        scope: Scope::Local,
+    }
 }
 fn fam(name: &str, priority: Priority, limits: Vec<Limit>) -> FamilySpec {
-    FamilySpec { name: name.into(), priority, limits, max_queue: 1000, max_wait: Duration::from_secs(30) }
+    FamilySpec {
+        name: name.into(),
+        priority,
+        limits,
+        max_queue: 1000,
+        max_wait: Duration::from_secs(30),
+    }
 }
 fn spec(upstream: Vec<Limit>, families: Vec<FamilySpec>) -> PartitionSpec {
     let mut families = families;
     families.push(fam("-", Priority::Normal, vec![]));
-    PartitionSpec { upstream_limits: upstream, families }
+    PartitionSpec {
+        upstream_limits: upstream,
+        families,
+    }
 }
 
 /// Admits at `now` and returns the waiter ids admitted, in order.
@@ -44,7 +69,13 @@ fn run(b: &mut Bucket<u32>, now: Instant) -> Vec<u32> {
 #[test]
 fn fifo_within_a_family() {
     let t0 = Instant::now();
-    let mut b = Bucket::new(&spec(vec![], vec![fam("f", Priority::Normal, vec![sliding(2, 1000)])]), t0);
+    let mut b = Bucket::new(
+        &spec(
+            vec![],
+            vec![fam("f", Priority::Normal, vec![sliding(2, 1000)])],
+        ),
+        t0,
+    );
     for id in 0..6 {
         b.push(0, id, t0);
     }
@@ -60,7 +91,10 @@ fn a_saturated_family_does_not_delay_another() {
     let t0 = Instant::now();
     let s = spec(
         vec![fixed(100, 60_000)],
-        vec![fam("orders", Priority::High, vec![sliding(1, 1000)]), fam("catalog", Priority::Normal, vec![])],
+        vec![
+            fam("orders", Priority::High, vec![sliding(1, 1000)]),
+            fam("catalog", Priority::Normal, vec![]),
+        ],
     );
     let mut b = Bucket::new(&s, t0);
     b.push(0, 1, t0);
@@ -68,7 +102,11 @@ fn a_saturated_family_does_not_delay_another() {
     assert_eq!(run(&mut b, t0), [1]);
     b.push(1, 10, t0 + ms(1));
     b.push(1, 11, t0 + ms(1));
-    assert_eq!(run(&mut b, t0 + ms(1)), [10, 11], "catalog goes while orders waits");
+    assert_eq!(
+        run(&mut b, t0 + ms(1)),
+        [10, 11],
+        "catalog goes while orders waits"
+    );
     assert_eq!(run(&mut b, t0 + ms(1000)), [2]);
 }
 
@@ -77,7 +115,11 @@ fn priority_then_arrival_on_a_shared_limit_and_low_still_served() {
     let t0 = Instant::now();
     let s = spec(
         vec![sliding(1, 100)],
-        vec![fam("low", Priority::Low, vec![]), fam("high", Priority::High, vec![]), fam("normal", Priority::Normal, vec![])],
+        vec![
+            fam("low", Priority::Low, vec![]),
+            fam("high", Priority::High, vec![]),
+            fam("normal", Priority::Normal, vec![]),
+        ],
     );
     let mut b = Bucket::new(&s, t0);
     assert_eq!(b.push(0, 1, t0), 0);
@@ -89,13 +131,20 @@ fn priority_then_arrival_on_a_shared_limit_and_low_still_served() {
     for step in 0..5 {
         order.extend(run(&mut b, t0 + ms(100 * step)));
     }
-    assert_eq!(order, [10, 11, 20, 1, 2], "high, then normal, then low once high is idle");
+    assert_eq!(
+        order,
+        [10, 11, 20, 1, 2],
+        "high, then normal, then low once high is idle"
+    );
 }
 
 #[test]
 fn multi_limit_admission_takes_all_or_nothing() {
     let t0 = Instant::now();
-    let s = spec(vec![fixed(10, 60_000)], vec![fam("f", Priority::Normal, vec![conc(1)])]);
+    let s = spec(
+        vec![fixed(10, 60_000)],
+        vec![fam("f", Priority::Normal, vec![conc(1)])],
+    );
     let mut b = Bucket::new(&s, t0);
     b.push(0, 1, t0);
     b.push(0, 2, t0);
@@ -113,7 +162,13 @@ fn multi_limit_admission_takes_all_or_nothing() {
 #[test]
 fn pause_holds_order_and_resumes_within_the_burst() {
     let t0 = Instant::now();
-    let mut b = Bucket::new(&spec(vec![], vec![fam("f", Priority::Normal, vec![token(10, 1000, 3)])]), t0);
+    let mut b = Bucket::new(
+        &spec(
+            vec![],
+            vec![fam("f", Priority::Normal, vec![token(10, 1000, 3)])],
+        ),
+        t0,
+    );
     b.pause(Some(0), t0 + ms(5000));
     for id in 0..10 {
         b.push(0, id, t0);
@@ -121,7 +176,11 @@ fn pause_holds_order_and_resumes_within_the_burst() {
     assert!(run(&mut b, t0).is_empty());
     assert!(run(&mut b, t0 + ms(4999)).is_empty());
     assert_eq!(b.next_wakeup(t0 + ms(10)), Some(t0 + ms(5000)));
-    assert_eq!(run(&mut b, t0 + ms(5000)), [0, 1, 2], "no more than the burst at once");
+    assert_eq!(
+        run(&mut b, t0 + ms(5000)),
+        [0, 1, 2],
+        "no more than the burst at once"
+    );
     assert_eq!(run(&mut b, t0 + ms(5100)), [3]);
     // A shorter pause never cuts a longer one short; an upstream pause stops every family.
     b.pause(Some(0), t0 + ms(9000));
@@ -135,7 +194,10 @@ fn pause_holds_order_and_resumes_within_the_burst() {
 #[test]
 fn bounds_reject_at_once_with_a_hint() {
     let t0 = Instant::now();
-    let mut s = spec(vec![], vec![fam("f", Priority::Normal, vec![sliding(1, 2000)])]);
+    let mut s = spec(
+        vec![],
+        vec![fam("f", Priority::Normal, vec![sliding(1, 2000)])],
+    );
     s.families[0].max_queue = 3;
     s.families[0].max_wait = ms(5000);
     let mut b = Bucket::new(&s, t0);
@@ -147,7 +209,12 @@ fn bounds_reject_at_once_with_a_hint() {
         assert_eq!(b.check(0, t0), Ok(()));
         b.push(0, id, t0);
     }
-    assert_eq!(b.check(0, t0), Err(Reject::QueueTimeout { retry_after: Duration::from_secs(6) }));
+    assert_eq!(
+        b.check(0, t0),
+        Err(Reject::QueueTimeout {
+            retry_after: Duration::from_secs(6)
+        })
+    );
     let mut s2 = s.clone();
     s2.families[0].limits = vec![conc(1)];
     let mut b2: Bucket<u32> = Bucket::new(&s2, t0);
@@ -161,7 +228,13 @@ fn bounds_reject_at_once_with_a_hint() {
 #[test]
 fn a_cancelled_waiter_takes_nothing() {
     let t0 = Instant::now();
-    let mut b = Bucket::new(&spec(vec![sliding(1, 1000)], vec![fam("f", Priority::Normal, vec![])]), t0);
+    let mut b = Bucket::new(
+        &spec(
+            vec![sliding(1, 1000)],
+            vec![fam("f", Priority::Normal, vec![])],
+        ),
+        t0,
+    );
     b.push(0, 0, t0);
     assert_eq!(run(&mut b, t0), [0]);
     let s1 = b.push(0, 1, t0);
@@ -175,13 +248,19 @@ fn a_cancelled_waiter_takes_nothing() {
 #[test]
 fn idle_once_everything_is_back() {
     let t0 = Instant::now();
-    let s = spec(vec![token(1, 1000, 1)], vec![fam("f", Priority::Normal, vec![conc(2), fixed(5, 1000)])]);
+    let s = spec(
+        vec![token(1, 1000, 1)],
+        vec![fam("f", Priority::Normal, vec![conc(2), fixed(5, 1000)])],
+    );
     let mut b = Bucket::new(&s, t0);
     assert!(b.is_idle(t0));
     b.push(0, 0, t0);
     let mut out = Vec::new();
     b.dispatch(t0, &mut out);
-    assert!(!b.is_idle(t0 + ms(5000)), "a concurrency permit is still out");
+    assert!(
+        !b.is_idle(t0 + ms(5000)),
+        "a concurrency permit is still out"
+    );
     b.release(0);
     assert!(!b.is_idle(t0 + ms(999)));
     assert!(b.is_idle(t0 + ms(1000)));
@@ -207,13 +286,20 @@ fn op() -> impl Strategy<Value = Op> {
 /// Checks one limit's promise against the admissions that paid it.
 fn check_limit(limit: &Limit, admitted: &[Instant], in_flight_max: u32) {
     match *limit {
-        Limit::SlidingWindow { permits, window, .. } => {
+        Limit::SlidingWindow {
+            permits, window, ..
+        } => {
             for (i, t) in admitted.iter().enumerate() {
                 let in_window = admitted[..=i].iter().filter(|a| **a + window > *t).count();
-                assert!(in_window <= permits.get() as usize, "sliding window exceeded at {i}");
+                assert!(
+                    in_window <= permits.get() as usize,
+                    "sliding window exceeded at {i}"
+                );
             }
         }
-        Limit::FixedWindow { permits, window, .. } => {
+        Limit::FixedWindow {
+            permits, window, ..
+        } => {
             let mut start: Option<Instant> = None;
             let mut count = 0;
             for t in admitted {
@@ -225,17 +311,24 @@ fn check_limit(limit: &Limit, admitted: &[Instant], in_flight_max: u32) {
                 assert!(count <= permits.get(), "fixed window exceeded");
             }
         }
-        Limit::TokenBucket { rate, per, burst, .. } => {
+        Limit::TokenBucket {
+            rate, per, burst, ..
+        } => {
             for i in 0..admitted.len() {
                 for j in i..admitted.len() {
                     let span = admitted[j] - admitted[i];
                     let allowed = u128::from(burst.get())
                         + span.as_nanos() * u128::from(rate.get()) / per.as_nanos();
-                    assert!((j - i + 1) as u128 <= allowed, "token bucket exceeded between {i} and {j}");
+                    assert!(
+                        (j - i + 1) as u128 <= allowed,
+                        "token bucket exceeded between {i} and {j}"
+                    );
                 }
             }
         }
-        Limit::Concurrency { max, .. } => assert!(in_flight_max <= max.get(), "concurrency exceeded"),
+        Limit::Concurrency { max, .. } => {
+            assert!(in_flight_max <= max.get(), "concurrency exceeded")
+        }
     }
 }
 

@@ -1,0 +1,300 @@
+//! The async limiter under paused tokio time: admission instants are exact, and every
+//! way a waiter can leave is checked for leaked permits.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus::Registry;
+use tokio::time::Instant;
+
+use super::*;
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::route::Route;
+
+fn limiter(limits_toml: &str) -> (Arc<Limiter>, Metrics) {
+    let text = format!("[[upstream]]\nname = \"u\"\nhosts = [\"u.example\"]\n{limits_toml}");
+    let config = Config::parse(&text, "t.toml").unwrap_or_else(|e| panic!("{e}"));
+    let metrics = Metrics::new(Registry::new()).unwrap();
+    (Arc::new(Limiter::new(&config, &metrics)), metrics)
+}
+
+fn route(family: Option<usize>) -> Route {
+    Route {
+        upstream: 0,
+        family,
+        partition: None,
+    }
+}
+
+/// Starts `n` acquirers in order and returns the instant each was admitted, holding
+/// each permit for `hold`.
+async fn admissions(l: &Arc<Limiter>, r: Route, n: usize, hold: Duration) -> Vec<Duration> {
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..n {
+        let l = l.clone();
+        tasks.push(tokio::spawn(async move {
+            let p = l.acquire(&r).await.unwrap();
+            let at = Instant::now() - t0;
+            tokio::time::sleep(hold).await;
+            drop(p);
+            at
+        }));
+        // Let it queue before the next one arrives, so arrival order is defined.
+        tokio::task::yield_now().await;
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+fn secs(v: &[Duration]) -> Vec<f64> {
+    v.iter()
+        .map(|d| (d.as_secs_f64() * 1000.0).round() / 1000.0)
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn sliding_window_shapes_a_burst() {
+    let (l, m) =
+        limiter("limits = [{ kind = \"sliding_window\", permits = 3, window = \"1s\" }]\n");
+    let got = admissions(&l, route(None), 9, Duration::from_secs(5)).await;
+    assert_eq!(secs(&got), [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0]);
+    let wait = m.queue_wait.with_label_values(&["u", "-"]);
+    assert_eq!(wait.get_sample_count(), 9);
+    assert!(
+        (wait.get_sample_sum() - 9.0).abs() < 0.01,
+        "3×0 + 3×1 + 3×2 s"
+    );
+    assert_eq!(m.queue_depth.with_label_values(&["u", "-"]).get(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn concurrency_permit_is_held_until_dropped() {
+    let (l, _) = limiter("limits = [{ kind = \"concurrency\", max = 2 }]\n");
+    let got = admissions(&l, route(None), 6, Duration::from_millis(300)).await;
+    assert_eq!(secs(&got), [0.0, 0.0, 0.3, 0.3, 0.6, 0.6]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn fixed_window_and_token_bucket_together() {
+    let (l, _) = limiter(
+        "limits = [{ kind = \"fixed_window\", permits = 4, window = \"10s\" }]\n\
+         [[upstream.family]]\nname = \"f\"\nlimits = [{ kind = \"token_bucket\", rate = 2, per = \"1s\", burst = 2 }]\n",
+    );
+    let got = admissions(&l, route(Some(0)), 6, Duration::ZERO).await;
+    // Token bucket: 2 at once, then one per 500 ms; the fixed window caps 4 per 10 s from
+    // the first admission.
+    assert_eq!(secs(&got), [0.0, 0.0, 0.5, 1.0, 10.0, 10.0]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_that_leaves_takes_nothing_and_the_queue_moves_on() {
+    let (l, m) =
+        limiter("limits = [{ kind = \"sliding_window\", permits = 1, window = \"1s\" }]\n");
+    let first = l.acquire(&route(None)).await.unwrap();
+    drop(first);
+    let leaver = {
+        let l = l.clone();
+        tokio::spawn(async move { l.acquire(&route(None)).await.map(|_| ()) })
+    };
+    tokio::task::yield_now().await;
+    let stayer = {
+        let l = l.clone();
+        tokio::spawn(async move {
+            l.acquire(&route(None)).await.unwrap();
+            Instant::now()
+        })
+    };
+    tokio::task::yield_now().await;
+    assert_eq!(m.queue_depth.with_label_values(&["u", "-"]).get(), 2);
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    leaver.abort();
+    assert!(leaver.await.unwrap_err().is_cancelled());
+    assert_eq!(m.queue_depth.with_label_values(&["u", "-"]).get(), 1);
+    let at = stayer.await.unwrap();
+    assert_eq!(
+        at - t0,
+        Duration::from_secs(1),
+        "the next in line gets the permit the leaver would have had"
+    );
+    assert_eq!(m.queue_depth.with_label_values(&["u", "-"]).get(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_grant_that_is_never_received_is_given_back() {
+    use std::future::Future;
+    use std::task::{Context, Poll};
+
+    let (l, _) = limiter(
+        "limits = [{ kind = \"concurrency\", max = 1 }, { kind = \"sliding_window\", permits = 5, window = \"1m\" }]\n",
+    );
+    let held = l.acquire(&route(None)).await.unwrap();
+    let r = route(None);
+    let mut waiting = Box::pin(l.acquire(&r));
+    let waker = std::task::Waker::noop();
+    assert!(matches!(
+        waiting.as_mut().poll(&mut Context::from_waker(waker)),
+        Poll::Pending
+    ));
+    // Releasing admits the waiter and sends its grant; the waiter is dropped before it
+    // ever looks at it.
+    drop(held);
+    drop(waiting);
+    let cell = l.cell(&route(None)).unwrap();
+    let mut st = cell.lock();
+    let now = Instant::now();
+    assert_eq!(
+        st.bucket.upstream[0].available(now),
+        1,
+        "concurrency permit back"
+    );
+    assert_eq!(
+        st.bucket.upstream[1].available(now),
+        4,
+        "only the first request counted in the window"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn queue_bounds_answer_at_once() {
+    let (l, m) = limiter(
+        "max_queue = 2\nmax_wait = \"3s\"\nlimits = [{ kind = \"sliding_window\", permits = 1, window = \"1s\" }]\n",
+    );
+    let _p = l.acquire(&route(None)).await.unwrap();
+    let mut queued = Vec::new();
+    for _ in 0..2 {
+        let l = l.clone();
+        queued.push(tokio::spawn(async move {
+            l.acquire(&route(None)).await.map(|_| ())
+        }));
+        tokio::task::yield_now().await;
+    }
+    // Positions would wait 1 s, 2 s; a third would wait 3 s, but the queue holds 2.
+    let t0 = Instant::now();
+    let full = l.acquire(&route(None)).await.err();
+    assert_eq!(
+        full,
+        Some(LimitError::QueueFull {
+            retry_after: Duration::from_secs(3)
+        })
+    );
+    assert_eq!(Instant::now(), t0, "answered at once");
+    assert_eq!(
+        m.rejections
+            .with_label_values(&["u", "-", "queue_full"])
+            .get(),
+        1
+    );
+    for q in queued {
+        q.await.unwrap().unwrap();
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unknowable_wait_ends_at_max_wait() {
+    let (l, m) = limiter("max_wait = \"2s\"\nlimits = [{ kind = \"concurrency\", max = 1 }]\n");
+    let held = l.acquire(&route(None)).await.unwrap();
+    let t0 = Instant::now();
+    let r = l.acquire(&route(None)).await;
+    assert!(matches!(r, Err(LimitError::QueueTimeout { .. })), "{r:?}");
+    assert_eq!(Instant::now() - t0, Duration::from_secs(2));
+    assert_eq!(
+        m.rejections
+            .with_label_values(&["u", "-", "queue_timeout"])
+            .get(),
+        1
+    );
+    assert_eq!(m.queue_depth.with_label_values(&["u", "-"]).get(), 0);
+    drop(held);
+    assert!(
+        l.acquire(&route(None)).await.is_ok(),
+        "the timed-out waiter took nothing"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_known_wait_beyond_max_wait_is_refused_at_once() {
+    let (l, _) = limiter(
+        "max_wait = \"1500ms\"\nlimits = [{ kind = \"fixed_window\", permits = 1, window = \"1m\" }]\n",
+    );
+    let _p = l.acquire(&route(None)).await.unwrap();
+    let t0 = Instant::now();
+    let r = l.acquire(&route(None)).await;
+    assert_eq!(
+        r.err(),
+        Some(LimitError::QueueTimeout {
+            retry_after: Duration::from_secs(60)
+        })
+    );
+    assert_eq!(Instant::now(), t0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn pause_stops_admission_until_the_instant() {
+    let (l, _) =
+        limiter("limits = [{ kind = \"token_bucket\", rate = 10, per = \"1s\", burst = 2 }]\n");
+    let t0 = Instant::now();
+    l.pause(&route(None), false, t0 + Duration::from_secs(3));
+    let got = admissions(&l, route(None), 4, Duration::ZERO).await;
+    assert_eq!(secs(&got), [3.0, 3.0, 3.1, 3.2], "the burst, then the rate");
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_partitions_are_dropped() {
+    let (l, _) = limiter(
+        "key = \"header:Authorization\"\nlimits = [{ kind = \"sliding_window\", permits = 5, window = \"10s\" }]\n",
+    );
+    for i in 0..10_000u32 {
+        let r = Route {
+            upstream: 0,
+            family: None,
+            partition: Some(crate::route::Partition::of(&i.to_be_bytes())),
+        };
+        drop(l.acquire(&r).await.unwrap());
+    }
+    assert_eq!(l.partitions(), 10_000);
+    assert_eq!(l.sweep(), 10_000, "still counting their windows");
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(l.sweep(), 0, "full again and unused: gone");
+}
+
+#[tokio::test(start_paused = true)]
+async fn snapshot_lists_buckets_without_raw_keys() {
+    let (l, _) = limiter(
+        "key = \"header:Authorization\"\nlimits = [{ kind = \"sliding_window\", permits = 5, window = \"10s\" }]\n\
+         [[upstream.family]]\nname = \"f\"\nlimits = [{ kind = \"concurrency\", max = 3 }]\n",
+    );
+    let p = crate::route::Partition::of(b"Bearer secret");
+    let _permit = l
+        .acquire(&Route {
+            upstream: 0,
+            family: Some(0),
+            partition: Some(p),
+        })
+        .await
+        .unwrap();
+    l.pause(
+        &Route {
+            upstream: 0,
+            family: Some(0),
+            partition: Some(p),
+        },
+        true,
+        Instant::now() + Duration::from_secs(4),
+    );
+    let v = l.snapshot();
+    let text = v.to_string();
+    assert!(!text.contains("secret"));
+    let arr = v.as_array().unwrap();
+    assert_eq!(arr.len(), 2, "{v}");
+    assert_eq!(arr[0]["partition"], p.short());
+    assert_eq!(arr[0]["limits"][0]["available"], 4);
+    assert_eq!(arr[1]["family"], "f");
+    assert_eq!(arr[1]["limits"][0]["available"], 2);
+    assert_eq!(arr[1]["paused_for_seconds"], 4.0);
+}
