@@ -2,7 +2,9 @@
 //! Names and labels are the contract in PRODUCT.md; label values are bounded (upstream and
 //! family names from the config, status codes, reasons), never hosts, URLs or keys.
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
 
 #[derive(Clone)]
 pub struct Metrics {
@@ -19,6 +21,8 @@ pub struct Metrics {
     pub queue_depth: IntGaugeVec,
     /// `{upstream, family, reason}`: requests refused by the limiter's bounds.
     pub rejections: IntCounterVec,
+    /// Live partitions (sets of buckets) over all upstreams, as of the last sweep.
+    pub partitions: IntGauge,
 }
 
 /// 1 ms to 60 s, roughly ×2.5 per step: resolves fast APIs and long queue waits alike.
@@ -69,6 +73,11 @@ impl Metrics {
             ),
             &["upstream", "family", "reason"],
         )?;
+        let partitions = IntGauge::new(
+            "sluice_partitions",
+            "Live partitions (one per upstream and key value) as of the last idle sweep",
+        )?;
+        registry.register(Box::new(partitions.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(upstream_responses.clone()))?;
         registry.register(Box::new(upstream_duration.clone()))?;
@@ -83,6 +92,7 @@ impl Metrics {
             queue_wait,
             queue_depth,
             rejections,
+            partitions,
         })
     }
 

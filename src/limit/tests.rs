@@ -298,3 +298,24 @@ async fn snapshot_lists_buckets_without_raw_keys() {
     assert_eq!(arr[1]["limits"][0]["available"], 2);
     assert_eq!(arr[1]["paused_for_seconds"], 4.0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_handler_gives_its_permit_back() {
+    let (l, _) = limiter("limits = [{ kind = \"concurrency\", max = 1 }]\n");
+    let task = {
+        let l = l.clone();
+        tokio::spawn(async move {
+            let _permit = l.acquire(&route(None)).await.unwrap();
+            panic!("handler bug");
+        })
+    };
+    assert!(task.await.unwrap_err().is_panic());
+    let t0 = Instant::now();
+    let again = l.acquire(&route(None)).await.unwrap();
+    assert_eq!(
+        Instant::now(),
+        t0,
+        "admitted at once: the permit came back during unwinding"
+    );
+    drop(again);
+}

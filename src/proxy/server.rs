@@ -136,9 +136,28 @@ async fn sweep_idle_partitions(app: Arc<App>, stop: CancellationToken) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = tick.tick() => { app.limiter.sweep(); }
+            _ = tick.tick() => {
+                let before = app.limiter.partitions();
+                let live = app.limiter.sweep();
+                app.metrics.partitions.set(i64::try_from(live).unwrap_or(i64::MAX));
+                if before.saturating_sub(live) >= 1024 {
+                    return_freed_memory();
+                }
+            }
             _ = stop.cancelled() => return,
         }
+    }
+}
+
+/// After many partitions are dropped, hands the freed heap back to the OS. glibc keeps
+/// freed memory in its per-thread arenas otherwise, so a burst of 100k keys would leave
+/// the resident size at its peak for good.
+fn return_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free pages of the allocator's own arenas; it
+    // touches no memory in use and may be called from any thread at any time.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
 

@@ -1,0 +1,127 @@
+//! Limiter micro-benchmarks: admissions per second uncontended, under 64 tasks on one
+//! bucket, and the cost of an admission while 10k waiters are queued.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use prometheus::Registry;
+use sluice::config::Config;
+use sluice::limit::Limiter;
+use sluice::metrics::Metrics;
+use sluice::route::Route;
+
+fn limiter(limits: &str) -> Arc<Limiter> {
+    let text = format!(
+        "[[upstream]]\nname = \"u\"\nhosts = [\"u.example\"]\nmax_queue = 100000\nmax_wait = \"1h\"\n{limits}"
+    );
+    let config = Config::parse(&text, "bench.toml").expect("bench config");
+    Arc::new(Limiter::new(
+        &config,
+        &Metrics::new(Registry::new()).expect("metrics"),
+    ))
+}
+
+const ROUTE: Route = Route {
+    upstream: 0,
+    family: None,
+    partition: None,
+};
+const GENEROUS: &str = "limits = [{ kind = \"token_bucket\", rate = 1000000000, per = \"1s\", burst = 1000000000 }, \
+                        { kind = \"sliding_window\", permits = 1000000000, window = \"1ms\" }]\n";
+
+fn uncontended(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let l = limiter(GENEROUS);
+    let mut g = c.benchmark_group("limiter");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("uncontended admission", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let start = tokio::time::Instant::now();
+                for _ in 0..iters {
+                    drop(l.acquire(&ROUTE).await);
+                }
+                start.elapsed()
+            })
+        })
+    });
+
+    let rt2 = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    g.bench_function("64 tasks, one bucket", |b| {
+        b.iter_custom(|iters| {
+            rt2.block_on(async {
+                let per_task = iters.div_ceil(64);
+                let start = tokio::time::Instant::now();
+                let tasks: Vec<_> = (0..64)
+                    .map(|_| {
+                        let l = l.clone();
+                        tokio::spawn(async move {
+                            for _ in 0..per_task {
+                                drop(l.acquire(&ROUTE).await);
+                            }
+                        })
+                    })
+                    .collect();
+                for t in tasks {
+                    t.await.expect("task");
+                }
+                start
+                    .elapsed()
+                    .mul_f64(iters as f64 / (per_task * 64) as f64)
+            })
+        })
+    });
+    g.finish();
+}
+
+/// 10k tasks wait on a concurrency limit of 1; each admitted one releases at once, so
+/// the queue drains one by one. Time per admission includes the waiter's wake-up.
+fn ten_thousand_waiters(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let l = limiter("limits = [{ kind = \"concurrency\", max = 1 }]\n");
+    let mut g = c.benchmark_group("limiter");
+    g.sample_size(10);
+    g.throughput(Throughput::Elements(10_000));
+    g.bench_function("drain 10k queued waiters", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let gate = l.acquire(&ROUTE).await;
+                    let tasks: Vec<_> = (0..10_000)
+                        .map(|_| {
+                            let l = l.clone();
+                            tokio::spawn(async move { drop(l.acquire(&ROUTE).await) })
+                        })
+                        .collect();
+                    // Let every task queue up before the clock starts.
+                    for _ in 0..4 {
+                        tokio::task::yield_now().await;
+                    }
+                    let start = tokio::time::Instant::now();
+                    drop(gate);
+                    for t in tasks {
+                        t.await.expect("task");
+                    }
+                    total += start.elapsed();
+                }
+                total
+            })
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, uncontended, ten_thousand_waiters);
+criterion_main!(benches);
