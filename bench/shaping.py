@@ -1,0 +1,122 @@
+"""Runs the shaping benchmark (see shaping.sh) and prints a Markdown table.
+
+The upstream is nginx with `limit_req` at 50 r/s (burst 10, nodelay), serving a file
+through try_files so the limit applies; excess requests get 429. sluice holds a token
+bucket of 48/s with the same burst in front of it. wrk drives 40 connections.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+SECONDS = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+CONNS = 40
+NGINX_PORT, PROXY_PORT, ADMIN_PORT = 18100, 13148, 19921
+RATE, BURST, SLUICE_RATE = 50, 10, 48
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLUICE = os.path.join(ROOT, "target", "release", "sluice")
+work = tempfile.mkdtemp(prefix="sluice-shape-")
+procs = []
+
+
+def start(cmd, **kw):
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
+    procs.append(p)
+    return p
+
+
+def wait_http(url):
+    for _ in range(100):
+        try:
+            return urllib.request.urlopen(url, timeout=2).read().decode()
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"{url} never answered")
+
+
+def wrk(url, script=None):
+    cmd = ["wrk", "-t2", f"-c{CONNS}", f"-d{SECONDS}s", "--timeout", "60s"]
+    if script:
+        cmd += ["-s", script]
+    out = subprocess.run(cmd + [url], capture_output=True, text=True, check=True).stdout
+    total = int(re.search(r"(\d+) requests in", out).group(1))
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    return total, int(non2xx.group(1)) if non2xx else 0
+
+
+def main():
+    os.chmod(work, 0o755)  # nginx's workers run as nobody and must read the files
+    www = os.path.join(work, "www")
+    os.makedirs(www)
+    with open(os.path.join(www, "item.json"), "w") as f:
+        f.write('{"ok": true}\n')
+    conf = os.path.join(work, "nginx.conf")
+    with open(conf, "w") as f:
+        f.write(f"""worker_processes 1; daemon off; pid {work}/nginx.pid; error_log {work}/error.log;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  limit_req_zone $server_name zone=api:1m rate={RATE}r/s;
+  server {{
+    listen 127.0.0.1:{NGINX_PORT};
+    server_name api;
+    root {www};
+    location / {{
+      limit_req zone=api burst={BURST} nodelay;
+      limit_req_status 429;
+      try_files $uri =404;
+    }}
+  }}
+}}
+""")
+    start(["nginx", "-c", conf, "-p", work])
+    sconf = os.path.join(work, "sluice.toml")
+    with open(sconf, "w") as f:
+        f.write(f"""[proxy]
+listen = "127.0.0.1:{PROXY_PORT}"
+admin = "127.0.0.1:{ADMIN_PORT}"
+[[upstream]]
+name = "api"
+hosts = ["127.0.0.1:{NGINX_PORT}"]
+limits = [{{ kind = "token_bucket", rate = {SLUICE_RATE}, per = "1s", burst = {BURST} }}]
+""")
+    start([SLUICE, "run", "-c", sconf], env={**os.environ, "RUST_LOG": "warn"})
+    wait_http(f"http://127.0.0.1:{ADMIN_PORT}/readyz")
+    url = f"http://127.0.0.1:{NGINX_PORT}/item.json"
+    wait_http(url)
+    time.sleep(1)  # let nginx's bucket drain the probe
+    script = os.path.join(work, "proxy.lua")
+    with open(script, "w") as f:
+        f.write(f'wrk.path = "{url}"\n')
+
+    direct_total, direct_429 = wrk(url)
+    time.sleep(1)
+    total, non2xx = wrk(f"http://127.0.0.1:{PROXY_PORT}", script)
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{ADMIN_PORT}/metrics").read().decode()
+    up429 = sum(int(v) for v in re.findall(r'sluice_upstream_responses_total\{[^}]*status="429"[^}]*\} (\d+)', metrics))
+    ok = total - non2xx
+    configured = SLUICE_RATE * SECONDS + BURST
+    print(f"\nwrk -t2 -c{CONNS} -d{SECONDS}s against nginx limit_req {RATE} r/s (burst {BURST});"
+          f" sluice token_bucket {SLUICE_RATE}/s burst {BURST}\n")
+    print("| path | 200s | 200/s | of sluice's rate | upstream 429s |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| direct | {direct_total - direct_429} | {(direct_total - direct_429) / SECONDS:.1f} | – | {direct_429} |")
+    print(f"| through sluice | {ok} | {ok / SECONDS:.1f} | {ok / configured * 100:.1f}% | {up429} |")
+    if non2xx != up429:
+        print(f"\n(other non-2xx through sluice: {non2xx - up429})")
+
+
+try:
+    main()
+finally:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=10)
+    shutil.rmtree(work, ignore_errors=True)
