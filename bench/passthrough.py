@@ -7,63 +7,26 @@ over all of them; each figure is the median of the rounds with the min-max besid
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
+
+from common import SLUICE, Procs, rss_kib, wait_http
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 10
 CONNS = int(sys.argv[3]) if len(sys.argv) > 3 else 32
 NGINX_PORT, NGINX_PORT_MATCHED = 18080, 18081
 PROXY_PORT, ADMIN_PORT = 13128, 19901
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SLUICE = os.path.join(ROOT, "target", "release", "sluice")
 
 work = tempfile.mkdtemp(prefix="sluice-bench-")
-procs = []
-
-
-def start(cmd, **kw):
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
-    procs.append(p)
-    return p
-
-
-def stop_all():
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    shutil.rmtree(work, ignore_errors=True)
-
-
-def wait_http(url):
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(url, timeout=1).read()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"{url} never answered")
+procs = Procs()
 
 
 def cpu_seconds(pid):
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_kib(pid):
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
 
 
 def ms(value, unit):
@@ -102,7 +65,7 @@ http {{
   }}
 }}
 """)
-    start(["nginx", "-c", nginx_conf, "-p", work])
+    procs.start(["nginx", "-c", nginx_conf, "-p", work])
     sluice_conf = os.path.join(work, "sluice.toml")
     with open(sluice_conf, "w") as f:
         f.write(f"""
@@ -116,12 +79,10 @@ hosts = ["127.0.0.1:{NGINX_PORT_MATCHED}"]
   name = "all"
   paths = ["/**"]
 """)
-    sluice = start([SLUICE, "run", "-c", sluice_conf], env={**os.environ, "RUST_LOG": "warn"})
+    sluice = procs.start([SLUICE, "run", "-c", sluice_conf], env={**os.environ, "RUST_LOG": "warn"})
     wait_http(f"http://127.0.0.1:{NGINX_PORT_MATCHED}/")
     wait_http(f"http://127.0.0.1:{ADMIN_PORT}/readyz")
-    for p in procs:
-        if p.poll() is not None:
-            raise SystemExit(f"{p.args[0]} exited at start (port in use?)")
+    procs.check_alive()
 
     scripts = {}
     for name, port in [("unmatched", NGINX_PORT), ("matched", NGINX_PORT_MATCHED)]:
@@ -170,4 +131,5 @@ hosts = ["127.0.0.1:{NGINX_PORT_MATCHED}"]
 try:
     main()
 finally:
-    stop_all()
+    procs.stop_all()
+    shutil.rmtree(work, ignore_errors=True)

@@ -8,36 +8,19 @@ bucket of 48/s with the same burst in front of it. wrk drives 40 connections.
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+
+from common import SLUICE, Procs, get, wait_http
 
 SECONDS = int(sys.argv[1]) if len(sys.argv) > 1 else 20
 CONNS = 40
 NGINX_PORT, PROXY_PORT, ADMIN_PORT = 18100, 13148, 19921
 RATE, BURST, SLUICE_RATE = 50, 10, 48
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SLUICE = os.path.join(ROOT, "target", "release", "sluice")
 work = tempfile.mkdtemp(prefix="sluice-shape-")
-procs = []
-
-
-def start(cmd, **kw):
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
-    procs.append(p)
-    return p
-
-
-def wait_http(url):
-    for _ in range(100):
-        try:
-            return urllib.request.urlopen(url, timeout=2).read().decode()
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"{url} never answered")
+procs = Procs()
 
 
 def wrk(url, script=None):
@@ -75,7 +58,7 @@ http {{
   }}
 }}
 """)
-    start(["nginx", "-c", conf, "-p", work])
+    procs.start(["nginx", "-c", conf, "-p", work])
     sconf = os.path.join(work, "sluice.toml")
     with open(sconf, "w") as f:
         f.write(f"""[proxy]
@@ -86,7 +69,7 @@ name = "api"
 hosts = ["127.0.0.1:{NGINX_PORT}"]
 limits = [{{ kind = "token_bucket", rate = {SLUICE_RATE}, per = "1s", burst = {BURST} }}]
 """)
-    start([SLUICE, "run", "-c", sconf], env={**os.environ, "RUST_LOG": "warn"})
+    procs.start([SLUICE, "run", "-c", sconf], env={**os.environ, "RUST_LOG": "warn"})
     wait_http(f"http://127.0.0.1:{ADMIN_PORT}/readyz")
     url = f"http://127.0.0.1:{NGINX_PORT}/item.json"
     wait_http(url)
@@ -98,7 +81,7 @@ limits = [{{ kind = "token_bucket", rate = {SLUICE_RATE}, per = "1s", burst = {B
     direct_total, direct_429 = wrk(url)
     time.sleep(1)
     total, non2xx = wrk(f"http://127.0.0.1:{PROXY_PORT}", script)
-    metrics = urllib.request.urlopen(f"http://127.0.0.1:{ADMIN_PORT}/metrics").read().decode()
+    metrics = get(f"http://127.0.0.1:{ADMIN_PORT}/metrics")
     up429 = sum(int(v) for v in re.findall(r'sluice_upstream_responses_total\{[^}]*status="429"[^}]*\} (\d+)', metrics))
     ok = total - non2xx
     configured = SLUICE_RATE * SECONDS + BURST
@@ -115,8 +98,5 @@ limits = [{{ kind = "token_bucket", rate = {SLUICE_RATE}, per = "1s", burst = {B
 try:
     main()
 finally:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            p.wait(timeout=10)
+    procs.stop_all()
     shutil.rmtree(work, ignore_errors=True)

@@ -13,54 +13,17 @@ import os
 import re
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+
+from common import SLUICE, Procs, get, rss_kib, wait_http
 
 NGINX_PORT, PROXY_PORT, ADMIN_PORT = 18090, 13138, 19911
 QUEUED = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SLUICE = os.path.join(ROOT, "target", "release", "sluice")
 work = tempfile.mkdtemp(prefix="sluice-wait-")
-procs = []
-
-
-def start(cmd, **kw):
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
-    procs.append(p)
-    return p
-
-
-def stop(p):
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
-def get(url):
-    return urllib.request.urlopen(url, timeout=10).read().decode()
-
-
-def wait_http(url):
-    for _ in range(100):
-        try:
-            return get(url)
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"{url} never answered")
-
-
-def rss_kib(pid):
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+procs = Procs()
 
 
 def metric(name):
@@ -74,7 +37,7 @@ def sluice(config):
     with open(path, "w") as f:
         f.write(f'[proxy]\nlisten = "127.0.0.1:{PROXY_PORT}"\nadmin = "127.0.0.1:{ADMIN_PORT}"\n'
                 f'drain_timeout = "1s"\n{config}')
-    p = start([SLUICE, "run", "-c", path], env={**os.environ, "RUST_LOG": "warn"})
+    p = procs.start([SLUICE, "run", "-c", path], env={**os.environ, "RUST_LOG": "warn"})
     wait_http(f"http://127.0.0.1:{ADMIN_PORT}/readyz")
     return p
 
@@ -133,7 +96,7 @@ limits = [{{ kind = "concurrency", max = 1 }}]
     after = rss_kib(p.pid)
     holder.close()
     stall.close()
-    stop(p)
+    procs.stop(p)
     per = (during - before) * 1024 / max(depth, 1)
     print(f"| {depth} requests queued on one bucket | {before / 1024:.1f} MiB | {during / 1024:.1f} MiB "
           f"| {per / 1024:.1f} KiB per queued request | {after / 1024:.1f} MiB after clients left |")
@@ -168,7 +131,7 @@ end
     time.sleep(8)  # windows empty, next sweep drops them
     after = rss_kib(p.pid)
     gone = metric("sluice_partitions")
-    stop(p)
+    procs.stop(p)
     print(f"| {sent} distinct keys | {before / 1024:.1f} MiB | {peak / 1024:.1f} MiB with {live} partitions "
           f"| {(peak - before) * 1024 / max(live, 1):.0f} B per partition "
           f"| {after / 1024:.1f} MiB with {gone} partitions after the sweep |")
@@ -185,7 +148,7 @@ def main():
 events {{ worker_connections 4096; }}
 http {{ access_log off; server {{ listen 127.0.0.1:{NGINX_PORT}; location / {{ return 200 "ok\\n"; }} }} }}
 """)
-    start(["nginx", "-c", conf, "-p", work])
+    procs.start(["nginx", "-c", conf, "-p", work])
     wait_http(f"http://127.0.0.1:{NGINX_PORT}/")
     print("| load | RSS before | RSS under load | per unit | afterwards |")
     print("| --- | --- | --- | --- | --- |")
@@ -196,6 +159,5 @@ http {{ access_log off; server {{ listen 127.0.0.1:{NGINX_PORT}; location / {{ r
 try:
     main()
 finally:
-    for p in procs:
-        stop(p)
+    procs.stop_all()
     shutil.rmtree(work, ignore_errors=True)

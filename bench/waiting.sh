@@ -4,12 +4,5 @@
 # Loopback only; every process is started here and stopped by PID.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-missing=()
-command -v wrk >/dev/null || missing+=(wrk)
-command -v nginx >/dev/null || missing+=(nginx-light)
-if ((${#missing[@]})); then
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
-cargo build --release --quiet
+source bench/prepare.sh
 exec python3 bench/waiting.py "$@"
