@@ -11,12 +11,14 @@ use crate::config::Config;
 use crate::egress::{Lookup, Resolver};
 use crate::limit::Limiter;
 use crate::metrics::Metrics;
+use crate::policy::Policies;
 use crate::proxy::client::UpstreamClient;
 
 pub struct App {
     config: watch::Sender<Arc<Config>>,
     pub metrics: Metrics,
     pub limiter: Limiter,
+    pub policies: Policies,
     pub(crate) client: UpstreamClient,
     pub(crate) resolver: Resolver,
     draining: AtomicBool,
@@ -43,11 +45,13 @@ impl AppBuilder {
     pub fn build(self) -> prometheus::Result<Arc<App>> {
         let metrics = Metrics::new(self.registry)?;
         let limiter = Limiter::new(&self.config, &metrics);
+        let policies = Policies::new(&self.config, &metrics);
         let (config, _) = watch::channel(Arc::new(self.config));
         Ok(Arc::new(App {
             config,
             metrics,
             limiter,
+            policies,
             client: UpstreamClient::new(self.resolver.clone()),
             resolver: self.resolver,
             draining: AtomicBool::new(false),

@@ -7,6 +7,7 @@ use http::{HeaderMap, Method, Uri};
 
 use crate::config::units::fmt_duration;
 use crate::config::{Config, Jitter, Limit, Policy, Priority, RetryOn, TlsMode, Unmatched};
+use crate::policy::is_idempotent;
 use crate::route::normalize_host;
 
 impl fmt::Display for Limit {
@@ -48,14 +49,6 @@ impl fmt::Display for Limit {
         }
         Ok(())
     }
-}
-
-/// Methods RFC 9110 calls idempotent; POST and PATCH only with an idempotency key.
-pub fn is_idempotent(method: &Method) -> bool {
-    matches!(
-        method.as_str(),
-        "GET" | "HEAD" | "OPTIONS" | "TRACE" | "PUT" | "DELETE"
-    )
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -30,6 +30,7 @@ pub mod egress;
 pub mod explain;
 pub mod limit;
 pub mod metrics;
+pub mod policy;
 pub mod proxy;
 pub mod route;
 

@@ -21,6 +21,15 @@ pub struct Metrics {
     pub queue_depth: IntGaugeVec,
     /// `{upstream, family, reason}`: requests refused by the limiter's bounds.
     pub rejections: IntCounterVec,
+    /// `{upstream, family, action}`: upstream 429s by what was done about them.
+    pub upstream_429: IntCounterVec,
+    /// `{upstream, family, reason}`: retries made (reason: status or failure) or refused
+    /// (`budget_exhausted`).
+    pub retries: IntCounterVec,
+    /// `{upstream, state}`: 1 for the current state of each upstream's circuit.
+    pub breaker_state: IntGaugeVec,
+    /// `{upstream, family, state}`: the same for families with a circuit of their own.
+    pub family_breaker_state: IntGaugeVec,
     /// Live partitions (sets of buckets) over all upstreams, as of the last sweep.
     pub partitions: IntGauge,
 }
@@ -77,6 +86,38 @@ impl Metrics {
             "sluice_partitions",
             "Live partitions (one per upstream and key value) as of the last idle sweep",
         )?;
+        let upstream_429 = IntCounterVec::new(
+            Opts::new(
+                "sluice_upstream_429_total",
+                "Upstream 429 responses by the action taken",
+            ),
+            &["upstream", "family", "action"],
+        )?;
+        let retries = IntCounterVec::new(
+            Opts::new(
+                "sluice_retries_total",
+                "Retries made, by cause, or refused by the budget",
+            ),
+            &["upstream", "family", "reason"],
+        )?;
+        let breaker_state = IntGaugeVec::new(
+            Opts::new(
+                "sluice_breaker_state",
+                "1 for the current state of the upstream's circuit",
+            ),
+            &["upstream", "state"],
+        )?;
+        let family_breaker_state = IntGaugeVec::new(
+            Opts::new(
+                "sluice_family_breaker_state",
+                "1 for the current state of a family's own circuit",
+            ),
+            &["upstream", "family", "state"],
+        )?;
+        registry.register(Box::new(upstream_429.clone()))?;
+        registry.register(Box::new(retries.clone()))?;
+        registry.register(Box::new(breaker_state.clone()))?;
+        registry.register(Box::new(family_breaker_state.clone()))?;
         registry.register(Box::new(partitions.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(upstream_responses.clone()))?;
@@ -93,6 +134,10 @@ impl Metrics {
             queue_depth,
             rejections,
             partitions,
+            upstream_429,
+            retries,
+            breaker_state,
+            family_breaker_state,
         })
     }
 

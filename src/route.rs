@@ -133,6 +133,12 @@ impl Config {
         })
     }
 
+    /// The policy a route runs under: its family's, else its upstream's.
+    pub fn policy(&self, route: &Route) -> &crate::config::Policy {
+        let u = &self.upstreams[route.upstream];
+        route.family.map_or(&u.policy, |f| &u.families[f].policy)
+    }
+
     /// Metric labels for a route: `("unmatched", "-")` when there is none.
     pub fn labels(&self, route: Option<&Route>) -> (&str, &str) {
         match route {

@@ -20,8 +20,8 @@ use sha2::{Digest, Sha256};
 
 pub use pattern::{HostPattern, PathGlob};
 pub use spec::{
-    Action, CooldownScope, Jitter, LimitSpec as Limit, OnRedisError, Priority, RetryOn, Scheme,
-    Scope, TlsMode, Unmatched,
+    Action, BudgetSpec, CooldownScope, Jitter, LimitSpec as Limit, OnRedisError, Priority, RetryOn,
+    Scheme, Scope, TlsMode, Unmatched,
 };
 use spec::{BreakerSpec, ConfigSpec, PolicySpec, RetrySpec};
 use units::ser_duration;
@@ -108,6 +108,15 @@ pub struct RetryPolicy {
     pub max_retry_after: Duration,
     #[serde(serialize_with = "ser_header_name")]
     pub idempotency_header: HeaderName,
+    pub budget: BudgetPolicy,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BudgetPolicy {
+    pub ratio: f64,
+    pub min_per_second: u32,
+    #[serde(serialize_with = "ser_duration")]
+    pub window: Duration,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -316,6 +325,11 @@ fn builtin_policy() -> Policy {
             ],
             max_retry_after: Duration::from_secs(60),
             idempotency_header: HeaderName::from_static("idempotency-key"),
+            budget: BudgetPolicy {
+                ratio: 0.2,
+                min_per_second: 10,
+                window: Duration::from_secs(10),
+            },
         },
         breaker: BreakerPolicy {
             failure_ratio: 0.5,
@@ -371,12 +385,28 @@ fn merge_retry(base: &RetryPolicy, over: &RetrySpec) -> Result<RetryPolicy> {
         })?,
         None => base.idempotency_header.clone(),
     };
+    let mut budget = base.budget.clone();
+    if let Some(b) = &over.budget {
+        if let Some(r) = &b.ratio {
+            let v = *r.get_ref();
+            if !(0.0..=10.0).contains(&v) {
+                return Err(invalid(
+                    r.span(),
+                    format!("budget ratio must be in [0, 10], got {v}"),
+                ));
+            }
+            budget.ratio = v;
+        }
+        budget.min_per_second = b.min_per_second.unwrap_or(budget.min_per_second);
+        budget.window = b.window.map_or(budget.window, |d| d.0);
+    }
     Ok(RetryPolicy {
         max_attempts: over.max_attempts.map_or(base.max_attempts, |v| v.get()),
         backoff,
         on: over.on.clone().unwrap_or_else(|| base.on.clone()),
         max_retry_after: over.max_retry_after.map_or(base.max_retry_after, |d| d.0),
         idempotency_header,
+        budget,
     })
 }
 

@@ -61,6 +61,16 @@ pub struct RetrySpec {
     pub on: Option<Vec<RetryOn>>,
     pub max_retry_after: Option<Dur>,
     pub idempotency_header: Option<Spanned<String>>,
+    pub budget: Option<BudgetSpec>,
+}
+
+/// Retry budget: retries may add `ratio` of the requests plus `min_per_second`.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetSpec {
+    pub ratio: Option<Spanned<f64>>,
+    pub min_per_second: Option<u32>,
+    pub window: Option<PosDur>,
 }
 
 #[derive(Debug, Default, Clone, Deserialize)]

@@ -16,13 +16,9 @@ pub mod bucket;
 pub mod kinds;
 
 use std::collections::HashMap;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body::{Body as HttpBody, Frame, SizeHint};
 use prometheus::{Histogram, IntCounter, IntGauge};
 use serde_json::json;
 use tokio::sync::{Notify, oneshot};
@@ -33,7 +29,6 @@ use kinds::LimitState;
 
 use crate::config::{Config, Limit, Priority, Upstream};
 use crate::metrics::Metrics;
-use crate::proxy::{Body, BoxError};
 use crate::route::{Partition, Route};
 
 /// How often idle partitions are looked for and dropped.
@@ -514,50 +509,6 @@ impl Drop for Queued<'_> {
             self.cell.dispatch(&mut st, Instant::now());
             self.cell.wake_driver(&mut st);
         }
-    }
-}
-
-/// A response body that carries the request's concurrency permit until the body has been
-/// sent to the end, or dropped.
-pub struct PermitBody {
-    inner: Body,
-    permit: Option<Permit>,
-}
-
-impl PermitBody {
-    pub fn wrap(inner: Body, permit: Option<Permit>) -> Body {
-        match permit {
-            Some(p) if p.holds_concurrency() => http_body_util::BodyExt::boxed_unsync(PermitBody {
-                inner,
-                permit: Some(p),
-            }),
-            _ => inner,
-        }
-    }
-}
-
-impl HttpBody for PermitBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = &mut *self;
-        let r = Pin::new(&mut this.inner).poll_frame(cx);
-        if matches!(r, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
-            this.permit = None;
-        }
-        r
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }
 

@@ -10,8 +10,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
-use super::Body;
-use super::error::{ProxyError, find_cause};
+use super::error::{ProxyError, chain, find_cause};
+use super::{Body, BoxError};
+use crate::config::RetryOn;
 use crate::egress::{EgressError, Resolver};
 
 #[derive(Clone)]
@@ -34,15 +35,60 @@ impl UpstreamClient {
         UpstreamClient { inner }
     }
 
-    pub async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, ProxyError> {
-        self.inner
-            .request(req)
-            .await
-            .map_err(|e| match find_cause::<EgressError>(&e) {
-                Some(EgressError::Denied { addr }) => {
-                    ProxyError::Egress(EgressError::Denied { addr: *addr })
-                }
-                _ => ProxyError::UpstreamUnreachable(Box::new(e)),
-            })
+    pub async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, AttemptError> {
+        self.inner.request(req).await.map_err(|e| {
+            if let Some(EgressError::Denied { addr }) = find_cause::<EgressError>(&e) {
+                AttemptError::Denied(EgressError::Denied { addr: *addr })
+            } else if e.is_connect() {
+                AttemptError::Connect(Box::new(e))
+            } else {
+                AttemptError::Reset(Box::new(e))
+            }
+        })
+    }
+}
+
+/// How one upstream attempt failed, in the terms of `retry.on`.
+#[derive(Debug, thiserror::Error)]
+pub enum AttemptError {
+    #[error("connect failed: {}", chain(&**.0))]
+    Connect(BoxError),
+    #[error("connection failed after the request was sent: {}", chain(&**.0))]
+    Reset(BoxError),
+    #[error("no response headers within attempt_timeout ({0:?})")]
+    Timeout(Duration),
+    #[error(transparent)]
+    Denied(EgressError),
+}
+
+impl AttemptError {
+    /// The `retry.on` entry this failure answers to, if any.
+    pub fn retry_on(&self) -> Option<RetryOn> {
+        match self {
+            AttemptError::Connect(_) => Some(RetryOn::Connect),
+            AttemptError::Reset(_) => Some(RetryOn::Reset),
+            AttemptError::Timeout(_) => Some(RetryOn::Timeout),
+            AttemptError::Denied(_) => None,
+        }
+    }
+
+    /// For `sluice_retries_total{reason}`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            AttemptError::Connect(_) => "connect",
+            AttemptError::Reset(_) => "reset",
+            AttemptError::Timeout(_) => "timeout",
+            AttemptError::Denied(_) => "denied",
+        }
+    }
+}
+
+impl From<AttemptError> for ProxyError {
+    fn from(e: AttemptError) -> ProxyError {
+        match e {
+            AttemptError::Denied(d) => ProxyError::Egress(d),
+            AttemptError::Timeout(t) => ProxyError::UpstreamTimeout(t),
+            other => ProxyError::UpstreamUnreachable(Box::new(other)),
+        }
     }
 }

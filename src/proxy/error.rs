@@ -10,6 +10,7 @@ use super::{Body, BoxError, full};
 use crate::config::units::fmt_duration;
 use crate::egress::EgressError;
 use crate::limit::LimitError;
+use crate::limit::bucket::retry_after as whole_seconds;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
@@ -27,6 +28,10 @@ pub enum ProxyError {
     Egress(EgressError),
     #[error(transparent)]
     Limit(#[from] LimitError),
+    #[error("the upstream's circuit is open; retry in {}", fmt_duration(*retry_after))]
+    BreakerOpen { retry_after: Duration },
+    #[error("no response from the upstream within attempt_timeout ({})", fmt_duration(*.0))]
+    UpstreamTimeout(Duration),
     #[error("upstream unreachable: {0}")]
     UpstreamUnreachable(#[source] BoxError),
     #[error("total_timeout of {} ran out", fmt_duration(*.0))]
@@ -43,6 +48,8 @@ impl ProxyError {
             }
             ProxyError::Egress(_) | ProxyError::UpstreamUnreachable(_) => "upstream_unreachable",
             ProxyError::TotalTimeout(_) => "total_timeout",
+            ProxyError::BreakerOpen { .. } => "breaker_open",
+            ProxyError::UpstreamTimeout(_) => "upstream_timeout",
             ProxyError::Limit(LimitError::QueueFull { .. }) => "queue_full",
             ProxyError::Limit(LimitError::QueueTimeout { .. }) => "queue_timeout",
         }
@@ -52,7 +59,8 @@ impl ProxyError {
         match self.reason() {
             "bad_request" => StatusCode::BAD_REQUEST,
             "denied" => StatusCode::FORBIDDEN,
-            "total_timeout" => StatusCode::GATEWAY_TIMEOUT,
+            "total_timeout" | "upstream_timeout" => StatusCode::GATEWAY_TIMEOUT,
+            "breaker_open" => StatusCode::SERVICE_UNAVAILABLE,
             "queue_full" | "queue_timeout" => StatusCode::TOO_MANY_REQUESTS,
             _ => StatusCode::BAD_GATEWAY,
         }
@@ -63,7 +71,8 @@ impl ProxyError {
         match self {
             ProxyError::Limit(
                 LimitError::QueueFull { retry_after } | LimitError::QueueTimeout { retry_after },
-            ) => Some(*retry_after),
+            )
+            | ProxyError::BreakerOpen { retry_after } => Some(*retry_after),
             _ => None,
         }
     }
@@ -86,7 +95,10 @@ impl ProxyError {
             HeaderValue::from_static("application/json"),
         );
         if let Some(after) = self.retry_after() {
-            h.insert(header::RETRY_AFTER, HeaderValue::from(after.as_secs()));
+            h.insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(whole_seconds(after).as_secs()),
+            );
         }
         resp
     }

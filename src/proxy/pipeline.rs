@@ -1,24 +1,38 @@
-//! The one road from a routed request to an upstream response. Every policy that shapes
-//! traffic wraps [`run`], and they nest in the order the code reads, outermost first:
+//! The one road from a routed request to an upstream response. The policies nest in the
+//! order this file reads, outermost first:
 //!
 //! ```text
-//! total timeout          (here)           ends in 504 total_timeout
-//! └─ retry loop          (issue 4)
-//!    └─ circuit breaker  (issue 4)
-//!       └─ limiter       (here)           FIFO admission within every limit
-//!          └─ attempt timeout (issue 4)
-//!             └─ upstream call (here)     pooled client
+//! total timeout              run()            ends in 504 total_timeout
+//! └─ retry loop              retry_loop()     only safe requests; backoff / Retry-After; budget
+//!    └─ circuit breaker                       open: fail fast, no permit spent
+//!       └─ limiter                            FIFO admission within every limit
+//!          └─ attempt timeout attempt()       headers in time, then no stall between chunks
+//!             └─ upstream call                pooled client
 //! ```
+//!
+//! Retries sit outside the limiter, so every attempt pays the limits again; the breaker
+//! sits inside the retry loop, so a retry never reaches an upstream declared dead.
 
-use http::{Request, Response};
+use std::time::{Duration, SystemTime};
+
+use http::header::HeaderValue;
+use http::{HeaderMap, Method, Request, Response, Uri, Version};
 use tokio::time::Instant;
 
 use super::Body;
+use super::body::{RequestBody, ResponseBody, peek};
+use super::client::AttemptError;
 use super::error::ProxyError;
 use crate::app::App;
-use crate::config::Config;
-use crate::limit::PermitBody;
+use crate::config::{Action, Config, CooldownScope, Policy};
+use crate::limit::Permit;
+use crate::policy::breaker::Admit;
+use crate::policy::{Circuit, backoff, classify, hints, is_idempotent, wants_retry};
 use crate::route::Route;
+
+/// A provider's wait hint longer than this does not pause a bucket for longer: a bogus
+/// `Retry-After` must not freeze a queue for days.
+const MAX_PAUSE: Duration = Duration::from_secs(3600);
 
 /// Sends `req` (already stripped and addressed to the upstream) under the route's policy.
 pub async fn run(
@@ -27,38 +41,284 @@ pub async fn run(
     route: Option<&Route>,
     req: Request<Body>,
 ) -> Result<Response<Body>, ProxyError> {
-    let policy = match route {
-        Some(r) => {
-            let u = &config.upstreams[r.upstream];
-            r.family.map_or(&u.policy, |f| &u.families[f].policy)
-        }
-        None => &config.defaults,
+    let Some(route) = route else {
+        // Unmatched hosts pass through with [defaults] timeouts: no limits, retries or breaker.
+        let p = &config.defaults;
+        let once = async { Ok(attempt(app, config, None, p.attempt_timeout, req, None).await?) };
+        return tokio::time::timeout(p.total_timeout, once)
+            .await
+            .unwrap_or(Err(ProxyError::TotalTimeout(p.total_timeout)));
     };
-    let total = policy.total_timeout;
-    let limited = async {
-        let permit = match route {
-            Some(r) => app.limiter.acquire(r).await?,
-            None => None,
-        };
-        let resp = attempt(app, config, route, req).await?;
-        Ok(resp.map(|body| PermitBody::wrap(body, permit)))
-    };
-    match tokio::time::timeout(total, limited).await {
-        Ok(result) => result,
-        Err(_) => Err(ProxyError::TotalTimeout(total)),
+    let policy = config.policy(route);
+    let deadline = Instant::now() + policy.total_timeout;
+    tokio::time::timeout_at(
+        deadline,
+        retry_loop(app, config, route, policy, req, deadline),
+    )
+    .await
+    .unwrap_or(Err(ProxyError::TotalTimeout(policy.total_timeout)))
+}
+
+/// What an attempt needs of the request, kept so that it can be rebuilt for a retry.
+struct Head {
+    method: Method,
+    uri: Uri,
+    version: Version,
+    headers: HeaderMap,
+}
+
+impl Head {
+    fn request(&self, body: Body) -> Request<Body> {
+        let mut r = Request::new(body);
+        *r.method_mut() = self.method.clone();
+        *r.uri_mut() = self.uri.clone();
+        *r.version_mut() = self.version;
+        *r.headers_mut() = self.headers.clone();
+        r
     }
 }
 
-/// One upstream attempt, measured.
+async fn retry_loop(
+    app: &App,
+    config: &Config,
+    route: &Route,
+    policy: &Policy,
+    req: Request<Body>,
+    deadline: Instant,
+) -> Result<Response<Body>, ProxyError> {
+    let upstream = &config.upstreams[route.upstream];
+    let (up_label, fam_label) = config.labels(Some(route));
+    let retry = &policy.retry;
+    let shared = &app.policies.upstreams[route.upstream];
+    let circuit = shared.circuit(route.family);
+    let retry_metric = |reason: &str| {
+        app.metrics
+            .retries
+            .with_label_values(&[up_label, fam_label, reason])
+            .inc()
+    };
+
+    let (parts, body) = req.into_parts();
+    let mut head = Head {
+        method: parts.method,
+        uri: parts.uri,
+        version: parts.version,
+        headers: parts.headers,
+    };
+    if upstream.idempotency_generate
+        && head.method == Method::POST
+        && !head.headers.contains_key(&retry.idempotency_header)
+    {
+        head.headers
+            .insert(retry.idempotency_header.clone(), idempotency_key());
+    }
+    let safe = is_idempotent(&head.method) || head.headers.contains_key(&retry.idempotency_header);
+    let mut body = if safe && retry.max_attempts > 1 {
+        RequestBody::buffer(body, config.proxy.max_replay_body)
+            .await
+            .map_err(|e| ProxyError::BadRequest(format!("reading the request body failed: {e}")))?
+    } else {
+        RequestBody::Once(Some(body))
+    };
+    shared.budget().record_request(Instant::now());
+
+    let mut prev_delay = retry.backoff.base;
+    let mut attempt_no = 1u32;
+    loop {
+        let probe = match circuit.with(|b| b.admit(Instant::now())) {
+            Admit::Yes => false,
+            Admit::Probe => true,
+            Admit::No { retry_after } => return Err(ProxyError::BreakerOpen { retry_after }),
+        };
+        let mut probe_guard = ProbeGuard {
+            circuit,
+            armed: probe,
+        };
+        let permit = app.limiter.acquire(route).await?;
+        let Some(attempt_body) = body.for_attempt() else {
+            return Err(ProxyError::BadRequest("request body already sent".into()));
+        };
+        let result = attempt(
+            app,
+            config,
+            Some(route),
+            policy.attempt_timeout,
+            head.request(attempt_body),
+            permit,
+        )
+        .await;
+        let now = Instant::now();
+        let may_retry = body.replayable() && attempt_no < retry.max_attempts;
+
+        let (wants_retry, hint, outcome) = match result {
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                circuit.with(|b| b.record(status >= 500, probe, now));
+                probe_guard.armed = false;
+                let (resp, action) = if classify::needs_body(&upstream.classify, status) {
+                    let (parts, body) = resp.into_parts();
+                    match peek(body, classify::BODY_LIMIT).await {
+                        Ok((prefix, body)) => (
+                            Response::from_parts(parts, body),
+                            classify::classify(&upstream.classify, status, Some(&prefix)),
+                        ),
+                        Err(e) => return Err(ProxyError::UpstreamUnreachable(e)),
+                    }
+                } else {
+                    (resp, classify::classify(&upstream.classify, status, None))
+                };
+                let hint = hints::server_hint(resp.headers(), SystemTime::now());
+                if let Some(action) = action
+                    && status == 429
+                {
+                    let name = match action {
+                        Action::Retry => "retry",
+                        Action::Cooldown => "cooldown",
+                        Action::Fail => "fail",
+                    };
+                    app.metrics
+                        .upstream_429
+                        .with_label_values(&[up_label, fam_label, name])
+                        .inc();
+                }
+                if action == Some(Action::Cooldown) {
+                    let pause = hint
+                        .map_or_else(|| backoff_delay(policy, attempt_no, prev_delay), |h| h.wait);
+                    let whole_family = upstream.cooldown == CooldownScope::Family;
+                    app.limiter
+                        .pause(route, whole_family, now + pause.min(MAX_PAUSE));
+                    tracing::info!(
+                        upstream = up_label,
+                        family = fam_label,
+                        pause_ms = pause.as_millis() as u64,
+                        scope = if whole_family { "family" } else { "upstream" },
+                        "429: cooling the bucket down"
+                    );
+                }
+                (
+                    wants_retry(Some(status), None, action, &retry.on),
+                    hint,
+                    Ok(resp),
+                )
+            }
+            Err(e) => {
+                if matches!(e, AttemptError::Denied(_)) {
+                    probe_guard.armed = false;
+                    circuit.with(|b| b.abandon_probe());
+                    return Err(e.into());
+                }
+                circuit.with(|b| b.record(true, probe, now));
+                probe_guard.armed = false;
+                (
+                    wants_retry(None, e.retry_on(), None, &retry.on),
+                    None,
+                    Err(e),
+                )
+            }
+        };
+
+        let reason = match &outcome {
+            Ok(resp) => resp.status().as_str().to_string(),
+            Err(e) => e.label().to_string(),
+        };
+        if !(wants_retry && may_retry) {
+            return finish(outcome, attempt_no);
+        }
+        let (delay, why) = match hint {
+            Some(h) => (h.wait, h.source),
+            None => (backoff_delay(policy, attempt_no, prev_delay), "backoff"),
+        };
+        if hint.is_some_and(|h| h.wait > retry.max_retry_after) || now + delay >= deadline {
+            tracing::info!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
+                wait_ms = delay.as_millis() as u64, why, "not retrying: the wait is longer than allowed");
+            return finish(outcome, attempt_no);
+        }
+        if !shared.budget().try_retry(now) {
+            retry_metric("budget_exhausted");
+            tracing::warn!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
+                "not retrying: the retry budget is exhausted");
+            return finish(outcome, attempt_no);
+        }
+        retry_metric(&reason);
+        tracing::info!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
+            delay_ms = delay.as_millis() as u64, why, "retrying");
+        // The response (and its concurrency permit) goes before we wait.
+        drop(outcome);
+        tokio::time::sleep(delay).await;
+        prev_delay = delay;
+        attempt_no += 1;
+    }
+}
+
+fn backoff_delay(policy: &Policy, attempt_no: u32, prev: Duration) -> Duration {
+    backoff::delay(
+        &policy.retry.backoff,
+        attempt_no,
+        prev,
+        rand::random::<f64>(),
+    )
+}
+
+/// The final answer of the loop: the upstream's response (with `sluice-attempts` when it
+/// took more than one) or the last failure.
+fn finish(
+    outcome: Result<Response<Body>, AttemptError>,
+    attempts: u32,
+) -> Result<Response<Body>, ProxyError> {
+    let mut resp = outcome?;
+    if attempts > 1 {
+        resp.headers_mut()
+            .insert("sluice-attempts", HeaderValue::from(attempts));
+    }
+    Ok(resp)
+}
+
+/// A random UUIDv4 for `idempotency_generate`.
+fn idempotency_key() -> HeaderValue {
+    let b =
+        (rand::random::<u128>() & !(0xf000 << 64) | (0x4000 << 64)) & !(0xc << 60) | (0x8 << 60);
+    let h = format!("{b:032x}");
+    let key = format!(
+        "{}-{}-{}-{}-{}",
+        &h[..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..]
+    );
+    HeaderValue::from_str(&key).unwrap_or(HeaderValue::from_static("sluice-generated"))
+}
+
+/// A half-open probe that ends without an outcome (client gone, queue timeout) frees the
+/// probe slot for the next request.
+struct ProbeGuard<'a> {
+    circuit: &'a Circuit,
+    armed: bool,
+}
+
+impl Drop for ProbeGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.circuit.with(|b| b.abandon_probe());
+        }
+    }
+}
+
+/// One upstream attempt: response headers within `timeout`, then a body that may not
+/// stall for longer than `timeout` between chunks. Measured per attempt.
 async fn attempt(
     app: &App,
     config: &Config,
     route: Option<&Route>,
+    timeout: Duration,
     req: Request<Body>,
-) -> Result<Response<Body>, ProxyError> {
+    permit: Option<Permit>,
+) -> Result<Response<Body>, AttemptError> {
     let (upstream, family) = config.labels(route);
     let start = Instant::now();
-    let resp = app.client.send(req).await?;
+    let resp = tokio::time::timeout(timeout, app.client.send(req))
+        .await
+        .map_err(|_| AttemptError::Timeout(timeout))??;
     app.metrics
         .upstream_duration
         .with_label_values(&[upstream, family])
@@ -67,5 +327,18 @@ async fn attempt(
         .upstream_responses
         .with_label_values(&[upstream, family, resp.status().as_str()])
         .inc();
-    Ok(resp.map(super::stream))
+    Ok(resp.map(|b| ResponseBody::wrap(super::stream(b), permit, timeout)))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn generated_keys_are_uuid_v4() {
+        let k = super::idempotency_key();
+        let s = k.to_str().unwrap();
+        assert_eq!(s.len(), 36);
+        assert_eq!(&s[14..15], "4");
+        assert!(matches!(&s[19..20], "8" | "9" | "a" | "b"), "{s}");
+        assert_ne!(super::idempotency_key(), super::idempotency_key());
+    }
 }

@@ -124,6 +124,12 @@ async fn respond(req: Request<Incoming>, seen: &Mutex<Vec<Seen>>) -> Response<Te
             .collect(),
     });
     let path = req.uri().path().to_string();
+    let nth = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|x| x.uri.split('?').next() == Some(path.as_str()))
+        .count();
     let mut parts = path.trim_start_matches('/').splitn(2, '/');
     let (head, arg) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let mut resp = match head {
@@ -151,6 +157,7 @@ async fn respond(req: Request<Incoming>, seen: &Mutex<Vec<Seen>>) -> Response<Te
             });
             Response::new(BodyExt::boxed(StreamBody::new(chunks)))
         }
+        "seq" => return scripted(arg, nth).await,
         "status" => {
             let mut r = text("status");
             *r.status_mut() = StatusCode::from_u16(arg.parse().unwrap_or(500)).unwrap();
@@ -168,6 +175,43 @@ async fn respond(req: Request<Incoming>, seen: &Mutex<Vec<Seen>>) -> Response<Te
     h.insert("keep-alive", "timeout=30".parse().unwrap());
     h.insert("x-upstream", "yes".parse().unwrap());
     resp
+}
+
+/// `/seq/NAME/STEP,STEP,...`: the n-th request to that path plays step n (the last one
+/// repeats). A step is a status with optional suffixes: `ra2` adds `Retry-After: 2`,
+/// `date2` adds `Retry-After` as an HTTP date 2 s after the response's `Date`, `cap` a
+/// JSON body saying a lifetime cap is reached. The step `hang` never answers.
+async fn scripted(arg: &str, nth: usize) -> Response<TestBody> {
+    let steps: Vec<&str> = arg
+        .split_once('/')
+        .map_or("200", |(_, s)| s)
+        .split(',')
+        .collect();
+    let step = steps[(nth.max(1) - 1).min(steps.len() - 1)];
+    if step == "hang" {
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+    }
+    let digits: String = step.chars().take_while(|c| c.is_ascii_digit()).collect();
+    let rest = &step[digits.len()..];
+    let body = if rest == "cap" {
+        r#"{"error": {"code": "unverified_count_cap", "message": "lifetime cap reached"}}"#
+    } else {
+        "scripted"
+    };
+    let mut r = Response::new(Full::new(Bytes::from(body)).map_err(|n| match n {}).boxed());
+    *r.status_mut() = StatusCode::from_u16(digits.parse().unwrap_or(200)).unwrap();
+    let now = std::time::SystemTime::now();
+    if let Some(secs) = rest.strip_prefix("ra") {
+        r.headers_mut().insert("retry-after", secs.parse().unwrap());
+    }
+    if let Some(secs) = rest.strip_prefix("date") {
+        let at = now + Duration::from_secs(secs.parse().unwrap());
+        r.headers_mut()
+            .insert("date", httpdate::fmt_http_date(now).parse().unwrap());
+        r.headers_mut()
+            .insert("retry-after", httpdate::fmt_http_date(at).parse().unwrap());
+    }
+    r
 }
 
 fn text(s: &'static str) -> Response<TestBody> {

@@ -1,0 +1,193 @@
+//! Resilience policies around the limiter: retry decisions and backoff, server wait hints,
+//! the retry budget, 429 classification and the circuit breaker. Each is pure in `now`;
+//! [`Policies`] holds the per-upstream state the pipeline shares between requests.
+
+pub mod backoff;
+pub mod breaker;
+pub mod budget;
+pub mod classify;
+pub mod hints;
+mod window;
+
+use std::sync::{Mutex, MutexGuard};
+
+use http::Method;
+use prometheus::IntGaugeVec;
+use tokio::time::Instant;
+
+use breaker::{Breaker, State};
+use budget::RetryBudget;
+
+use crate::config::{Action, Config, RetryOn};
+use crate::metrics::Metrics;
+
+/// Methods RFC 9110 calls idempotent. POST and PATCH are retried only with an
+/// idempotency key: a POST that timed out may have succeeded.
+pub fn is_idempotent(method: &Method) -> bool {
+    matches!(
+        method.as_str(),
+        "GET" | "HEAD" | "OPTIONS" | "TRACE" | "PUT" | "DELETE"
+    )
+}
+
+/// Whether an attempt's outcome asks for another attempt. A classification rule decides
+/// first (`fail` never retries, `retry` and `cooldown` do); otherwise the `retry.on` list:
+/// statuses such as 400, 401, 403, 404, 409 or 422 are retried only if listed there.
+pub fn wants_retry(
+    status: Option<u16>,
+    failure: Option<RetryOn>,
+    action: Option<Action>,
+    on: &[RetryOn],
+) -> bool {
+    match action {
+        Some(Action::Fail) => false,
+        Some(Action::Retry | Action::Cooldown) => true,
+        None => status
+            .map(RetryOn::Status)
+            .or(failure)
+            .is_some_and(|o| on.contains(&o)),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A circuit with the gauge that shows its state.
+pub struct Circuit {
+    breaker: Mutex<Breaker>,
+    gauge: IntGaugeVec,
+    labels: Vec<String>,
+}
+
+impl Circuit {
+    fn new(breaker: Breaker, gauge: IntGaugeVec, labels: Vec<String>) -> Circuit {
+        let c = Circuit {
+            breaker: Mutex::new(breaker),
+            gauge,
+            labels,
+        };
+        c.show(State::Closed);
+        c
+    }
+
+    fn show(&self, state: State) {
+        for s in ["closed", "open", "half_open"] {
+            let mut l: Vec<&str> = self.labels.iter().map(String::as_str).collect();
+            l.push(s);
+            self.gauge
+                .with_label_values(&l)
+                .set(i64::from(s == state.name()));
+        }
+    }
+
+    /// Runs `f` on the breaker and updates the gauge if the state changed.
+    pub fn with<R>(&self, f: impl FnOnce(&mut Breaker) -> R) -> R {
+        let mut b = lock(&self.breaker);
+        let before = b.state();
+        let r = f(&mut b);
+        let after = b.state();
+        if before.name() != after.name() {
+            tracing::warn!(circuit = %self.labels.join("/"), from = before.name(), to = after.name(), "circuit breaker changed state");
+            self.show(after);
+        }
+        r
+    }
+}
+
+pub struct UpstreamPolicies {
+    pub budget: Mutex<RetryBudget>,
+    pub breaker: Circuit,
+    /// Own circuits of families that set `[breaker]`; `None` shares the upstream's.
+    pub family_breakers: Vec<Option<Circuit>>,
+}
+
+impl UpstreamPolicies {
+    pub fn circuit(&self, family: Option<usize>) -> &Circuit {
+        family
+            .and_then(|f| self.family_breakers[f].as_ref())
+            .unwrap_or(&self.breaker)
+    }
+
+    pub fn budget(&self) -> MutexGuard<'_, RetryBudget> {
+        lock(&self.budget)
+    }
+}
+
+/// Shared policy state of every upstream, by upstream index.
+pub struct Policies {
+    pub upstreams: Vec<UpstreamPolicies>,
+}
+
+impl Policies {
+    pub fn new(config: &Config, metrics: &Metrics) -> Policies {
+        let now = Instant::now();
+        let upstreams = config
+            .upstreams
+            .iter()
+            .map(|u| UpstreamPolicies {
+                budget: Mutex::new(RetryBudget::new(&u.policy.retry.budget, now)),
+                breaker: Circuit::new(
+                    Breaker::new(&u.policy.breaker, now),
+                    metrics.breaker_state.clone(),
+                    vec![u.name.clone()],
+                ),
+                family_breakers: u
+                    .families
+                    .iter()
+                    .map(|f| {
+                        f.own_breaker.then(|| {
+                            Circuit::new(
+                                Breaker::new(&f.policy.breaker, now),
+                                metrics.family_breaker_state.clone(),
+                                vec![u.name.clone(), f.name.clone()],
+                            )
+                        })
+                    })
+                    .collect(),
+            })
+            .collect();
+        Policies { upstreams }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The retry matrix: method × idempotency key × outcome, with the default `on` list.
+    #[test]
+    fn retry_matrix() {
+        let on = [408, 429, 502, 503, 504].map(RetryOn::Status).to_vec();
+        let on = [on, vec![RetryOn::Connect, RetryOn::Reset, RetryOn::Timeout]].concat();
+        let methods = [
+            "GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE", "POST", "PATCH",
+        ];
+        for m in methods {
+            let method = Method::from_bytes(m.as_bytes()).unwrap();
+            for has_key in [false, true] {
+                let safe = is_idempotent(&method) || has_key;
+                assert_eq!(
+                    safe,
+                    !matches!(m, "POST" | "PATCH") || has_key,
+                    "{m} key={has_key}"
+                );
+                for status in [
+                    200, 301, 400, 401, 403, 404, 408, 409, 422, 429, 500, 502, 503, 504,
+                ] {
+                    let action = classify::classify(&[], status, None);
+                    let retried = safe && wants_retry(Some(status), None, action, &on);
+                    let expected = safe && matches!(status, 408 | 429 | 502 | 503 | 504);
+                    assert_eq!(retried, expected, "{m} key={has_key} status={status}");
+                }
+                for failure in [RetryOn::Connect, RetryOn::Reset, RetryOn::Timeout] {
+                    assert_eq!(safe && wants_retry(None, Some(failure), None, &on), safe);
+                }
+            }
+        }
+        // Listed explicitly, a 409 is retried; a rule saying `fail` wins over the list.
+        assert!(wants_retry(Some(409), None, None, &[RetryOn::Status(409)]));
+        assert!(!wants_retry(Some(429), None, Some(Action::Fail), &on));
+        assert!(wants_retry(Some(500), None, Some(Action::Retry), &[]));
+    }
+}

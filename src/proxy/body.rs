@@ -1,0 +1,272 @@
+//! Body plumbing for the pipeline: buffering a request body so a retry can resend it,
+//! peeking at a response body for classification without losing a byte, and the response
+//! body that carries its concurrency permit and enforces the idle timeout between chunks.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use http_body_util::BodyExt;
+use tokio::time::{Instant, Sleep};
+
+use super::{Body, BoxError, full};
+use crate::limit::Permit;
+
+/// A request body as the retry loop holds it.
+pub enum RequestBody {
+    /// Read whole (no trailers) and small enough to send again.
+    Replayable(Bytes),
+    /// Streams through once; the request cannot be retried after it was sent.
+    Once(Option<Body>),
+}
+
+impl RequestBody {
+    /// Reads up to `limit` bytes: a body that ends within them becomes replayable, a
+    /// longer one (or one with trailers) streams on with nothing lost.
+    pub async fn buffer(mut body: Body, limit: u64) -> Result<RequestBody, BoxError> {
+        if body.size_hint().lower() > limit {
+            return Ok(RequestBody::Once(Some(body)));
+        }
+        let mut seen: VecDeque<Frame<Bytes>> = VecDeque::new();
+        let mut len = 0u64;
+        loop {
+            match body.frame().await {
+                None => break,
+                Some(Err(e)) => return Err(e),
+                Some(Ok(frame)) => {
+                    let is_trailers = frame.is_trailers();
+                    len += frame.data_ref().map_or(0, |d| d.len() as u64);
+                    seen.push_back(frame);
+                    if is_trailers || len > limit {
+                        return Ok(RequestBody::Once(Some(Prefixed::body(seen, Some(body)))));
+                    }
+                }
+            }
+        }
+        let mut data = BytesMut::with_capacity(len as usize);
+        for f in seen {
+            if let Ok(d) = f.into_data() {
+                data.extend_from_slice(&d);
+            }
+        }
+        Ok(RequestBody::Replayable(data.freeze()))
+    }
+
+    pub fn replayable(&self) -> bool {
+        matches!(self, RequestBody::Replayable(_))
+    }
+
+    /// The body for the next attempt; `None` once a streamed body has been used.
+    pub fn for_attempt(&mut self) -> Option<Body> {
+        match self {
+            RequestBody::Replayable(b) => Some(full(b.clone())),
+            RequestBody::Once(b) => b.take(),
+        }
+    }
+}
+
+/// Reads up to `limit` bytes of `body` for a look at it, and returns them with a body
+/// that still yields every frame, those already read first.
+pub async fn peek(mut body: Body, limit: usize) -> Result<(Bytes, Body), BoxError> {
+    let mut seen: VecDeque<Frame<Bytes>> = VecDeque::new();
+    let mut prefix = BytesMut::new();
+    let mut ended = false;
+    while prefix.len() < limit {
+        match body.frame().await {
+            None => {
+                ended = true;
+                break;
+            }
+            Some(Err(e)) => return Err(e),
+            Some(Ok(frame)) => {
+                if let Some(d) = frame.data_ref() {
+                    prefix.extend_from_slice(&d[..d.len().min(limit - prefix.len())]);
+                }
+                seen.push_back(frame);
+            }
+        }
+    }
+    let rest = if ended { None } else { Some(body) };
+    Ok((prefix.freeze(), Prefixed::body(seen, rest)))
+}
+
+/// Frames already read, then the rest of the original body.
+struct Prefixed {
+    frames: VecDeque<Frame<Bytes>>,
+    rest: Option<Body>,
+}
+
+impl Prefixed {
+    fn body(frames: VecDeque<Frame<Bytes>>, rest: Option<Body>) -> Body {
+        Prefixed { frames, rest }.boxed_unsync()
+    }
+}
+
+impl HttpBody for Prefixed {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(f) = self.frames.pop_front() {
+            return Poll::Ready(Some(Ok(f)));
+        }
+        match self.rest.as_mut() {
+            Some(rest) => Pin::new(rest).poll_frame(cx),
+            None => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.frames.is_empty() && self.rest.as_ref().is_none_or(|r| r.is_end_stream())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the upstream body stalled for longer than attempt_timeout ({0:?})")]
+pub struct BodyStalled(Duration);
+
+/// An upstream response body on its way to the client. It holds the request's
+/// concurrency permit until the last frame (or until it is dropped), and fails the body
+/// if the upstream sends nothing for `idle`.
+pub struct ResponseBody {
+    inner: Body,
+    permit: Option<Permit>,
+    idle: Duration,
+    timer: Pin<Box<Sleep>>,
+}
+
+impl ResponseBody {
+    pub fn wrap(inner: Body, permit: Option<Permit>, idle: Duration) -> Body {
+        let permit = permit.filter(Permit::holds_concurrency);
+        ResponseBody {
+            inner,
+            permit,
+            idle,
+            timer: Box::pin(tokio::time::sleep(idle)),
+        }
+        .boxed_unsync()
+    }
+}
+
+impl HttpBody for ResponseBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                this.timer.as_mut().reset(Instant::now() + this.idle);
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(other) => {
+                this.permit = None;
+                Poll::Ready(other)
+            }
+            Poll::Pending => {
+                if this.timer.as_mut().poll(cx).is_ready() {
+                    this.permit = None;
+                    return Poll::Ready(Some(Err(Box::new(BodyStalled(this.idle)))));
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proxy::stream;
+
+    fn chunks(parts: &[&'static str]) -> Body {
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> = parts
+            .iter()
+            .map(|p| Ok(Frame::data(Bytes::from_static(p.as_bytes()))))
+            .collect();
+        stream(http_body_util::StreamBody::new(futures_util::stream::iter(
+            frames,
+        )))
+    }
+
+    #[tokio::test]
+    async fn small_bodies_replay_large_ones_stream_whole() {
+        let b = RequestBody::buffer(chunks(&["ab", "cd"]), 4).await.unwrap();
+        let mut b = match b {
+            RequestBody::Replayable(ref d) => {
+                assert_eq!(d.as_ref(), b"abcd");
+                b
+            }
+            RequestBody::Once(_) => panic!("4 bytes fit in 4"),
+        };
+        for _ in 0..2 {
+            let again = b.for_attempt().unwrap().collect().await.unwrap().to_bytes();
+            assert_eq!(again.as_ref(), b"abcd");
+        }
+        let mut big = RequestBody::buffer(chunks(&["ab", "cd", "e", "fg"]), 4)
+            .await
+            .unwrap();
+        assert!(!big.replayable());
+        let all = big
+            .for_attempt()
+            .unwrap()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes();
+        assert_eq!(all.as_ref(), b"abcdefg", "nothing lost");
+        assert!(big.for_attempt().is_none(), "a streamed body goes once");
+    }
+
+    #[tokio::test]
+    async fn peek_reads_a_prefix_and_loses_nothing() {
+        let (prefix, body) = peek(chunks(&["hello ", "wide ", "world"]), 8)
+            .await
+            .unwrap();
+        assert_eq!(prefix.as_ref(), b"hello wi");
+        assert_eq!(
+            body.collect().await.unwrap().to_bytes().as_ref(),
+            b"hello wide world"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_body_fails_after_the_idle_time() {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+        let s =
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|f| (f, rx)) },
+            );
+        let mut body = ResponseBody::wrap(
+            stream(http_body_util::StreamBody::new(s)),
+            None,
+            Duration::from_secs(2),
+        );
+        tx.send(Ok(Frame::data(Bytes::from_static(b"x"))))
+            .await
+            .unwrap();
+        assert!(body.frame().await.unwrap().is_ok());
+        let t0 = Instant::now();
+        let err = body.frame().await.unwrap().unwrap_err();
+        assert!(err.to_string().contains("stalled"));
+        assert_eq!(Instant::now() - t0, Duration::from_secs(2));
+    }
+}
