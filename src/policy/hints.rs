@@ -24,10 +24,12 @@ fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
 /// Reads the first usable hint, in order of authority. `now` is the local wall clock,
 /// used when the response has no `Date`.
 pub fn server_hint(h: &HeaderMap, now: SystemTime) -> Option<Hint> {
-    let reference = header(h, "date")
-        .and_then(|d| httpdate::parse_http_date(d).ok())
-        .unwrap_or(now);
-    let until = |at: SystemTime| at.duration_since(reference).unwrap_or(Duration::ZERO);
+    let until = |at: SystemTime| {
+        let reference = header(h, "date")
+            .and_then(|d| httpdate::parse_http_date(d).ok())
+            .unwrap_or(now);
+        at.duration_since(reference).unwrap_or(Duration::ZERO)
+    };
     let epoch_or_delta = |v: &str| -> Option<Duration> {
         let n: u64 = v.parse().ok()?;
         Some(if n > EPOCH_THRESHOLD * 1000 {

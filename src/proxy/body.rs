@@ -138,7 +138,9 @@ pub struct ResponseBody {
     inner: Body,
     permit: Option<Permit>,
     idle: Duration,
-    timer: Pin<Box<Sleep>>,
+    /// Armed the first time the upstream makes us wait, so a body that arrives with its
+    /// headers (most API responses) never touches the timer wheel.
+    timer: Option<Pin<Box<Sleep>>>,
 }
 
 impl ResponseBody {
@@ -148,7 +150,7 @@ impl ResponseBody {
             inner,
             permit,
             idle,
-            timer: Box::pin(tokio::time::sleep(idle)),
+            timer: None,
         }
         .boxed_unsync()
     }
@@ -165,7 +167,9 @@ impl HttpBody for ResponseBody {
         let this = &mut *self;
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                this.timer.as_mut().reset(Instant::now() + this.idle);
+                if let Some(t) = this.timer.as_mut() {
+                    t.as_mut().reset(Instant::now() + this.idle);
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(other) => {
@@ -173,7 +177,11 @@ impl HttpBody for ResponseBody {
                 Poll::Ready(other)
             }
             Poll::Pending => {
-                if this.timer.as_mut().poll(cx).is_ready() {
+                let idle = this.idle;
+                let timer = this
+                    .timer
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
+                if timer.as_mut().poll(cx).is_ready() {
                     this.permit = None;
                     return Poll::Ready(Some(Err(Box::new(BodyStalled(this.idle)))));
                 }

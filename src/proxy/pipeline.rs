@@ -167,7 +167,10 @@ async fn retry_loop(
                 } else {
                     (resp, classify::classify(&upstream.classify, status, None))
                 };
-                let hint = hints::server_hint(resp.headers(), SystemTime::now());
+                // Only responses that may be retried or cooled down are read for hints.
+                let hint = (status == 429 || status >= 500 || action.is_some())
+                    .then(|| hints::server_hint(resp.headers(), SystemTime::now()))
+                    .flatten();
                 if let Some(action) = action
                     && status == 429
                 {
