@@ -33,6 +33,7 @@ pub mod metrics;
 pub mod policy;
 pub mod proxy;
 pub mod route;
+pub mod tls;
 
 pub use app::App;
 pub use config::Config;

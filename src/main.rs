@@ -47,6 +47,11 @@ enum Command {
     Run(ConfigArg),
     /// Validate a config file: exit 0 when valid, 1 with file:line:col: message otherwise.
     Check(ConfigArg),
+    /// Certificate authority for TLS interception.
+    Ca {
+        #[command(subcommand)]
+        command: CaCommand,
+    },
     /// Show the upstream, family, partition, limits and policies a request would get.
     Explain {
         #[command(flatten)]
@@ -61,12 +66,24 @@ enum Command {
     },
 }
 
+#[derive(Subcommand)]
+enum CaCommand {
+    /// Write a new CA (ca.pem, and ca-key.pem with mode 0600) into DIR.
+    New {
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
     let result = match cli.command {
         Command::Run(c) => run(&c.config),
         Command::Check(c) => check(&c.config),
+        Command::Ca {
+            command: CaCommand::New { out },
+        } => ca_new(&out),
         Command::Explain {
             config,
             method,
@@ -95,8 +112,23 @@ fn init_logging(format: LogFormat) {
     }
 }
 
+fn ca_new(dir: &Path) -> anyhow::Result<()> {
+    let (cert, key) = sluice::tls::ca::write_new_ca(dir)?;
+    println!("wrote {} and {}", cert.display(), key.display());
+    println!(
+        "set [tls] ca_cert = {:?} and ca_key = {:?}; clients must trust {}",
+        cert.display(),
+        key.display(),
+        cert.display()
+    );
+    Ok(())
+}
+
 fn check(path: &Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
+    for w in config.warnings() {
+        eprintln!("{}: warning: {w}", path.display());
+    }
     println!(
         "{}: ok ({} upstreams, {} families)",
         path.display(),
@@ -112,6 +144,9 @@ fn check(path: &Path) -> anyhow::Result<()> {
 
 fn explain(path: &Path, method: &str, url: &str, headers: &[String]) -> anyhow::Result<()> {
     let config = Config::load(path)?;
+    for w in config.warnings() {
+        eprintln!("warning: {w}");
+    }
     let method =
         Method::from_bytes(method.to_ascii_uppercase().as_bytes()).context("invalid method")?;
     let url: Uri = url
@@ -135,12 +170,15 @@ fn explain(path: &Path, method: &str, url: &str, headers: &[String]) -> anyhow::
 
 fn run(path: &Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
+    for w in config.warnings() {
+        tracing::warn!(config = %path.display(), "{w}");
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("cannot start the tokio runtime")?;
     runtime.block_on(async {
-        let app = App::builder(config).build().context("cannot register metrics")?;
+        let app = App::builder(config).build()?;
         let server = Server::bind(app).await?;
         tracing::info!(proxy = %server.proxy_addr(), admin = %server.admin_addr(), config = %path.display(), "listening");
         server.run(shutdown_signal()).await;

@@ -30,6 +30,8 @@ pub struct Metrics {
     pub breaker_state: IntGaugeVec,
     /// `{upstream, family, state}`: the same for families with a circuit of their own.
     pub family_breaker_state: IntGaugeVec,
+    /// Failed TLS handshakes with clients of intercepted tunnels (untrusted CA, ...).
+    pub tls_handshake_failures: prometheus::IntCounter,
     /// Live partitions (sets of buckets) over all upstreams, as of the last sweep.
     pub partitions: IntGauge,
 }
@@ -114,6 +116,11 @@ impl Metrics {
             ),
             &["upstream", "family", "state"],
         )?;
+        let tls_handshake_failures = prometheus::IntCounter::new(
+            "sluice_tls_handshake_failures_total",
+            "Failed TLS handshakes with clients of intercepted tunnels",
+        )?;
+        registry.register(Box::new(tls_handshake_failures.clone()))?;
         registry.register(Box::new(upstream_429.clone()))?;
         registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(breaker_state.clone()))?;
@@ -138,6 +145,7 @@ impl Metrics {
             retries,
             breaker_state,
             family_breaker_state,
+            tls_handshake_failures,
         })
     }
 

@@ -103,6 +103,16 @@ fn explain_prints_route_limits_and_policies_without_the_key() {
     assert!(!out.status.success());
 }
 
+struct KillOnDrop(u32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-KILL", &self.0.to_string()])
+            .status();
+    }
+}
+
 /// A port that was free a moment ago, for the binary's listeners.
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -135,9 +145,12 @@ async fn run_serves_logs_safely_and_drains_on_sigterm() {
             config.to_str().unwrap(),
         ])
         .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // If an assertion fails before the SIGTERM, the binary must not outlive the test.
+    let _reaper = KillOnDrop(child.id());
     let stderr = child.stderr.take().unwrap();
     let log_lines = std::thread::spawn(move || {
         BufReader::new(stderr)

@@ -275,6 +275,49 @@ impl Config {
         build(spec, sha256).map_err(|e| place(e.span, e.message))
     }
 
+    /// The first upstream that intercepts TLS while no CA is configured: `sluice run`
+    /// refuses to start then, `sluice check` warns.
+    pub fn intercept_without_ca(&self) -> Option<&str> {
+        let has_ca = self
+            .tls
+            .as_ref()
+            .is_some_and(|t| t.ca_cert.is_some() && t.ca_key.is_some());
+        self.upstreams
+            .iter()
+            .find(|u| u.tls == TlsMode::Intercept && !has_ca)
+            .map(|u| u.name.as_str())
+    }
+
+    /// Things that are valid but probably not what the operator meant.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(name) = self.intercept_without_ca() {
+            out.push(format!(
+                "upstream {name:?} has tls = \"intercept\", which needs [tls] ca_cert and ca_key; \
+                 `sluice run` will refuse to start (create a CA with `sluice ca new --out DIR`)"
+            ));
+        }
+        for u in &self.upstreams {
+            let request_limits = u
+                .limits
+                .iter()
+                .chain(u.families.iter().flat_map(|f| f.limits.iter()))
+                .any(|l| !matches!(l, Limit::Concurrency { .. }));
+            if u.tls == TlsMode::Tunnel
+                && u.scheme == Scheme::Http
+                && (request_limits || !u.families.is_empty())
+            {
+                out.push(format!(
+                    "upstream {:?}: https:// requests reach it through blind CONNECT tunnels, where its \
+                     families and request limits cannot apply (only concurrency limits count tunnels); \
+                     set tls = \"intercept\", or scheme = \"https\" for clients that send http://",
+                    u.name
+                ));
+            }
+        }
+        out
+    }
+
     /// The effective config as JSON with secrets redacted, for `/config`.
     pub fn to_redacted_json(&self) -> serde_json::Value {
         serde_json::to_value(self).unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }))

@@ -24,6 +24,9 @@ pub struct FamilySpec {
     pub limits: Vec<Limit>,
     pub max_queue: u32,
     pub max_wait: Duration,
+    /// Pays only the upstream's concurrency limits: the queue of CONNECT tunnels, which
+    /// carry no visible requests for rate limits to count.
+    pub concurrency_only: bool,
 }
 
 /// An upstream's limits and its families. The last family is the one for requests that
@@ -65,6 +68,7 @@ pub struct FamilyBucket<W> {
     max_queue: usize,
     max_wait: Duration,
     holds_concurrency: bool,
+    concurrency_only: bool,
 }
 
 #[derive(Debug)]
@@ -74,6 +78,16 @@ pub struct Bucket<W> {
     pub families: Vec<FamilyBucket<W>>,
     next_seq: u64,
     waiting: usize,
+}
+
+/// The upstream limits a family pays: all of them, or only concurrency for tunnels.
+fn paid(
+    upstream: &mut [LimitState],
+    concurrency_only: bool,
+) -> impl Iterator<Item = &mut LimitState> {
+    upstream
+        .iter_mut()
+        .filter(move |l| !concurrency_only || l.is_concurrency())
 }
 
 fn paused(until: Option<Instant>, now: Instant) -> bool {
@@ -109,6 +123,7 @@ impl<W> Bucket<W> {
                     queue: VecDeque::new(),
                     max_queue: f.max_queue as usize,
                     max_wait: f.max_wait,
+                    concurrency_only: f.concurrency_only,
                 }
             })
             .collect();
@@ -138,7 +153,11 @@ impl<W> Bucket<W> {
         let mut at = now
             .max(f.paused_until.unwrap_or(now))
             .max(self.paused_until.unwrap_or(now));
-        for l in f.limits.iter_mut().chain(self.upstream.iter_mut()) {
+        for l in f
+            .limits
+            .iter_mut()
+            .chain(paid(&mut self.upstream, f.concurrency_only))
+        {
             at = at.max(l.ready_at(n, now)?);
         }
         Some(at)
@@ -216,11 +235,15 @@ impl<W> Bucket<W> {
                 }
             }
             let Some((i, _)) = best else { return };
-            if !self.upstream.iter_mut().all(|l| l.can_take(now)) {
+            let f = &mut self.families[i];
+            if !paid(&mut self.upstream, f.concurrency_only).all(|l| l.can_take(now)) {
                 return;
             }
-            let f = &mut self.families[i];
-            for l in f.limits.iter_mut().chain(self.upstream.iter_mut()) {
+            for l in f
+                .limits
+                .iter_mut()
+                .chain(paid(&mut self.upstream, f.concurrency_only))
+            {
                 l.take(now);
             }
             let Some(q) = f.queue.pop_front() else { return };
@@ -237,10 +260,11 @@ impl<W> Bucket<W> {
 
     /// Gives back the permits of an admission at `at` that never reached its request.
     pub fn undo(&mut self, family: usize, at: Instant, now: Instant) {
-        for l in self.families[family]
+        let f = &mut self.families[family];
+        for l in f
             .limits
             .iter_mut()
-            .chain(self.upstream.iter_mut())
+            .chain(paid(&mut self.upstream, f.concurrency_only))
         {
             l.undo(at, now);
         }

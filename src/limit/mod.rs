@@ -31,6 +31,9 @@ use crate::config::{Config, Limit, Priority, Upstream};
 use crate::metrics::Metrics;
 use crate::route::{Partition, Route};
 
+/// The queue of CONNECT tunnels in `/buckets`; not a valid family name, so it cannot clash.
+const TUNNEL: &str = "(tunnel)";
+
 /// How often idle partitions are looked for and dropped.
 pub const SWEEP_EVERY: Duration = Duration::from_secs(5);
 
@@ -46,6 +49,8 @@ struct FamilyMetrics {
 /// An upstream's limits as the limiter uses them, with its metric handles.
 pub struct Plan {
     name: Arc<str>,
+    /// Whether CONNECT tunnels to this upstream pay anything (its concurrency limits).
+    tunnels: bool,
     spec: PartitionSpec,
     metrics: Vec<FamilyMetrics>,
 }
@@ -61,19 +66,30 @@ impl Plan {
                 limits: f.limits.clone(),
                 max_queue: f.policy.max_queue,
                 max_wait: f.policy.max_wait,
+                concurrency_only: false,
             })
             .collect();
-        families.push(FamilySpec {
-            name: "-".into(),
-            priority: Priority::Normal,
-            limits: Vec::new(),
-            max_queue: u.policy.max_queue,
-            max_wait: u.policy.max_wait,
-        });
+        // Two queues of our own: requests of no family, and CONNECT tunnels.
+        for (name, concurrency_only) in [("-", false), (TUNNEL, true)] {
+            families.push(FamilySpec {
+                name: name.into(),
+                priority: Priority::Normal,
+                limits: Vec::new(),
+                max_queue: u.policy.max_queue,
+                max_wait: u.policy.max_wait,
+                concurrency_only,
+            });
+        }
         let handles = families
             .iter()
             .map(|f| {
-                let l = [u.name.as_str(), f.name.as_str()];
+                // Tunnels match no family: they count under family="-".
+                let family = if f.name == TUNNEL {
+                    "-"
+                } else {
+                    f.name.as_str()
+                };
+                let l = [u.name.as_str(), family];
                 FamilyMetrics {
                     wait: metrics.queue_wait.with_label_values(&l),
                     depth: metrics.queue_depth.with_label_values(&l),
@@ -90,6 +106,10 @@ impl Plan {
             .collect();
         Plan {
             name: Arc::from(u.name.as_str()),
+            tunnels: u
+                .limits
+                .iter()
+                .any(|l| matches!(l, Limit::Concurrency { .. })),
             spec: PartitionSpec {
                 upstream_limits: u.limits.clone(),
                 families,
@@ -98,9 +118,13 @@ impl Plan {
         }
     }
 
-    /// The queue index of a route's family (the last one holds requests of no family).
+    /// The queue index of a route's family: its own, or the one for requests of none.
     fn family_index(&self, family: Option<usize>) -> usize {
-        family.unwrap_or(self.spec.families.len() - 1)
+        family.unwrap_or(self.spec.families.len() - 2)
+    }
+
+    fn tunnel_index(&self) -> usize {
+        self.spec.families.len() - 1
     }
 }
 
@@ -349,6 +373,20 @@ impl Limiter {
             return Ok(None);
         };
         let family = cell.plan.family_index(route.family);
+        Self::wait(cell, family).await
+    }
+
+    /// A CONNECT tunnel's permit: one of the upstream's concurrency limits for as long as
+    /// the tunnel is open, or nothing when it has none.
+    pub async fn acquire_tunnel(&self, route: &Route) -> Result<Option<Permit>, LimitError> {
+        let Some(cell) = self.cell(route).filter(|c| c.plan.tunnels) else {
+            return Ok(None);
+        };
+        let family = cell.plan.tunnel_index();
+        Self::wait(cell, family).await
+    }
+
+    async fn wait(cell: Arc<Cell>, family: usize) -> Result<Option<Permit>, LimitError> {
         let metrics = &cell.plan.metrics[family];
         let max_wait = cell.plan.spec.families[family].max_wait;
         let (mut rx, seq) = {
@@ -453,11 +491,11 @@ impl Limiter {
                 "queue_depth": b.waiting(),
                 "paused_for_seconds": paused(b.paused_until),
             }));
-            let last = b.families.len() - 1;
+            let ours = cell.plan.family_index(None);
             for (i, f) in cell.plan.spec.families.iter().enumerate() {
                 let fb = &mut b.families[i];
-                // The queue of requests in no family is shown only while it holds some.
-                if i == last && fb.queue.is_empty() {
+                // Our own queues (no family, tunnels) are shown only while they hold some.
+                if i >= ours && fb.queue.is_empty() {
                     continue;
                 }
                 out.push(json!({

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use http::{Request, Response};
 use hyper::body::Incoming;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -17,21 +18,30 @@ use crate::egress::{EgressError, Resolver};
 
 #[derive(Clone)]
 pub struct UpstreamClient {
-    inner: Client<HttpConnector<Resolver>, Body>,
+    inner: Client<HttpsConnector<HttpConnector<Resolver>>, Body>,
 }
 
 impl UpstreamClient {
-    pub fn new(resolver: Resolver) -> UpstreamClient {
+    /// A pooled client for http:// and https:// upstreams (HTTP/2 when the upstream
+    /// offers it by ALPN), trusting what `tls` trusts.
+    pub fn new(resolver: Resolver, tls: rustls::ClientConfig) -> UpstreamClient {
         let mut connector = HttpConnector::new_with_resolver(resolver);
         connector.set_nodelay(true);
-        connector.enforce_http(true);
+        connector.enforce_http(false);
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .enable_http2()
+            .wrap_connector(connector);
         let inner = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
             // Shorter than the common 60 s+ server keep-alive, so we rarely reuse a
             // connection the upstream is about to close.
             .pool_idle_timeout(Duration::from_secs(50))
             .set_host(false)
-            .build(connector);
+            .build(https);
         UpstreamClient { inner }
     }
 
@@ -39,6 +49,8 @@ impl UpstreamClient {
         self.inner.request(req).await.map_err(|e| {
             if let Some(EgressError::Denied { addr }) = find_cause::<EgressError>(&e) {
                 AttemptError::Denied(EgressError::Denied { addr: *addr })
+            } else if find_cause::<rustls::Error>(&e).is_some() {
+                AttemptError::Tls(Box::new(e))
             } else if e.is_connect() {
                 AttemptError::Connect(Box::new(e))
             } else {
@@ -55,6 +67,8 @@ pub enum AttemptError {
     Connect(BoxError),
     #[error("connection failed after the request was sent: {}", chain(&**.0))]
     Reset(BoxError),
+    #[error("TLS with the upstream failed: {}", chain(&**.0))]
+    Tls(BoxError),
     #[error("no response headers within attempt_timeout ({0:?})")]
     Timeout(Duration),
     #[error(transparent)]
@@ -68,7 +82,8 @@ impl AttemptError {
             AttemptError::Connect(_) => Some(RetryOn::Connect),
             AttemptError::Reset(_) => Some(RetryOn::Reset),
             AttemptError::Timeout(_) => Some(RetryOn::Timeout),
-            AttemptError::Denied(_) => None,
+            // Another attempt meets the same certificate.
+            AttemptError::Tls(_) | AttemptError::Denied(_) => None,
         }
     }
 
@@ -78,6 +93,7 @@ impl AttemptError {
             AttemptError::Connect(_) => "connect",
             AttemptError::Reset(_) => "reset",
             AttemptError::Timeout(_) => "timeout",
+            AttemptError::Tls(_) => "tls",
             AttemptError::Denied(_) => "denied",
         }
     }

@@ -5,6 +5,7 @@
 
 use std::io;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Method, Request, Response, StatusCode};
@@ -18,14 +19,15 @@ use super::forward::finish;
 use super::server::Lifecycle;
 use super::{Body, empty};
 use crate::app::App;
-use crate::config::Unmatched;
 use crate::config::pattern::split_host_port;
+use crate::config::{TlsMode, Unmatched};
 use crate::route::normalize_host;
 
 pub(crate) async fn tunnel(
-    app: &App,
-    lifecycle: &Lifecycle,
+    app: &Arc<App>,
+    lc: &Lifecycle,
     req: Request<Incoming>,
+    peer: SocketAddr,
 ) -> Response<Body> {
     let start = Instant::now();
     let config = app.config();
@@ -48,45 +50,59 @@ pub(crate) async fn tunnel(
         );
     };
     let route = config.route(&host, port, &Method::CONNECT, "", req.headers());
-    let policy = route
-        .as_ref()
-        .map_or(&config.defaults, |r| &config.upstreams[r.upstream].policy);
-
-    let result = async {
-        if route.is_none() && config.proxy.unmatched == Unmatched::Deny {
-            return Err(ProxyError::UnmatchedDenied);
-        }
-        let addrs = app
-            .resolver
-            .resolve(&host, port)
-            .await
-            .map_err(ProxyError::Egress)?;
-        let upstream = connect_any(&addrs, policy.attempt_timeout)
-            .await
-            .map_err(|e| ProxyError::UpstreamUnreachable(Box::new(e)))?;
-        Ok(upstream)
+    let done = |result| {
+        finish(
+            app,
+            &config,
+            route.as_ref(),
+            &Method::CONNECT,
+            &host,
+            "-",
+            start,
+            result,
+        )
+    };
+    if route.is_none() && config.proxy.unmatched == Unmatched::Deny {
+        return done(Err(ProxyError::UnmatchedDenied));
     }
-    .await;
-
-    let upstream = match result {
-        Ok(u) => u,
-        Err(e) => {
-            return finish(
-                app,
-                &config,
-                route.as_ref(),
-                &Method::CONNECT,
-                &host,
-                "-",
-                start,
-                Err(e),
-            );
-        }
+    let upstream = route.as_ref().map(|r| &config.upstreams[r.upstream]);
+    let policy = upstream.map_or(&config.defaults, |u| &u.policy);
+    // Refuse forbidden destinations before anything else happens, intercepted or not.
+    let addrs = match app.resolver.resolve(&host, port).await {
+        Ok(a) => a,
+        Err(e) => return done(Err(ProxyError::Egress(e))),
     };
     let on_upgrade = hyper::upgrade::on(req);
-    let stop = lifecycle.stop.clone();
-    lifecycle.tracker.spawn(async move {
-        let mut upstream = upstream;
+
+    if upstream.is_some_and(|u| u.tls == TlsMode::Intercept) {
+        let (app, lc2) = (app.clone(), lc.clone());
+        let host2 = host.clone();
+        lc.tracker.spawn(async move {
+            match on_upgrade.await {
+                Ok(upgraded) => {
+                    crate::tls::intercept::serve(app, lc2, upgraded, host2, port, peer).await
+                }
+                Err(e) => tracing::debug!(error = %e, "CONNECT upgrade failed"),
+            }
+        });
+        return done(Ok(ok_response()));
+    }
+
+    // A blind tunnel pays the upstream's concurrency limits, one permit while it is open.
+    let permit = match &route {
+        Some(r) => match app.limiter.acquire_tunnel(r).await {
+            Ok(p) => p,
+            Err(e) => return done(Err(e.into())),
+        },
+        None => None,
+    };
+    let mut upstream_io = match connect_any(&addrs, policy.attempt_timeout).await {
+        Ok(s) => s,
+        Err(e) => return done(Err(ProxyError::UpstreamUnreachable(Box::new(e)))),
+    };
+    let stop = lc.stop.clone();
+    lc.tracker.spawn(async move {
+        let _permit = permit;
         let client = match on_upgrade.await {
             Ok(c) => c,
             Err(e) => {
@@ -96,25 +112,20 @@ pub(crate) async fn tunnel(
         };
         let mut client = TokioIo::new(client);
         tokio::select! {
-            r = tokio::io::copy_bidirectional(&mut client, &mut upstream) => match r {
+            r = tokio::io::copy_bidirectional(&mut client, &mut upstream_io) => match r {
                 Ok((up, down)) => tracing::debug!(bytes_up = up, bytes_down = down, "tunnel closed"),
                 Err(e) => tracing::debug!(error = %e, "tunnel ended with an error"),
             },
             _ = stop.cancelled() => tracing::debug!("tunnel cut at the end of the drain"),
         }
     });
+    done(Ok(ok_response()))
+}
+
+fn ok_response() -> Response<Body> {
     let mut resp = Response::new(empty());
     *resp.status_mut() = StatusCode::OK;
-    finish(
-        app,
-        &config,
-        route.as_ref(),
-        &Method::CONNECT,
-        &host,
-        "-",
-        start,
-        Ok(resp),
-    )
+    resp
 }
 
 /// Tries each address in turn, each bounded by `timeout`.

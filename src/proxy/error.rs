@@ -113,6 +113,15 @@ pub fn find_cause<'a, T: std::error::Error + 'static>(
         if let Some(t) = e.downcast_ref::<T>() {
             return Some(t);
         }
+        // io::Error hides what it wraps from `source()`; tokio-rustls reports TLS
+        // failures that way.
+        if let Some(inner) = e
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+            && let Some(t) = find_cause::<T>(inner)
+        {
+            return Some(t);
+        }
         cur = e.source();
     }
     None

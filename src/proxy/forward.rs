@@ -13,13 +13,15 @@ use super::error::ProxyError;
 use super::headers::{append_via, strip_hop_by_hop};
 use super::{Body, pipeline, stream};
 use crate::app::App;
-use crate::config::{Config, Unmatched};
+use crate::config::{Config, Scheme, Unmatched};
 use crate::egress::{EgressError, is_denied};
 use crate::route::{Route, normalize_host};
 
 /// Where an absolute-form request is going.
 #[derive(Debug)]
 pub struct Target {
+    /// Whether the upstream is reached over TLS (intercepted tunnels, `scheme = "https"`).
+    pub https: bool,
     /// Normalised for routing: lower-case, no brackets, no trailing dot.
     pub host: String,
     pub port: u16,
@@ -54,11 +56,41 @@ impl Target {
             None => raw_host.to_string(),
         };
         Ok(Target {
+            https: false,
             host: normalize_host(raw_host),
             port: uri.port_u16().unwrap_or(80),
             host_header,
             path_and_query: uri.path_and_query().map_or("/", |p| p.as_str()).to_string(),
         })
+    }
+
+    /// The target of a request inside an intercepted tunnel to `host:port`.
+    fn in_tunnel(host: &str, port: u16, uri: &Uri) -> Target {
+        let bare = if host.contains(':') {
+            format!("[{host}]")
+        } else {
+            host.to_string()
+        };
+        Target {
+            https: true,
+            host: host.to_string(),
+            port,
+            host_header: if port == 443 {
+                bare
+            } else {
+                format!("{bare}:{port}")
+            },
+            path_and_query: uri.path_and_query().map_or("/", |p| p.as_str()).to_string(),
+        }
+    }
+
+    /// TLS origination: the client asked for http://, the upstream is reached over https
+    /// (on 443 unless the URL named a port).
+    fn originate_tls(&mut self, explicit_port: bool) {
+        self.https = true;
+        if !explicit_port {
+            self.port = 443;
+        }
     }
 
     pub fn path(&self) -> &str {
@@ -70,10 +102,47 @@ pub async fn forward(app: &App, req: Request<Incoming>) -> Response<Body> {
     let start = Instant::now();
     let config = app.config();
     let method = req.method().clone();
-    let target = match Target::from_uri(req.uri()) {
+    let mut target = match Target::from_uri(req.uri()) {
         Ok(t) => t,
         Err(e) => return finish(app, &config, None, &method, "-", "-", start, Err(e)),
     };
+    let route = config.route(
+        &target.host,
+        target.port,
+        &method,
+        target.path(),
+        req.headers(),
+    );
+    if let Some(r) = &route
+        && config.upstreams[r.upstream].scheme == Scheme::Https
+    {
+        target.originate_tls(req.uri().port_u16().is_some());
+    }
+    let result = send(app, &config, route.as_ref(), &target, req).await;
+    finish(
+        app,
+        &config,
+        route.as_ref(),
+        &method,
+        &target.host,
+        target.path(),
+        start,
+        result,
+    )
+}
+
+/// A request inside an intercepted tunnel to `host:port`: routed and limited exactly like
+/// plain HTTP, sent on over verified TLS.
+pub async fn intercepted(
+    app: &App,
+    req: Request<Incoming>,
+    host: &str,
+    port: u16,
+) -> Response<Body> {
+    let start = Instant::now();
+    let config = app.config();
+    let method = req.method().clone();
+    let target = Target::in_tunnel(host, port, req.uri());
     let route = config.route(
         &target.host,
         target.port,
@@ -125,7 +194,8 @@ fn to_upstream(req: Request<Incoming>, target: &Target) -> Result<Request<Body>,
         .map_err(|_| ProxyError::BadRequest("the URL's host is not a valid Host value".into()))?;
     parts.headers.insert(header::HOST, host);
     append_via(&mut parts.headers);
-    parts.uri = format!("http://{}{}", target.host_header, target.path_and_query)
+    let scheme = if target.https { "https" } else { "http" };
+    parts.uri = format!("{scheme}://{}{}", target.host_header, target.path_and_query)
         .parse()
         .map_err(|_| ProxyError::BadRequest("the URL cannot be forwarded".into()))?;
     parts.version = Version::HTTP_11;

@@ -319,7 +319,8 @@ async fn attempt(
 ) -> Result<Response<Body>, AttemptError> {
     let (upstream, family) = config.labels(route);
     let start = Instant::now();
-    let resp = tokio::time::timeout(timeout, app.client.send(req))
+    let client = app.client_for(route.map(|r| r.upstream));
+    let resp = tokio::time::timeout(timeout, client.send(req))
         .await
         .map_err(|_| AttemptError::Timeout(timeout))??;
     app.metrics

@@ -183,7 +183,7 @@ async fn serve_connection(app: Arc<App>, stream: TcpStream, peer: SocketAddr, lc
     let svc = service_fn(move |req: Request<Incoming>| {
         let app = app.clone();
         let lc = handler_lc.clone();
-        async move { Ok::<_, Infallible>(handle(&app, &lc, req).await) }
+        async move { Ok::<_, Infallible>(handle(&app, &lc, req, peer).await) }
     });
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())
@@ -207,9 +207,14 @@ async fn serve_connection(app: Arc<App>, stream: TcpStream, peer: SocketAddr, lc
     }
 }
 
-async fn handle(app: &App, lc: &Lifecycle, req: Request<Incoming>) -> Response<Body> {
+async fn handle(
+    app: &Arc<App>,
+    lc: &Lifecycle,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+) -> Response<Body> {
     if req.method() == Method::CONNECT {
-        connect::tunnel(app, lc, req).await
+        connect::tunnel(app, lc, req, peer).await
     } else {
         forward::forward(app, req).await
     }

@@ -48,6 +48,7 @@ fn fam(name: &str, priority: Priority, limits: Vec<Limit>) -> FamilySpec {
         limits,
         max_queue: 1000,
         max_wait: Duration::from_secs(30),
+        concurrency_only: false,
     }
 }
 fn spec(upstream: Vec<Limit>, families: Vec<FamilySpec>) -> PartitionSpec {

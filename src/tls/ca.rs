@@ -1,0 +1,223 @@
+//! The interception CA: `sluice ca new` writes one; at run time it signs a leaf
+//! certificate per host name on demand, cached so that a second connection to the same
+//! name does no signing.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType,
+};
+use rustls::sign::CertifiedKey;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+
+use super::{TlsError, provider};
+
+/// Leaves live 30 days and are replaced a day before they expire.
+const LEAF_LIFETIME: Duration = Duration::from_secs(30 * 24 * 3600);
+const LEAF_RENEW_BEFORE: Duration = Duration::from_secs(24 * 3600);
+/// Distinct host names whose leaves are kept; beyond it the oldest is dropped.
+const CACHE_LIMIT: usize = 10_000;
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TlsError + '_ {
+    move |source| TlsError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+fn offset(t: SystemTime) -> time::OffsetDateTime {
+    time::OffsetDateTime::from(t)
+}
+
+/// Writes `ca.pem` and `ca-key.pem` (mode 0600) into `dir`: an ECDSA P-256 CA valid for
+/// ten years, named "sluice egress CA" plus this host's name.
+pub fn write_new_ca(dir: &Path) -> Result<(PathBuf, PathBuf), TlsError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+    let mut params = CertificateParams::default();
+    let host = std::fs::read_to_string("/etc/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default();
+    let mut dn = DistinguishedName::new();
+    let cn = if host.is_empty() {
+        "sluice egress CA".to_string()
+    } else {
+        format!("sluice egress CA {host}")
+    };
+    dn.push(DnType::CommonName, cn);
+    dn.push(DnType::OrganizationName, "sluice");
+    params.distinguished_name = dn;
+    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    let now = SystemTime::now();
+    params.not_before = offset(now - Duration::from_secs(3600));
+    params.not_after = offset(now + Duration::from_secs(10 * 365 * 24 * 3600));
+    let cert = params.self_signed(&key)?;
+
+    let cert_path = dir.join("ca.pem");
+    let key_path = dir.join("ca-key.pem");
+    std::fs::write(&cert_path, cert.pem()).map_err(io_err(&cert_path))?;
+    let _ = std::fs::remove_file(&key_path);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&key_path)
+        .map_err(io_err(&key_path))?;
+    f.write_all(key.serialize_pem().as_bytes())
+        .map_err(io_err(&key_path))?;
+    Ok((cert_path, key_path))
+}
+
+struct Leaf {
+    key: Arc<CertifiedKey>,
+    renew_at: SystemTime,
+    issued: u64,
+}
+
+/// A loaded CA and its cache of leaf certificates.
+pub struct Authority {
+    issuer: Issuer<'static, KeyPair>,
+    ca_der: CertificateDer<'static>,
+    cache: Mutex<(HashMap<String, Leaf>, u64)>,
+}
+
+impl Authority {
+    /// Loads a CA; refuses a key file that group or others can read.
+    pub fn load(cert_path: &Path, key_path: &Path) -> Result<Authority, TlsError> {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(key_path)
+            .map_err(io_err(key_path))?
+            .permissions()
+            .mode();
+        if mode & 0o077 != 0 {
+            return Err(TlsError::KeyTooOpen(key_path.display().to_string()));
+        }
+        let cert_pem = std::fs::read_to_string(cert_path).map_err(io_err(cert_path))?;
+        let key_pem = std::fs::read_to_string(key_path).map_err(io_err(key_path))?;
+        let invalid = |path: &Path, message: String| TlsError::Invalid {
+            path: path.display().to_string(),
+            message,
+        };
+        let key = KeyPair::from_pem(&key_pem)
+            .map_err(|e| invalid(key_path, format!("not a usable private key: {e}")))?;
+        let ca_der = pem_certs(&cert_pem)
+            .into_iter()
+            .next()
+            .ok_or_else(|| invalid(cert_path, "no certificate in the file".into()))?;
+        let issuer = Issuer::from_ca_cert_der(&ca_der, key)
+            .map_err(|e| invalid(cert_path, format!("not a usable CA certificate: {e}")))?;
+        Ok(Authority {
+            issuer,
+            ca_der,
+            cache: Mutex::new((HashMap::new(), 0)),
+        })
+    }
+
+    /// The leaf for `name`, from the cache or freshly signed.
+    pub fn leaf(&self, name: &str) -> Result<Arc<CertifiedKey>, TlsError> {
+        let now = SystemTime::now();
+        {
+            let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(l) = cache.0.get(name).filter(|l| l.renew_at > now) {
+                return Ok(l.key.clone());
+            }
+        }
+        let key = Arc::new(self.sign(name, now)?);
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let (map, counter) = &mut *cache;
+        *counter += 1;
+        if map.len() >= CACHE_LIMIT
+            && !map.contains_key(name)
+            && let Some(oldest) = map
+                .iter()
+                .min_by_key(|(_, l)| l.issued)
+                .map(|(k, _)| k.clone())
+        {
+            map.remove(&oldest);
+        }
+        map.insert(
+            name.to_string(),
+            Leaf {
+                key: key.clone(),
+                renew_at: now + LEAF_LIFETIME - LEAF_RENEW_BEFORE,
+                issued: *counter,
+            },
+        );
+        Ok(key)
+    }
+
+    /// How many leaves have been signed since start (for tests and metrics).
+    pub fn signed(&self) -> u64 {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).1
+    }
+
+    fn sign(&self, name: &str, now: SystemTime) -> Result<CertifiedKey, TlsError> {
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+        let mut params = CertificateParams::default();
+        params.subject_alt_names = vec![match name.parse::<std::net::IpAddr>() {
+            Ok(ip) => SanType::IpAddress(ip),
+            Err(_) => SanType::DnsName(name.try_into()?),
+        }];
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, name);
+        params.distinguished_name = dn;
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        params.not_before = offset(now - Duration::from_secs(3600));
+        params.not_after = offset(now + LEAF_LIFETIME);
+        let cert = params.signed_by(&key, &self.issuer)?;
+        let der_key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+        let signing = provider().key_provider.load_private_key(der_key)?;
+        Ok(CertifiedKey::new(
+            vec![cert.der().clone(), self.ca_der.clone()],
+            signing,
+        ))
+    }
+}
+
+/// Every certificate in a PEM text.
+pub fn pem_certs(pem: &str) -> Vec<CertificateDer<'static>> {
+    use rustls_pki_types::pem::PemObject;
+    CertificateDer::pem_slice_iter(pem.as_bytes())
+        .filter_map(Result::ok)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_ca_signs_cached_leaves_and_guards_its_key() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key) = write_new_ca(dir.path()).unwrap();
+        assert_eq!(
+            std::fs::metadata(&key).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        let ca = Authority::load(&cert, &key).unwrap();
+        let a = ca.leaf("api.example.com").unwrap();
+        let b = ca.leaf("api.example.com").unwrap();
+        assert!(Arc::ptr_eq(&a, &b), "the second connection reuses the leaf");
+        assert_eq!(ca.signed(), 1);
+        ca.leaf("127.0.0.1").unwrap();
+        assert_eq!(ca.signed(), 2);
+
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let err = Authority::load(&cert, &key).err().unwrap().to_string();
+        assert!(err.contains("chmod 600"), "{err}");
+    }
+}

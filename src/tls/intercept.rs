@@ -1,0 +1,140 @@
+//! `tls = "intercept"`: after answering a CONNECT with 200, sluice terminates TLS itself
+//! with a leaf certificate for the requested name, signed by the configured CA, and
+//! serves HTTP/1.1 or HTTP/2 (by ALPN) inside. Every request then goes through the same
+//! pipeline as plain HTTP, addressed to the CONNECT target over verified TLS.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http::Request;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::upgrade::Upgraded;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use rustls::ServerConfig;
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use tokio::time::Instant;
+use tokio_rustls::LazyConfigAcceptor;
+
+use super::provider;
+use crate::app::App;
+use crate::proxy::forward;
+use crate::proxy::server::Lifecycle;
+
+/// Serves one leaf whatever the client asks for: it was chosen for this connection.
+struct Fixed(Arc<CertifiedKey>);
+
+impl fmt::Debug for Fixed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Fixed")
+    }
+}
+
+impl ResolvesServerCert for Fixed {
+    fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.clone())
+    }
+}
+
+/// Logs handshake failures once per client address per minute; a client that does not
+/// trust the CA retries often and would flood the log otherwise.
+#[derive(Default)]
+pub struct HandshakeLog {
+    last: Mutex<HashMap<IpAddr, Instant>>,
+}
+
+impl HandshakeLog {
+    fn should_log(&self, ip: IpAddr) -> bool {
+        let now = Instant::now();
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if last.len() > 4096 {
+            last.retain(|_, t| now - *t < Duration::from_secs(60));
+        }
+        match last.get(&ip) {
+            Some(t) if now - *t < Duration::from_secs(60) => false,
+            _ => {
+                last.insert(ip, now);
+                true
+            }
+        }
+    }
+}
+
+/// Terminates TLS on an upgraded CONNECT stream and serves the requests inside.
+pub(crate) async fn serve(
+    app: Arc<App>,
+    lc: Lifecycle,
+    upgraded: Upgraded,
+    host: String,
+    port: u16,
+    peer: SocketAddr,
+) {
+    let Some(ca) = app.authority.clone() else {
+        tracing::error!(host, "interception requested but no CA is loaded");
+        return;
+    };
+    let failed = |what: &str, error: String| {
+        app.metrics.tls_handshake_failures.inc();
+        if app.handshake_log.should_log(peer.ip()) {
+            tracing::warn!(client = %peer.ip(), host, error, "{what} (logged once a minute per client)");
+        }
+    };
+    let start =
+        match LazyConfigAcceptor::new(rustls::server::Acceptor::default(), TokioIo::new(upgraded))
+            .await
+        {
+            Ok(s) => s,
+            Err(e) => return failed("client TLS handshake failed", e.to_string()),
+        };
+    let name = start
+        .client_hello()
+        .server_name()
+        .map_or_else(|| host.clone(), str::to_string);
+    let leaf = match ca.leaf(&name) {
+        Ok(l) => l,
+        Err(e) => return failed("cannot issue a certificate", e.to_string()),
+    };
+    let config = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map(|b| {
+            b.with_no_client_auth()
+                .with_cert_resolver(Arc::new(Fixed(leaf)))
+        });
+    let mut config = match config {
+        Ok(c) => c,
+        Err(e) => return failed("TLS configuration failed", e.to_string()),
+    };
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let tls = match start.into_stream(Arc::new(config)).await {
+        Ok(t) => t,
+        Err(e) => return failed("client TLS handshake failed", e.to_string()),
+    };
+
+    let svc_app = app.clone();
+    let svc = service_fn(move |req: Request<Incoming>| {
+        let (app, host) = (svc_app.clone(), host.clone());
+        async move { Ok::<_, Infallible>(forward::intercepted(&app, req, &host, port).await) }
+    });
+    let builder = auto::Builder::new(TokioExecutor::new());
+    let conn = builder.serve_connection(TokioIo::new(tls), svc);
+    tokio::pin!(conn);
+    let result = tokio::select! {
+        r = conn.as_mut() => r,
+        _ = lc.drain.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            tokio::select! {
+                r = conn.as_mut() => r,
+                _ = lc.stop.cancelled() => Ok(()),
+            }
+        }
+    };
+    if let Err(e) = result {
+        tracing::debug!(client = %peer, error = %e, "intercepted connection ended with an error");
+    }
+}
