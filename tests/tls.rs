@@ -1,0 +1,270 @@
+//! HTTPS through sluice with real TLS on both sides: a rustls upstream with its own test
+//! CA, sluice intercepting with a CA from `write_new_ca`, and curl as the client.
+
+mod support;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
+use rustls_pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+use support::Proxy;
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+
+/// A TLS upstream on 127.0.0.1 whose certificate is signed by a CA of its own.
+struct TlsUpstream {
+    addr: SocketAddr,
+    ca_path: PathBuf,
+    seen: Arc<Mutex<Vec<(Instant, String)>>>,
+}
+
+async fn tls_upstream(dir: &Path) -> TlsUpstream {
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::default();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "test upstream CA");
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let ca_path = dir.join("upstream-ca.pem");
+    std::fs::write(&ca_path, ca_cert.pem()).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::default();
+    params.subject_alt_names = vec![SanType::IpAddress("127.0.0.1".parse().unwrap())];
+    let cert = params.signed_by(&key, &issuer).unwrap();
+
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![cert.der().clone()],
+        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+    )
+    .unwrap();
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let s = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let (acceptor, s) = (acceptor.clone(), s.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let svc = service_fn(move |req: Request<Incoming>| {
+                    let s = s.clone();
+                    async move {
+                        s.lock().unwrap().push((
+                            Instant::now(),
+                            format!("{:?} {}", req.version(), req.uri().path()),
+                        ));
+                        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(
+                            b"secure hello",
+                        ))))
+                    }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(tls), svc)
+                    .await;
+            });
+        }
+    });
+    TlsUpstream {
+        addr,
+        ca_path,
+        seen,
+    }
+}
+
+/// Runs curl with `args`, returning (exit ok, stdout, stderr).
+async fn curl(args: Vec<String>) -> (bool, String, String) {
+    tokio::task::spawn_blocking(move || {
+        let out = Command::new("curl")
+            .args(&args)
+            .output()
+            .expect("curl runs");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    })
+    .await
+    .unwrap()
+}
+
+fn strs(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+#[tokio::test]
+async fn intercepted_https_is_limited_like_plain_http_over_h1_and_h2() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = tls_upstream(dir.path()).await;
+    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let proxy = Proxy::start(
+        &format!(
+            "[tls]\nca_cert = {:?}\nca_key = {:?}\n\
+             [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\nupstream_ca = {:?}\n\
+             [[upstream.family]]\nname = \"items\"\npaths = [\"/v1/**\"]\n\
+             limits = [{{ kind = \"sliding_window\", permits = 3, window = \"1s\" }}]\n",
+            ca_cert, ca_key, up.ca_path
+        ),
+    )
+    .await;
+    let url = format!("https://{}/v1/items", up.addr);
+    let base = vec![
+        "-sS".to_string(),
+        "--max-time".into(),
+        "20".into(),
+        "-x".into(),
+        proxy.url(),
+        "--cacert".into(),
+        ca_cert.display().to_string(),
+    ];
+
+    let t0 = Instant::now();
+    let mut runs = Vec::new();
+    for i in 0..9 {
+        let mut args = base.clone();
+        if i % 2 == 1 {
+            args.push("--http1.1".into());
+        }
+        args.extend(["-w".into(), " %{http_version}".into(), url.clone()]);
+        runs.push(tokio::spawn(curl(args)));
+    }
+    let mut versions = Vec::new();
+    for r in runs {
+        let (ok, out, err) = r.await.unwrap();
+        assert!(ok, "curl failed: {err}");
+        assert!(out.starts_with("secure hello"), "{out}");
+        versions.push(out.rsplit(' ').next().unwrap().to_string());
+    }
+    assert!(
+        versions.contains(&"2".to_string()) && versions.contains(&"1.1".to_string()),
+        "{versions:?}"
+    );
+    assert!(
+        t0.elapsed() >= Duration::from_millis(1900),
+        "9 at 3/s take 2 s: {:?}",
+        t0.elapsed()
+    );
+    let arrivals: Vec<Instant> = up.seen.lock().unwrap().iter().map(|s| s.0).collect();
+    assert_eq!(arrivals.len(), 9);
+    let most = arrivals
+        .iter()
+        .map(|a| {
+            arrivals
+                .iter()
+                .filter(|b| **b >= *a && **b < *a + Duration::from_millis(950))
+                .count()
+        })
+        .max();
+    assert_eq!(most, Some(3), "the family limit holds inside the tunnel");
+
+    let m = proxy.metrics().await;
+    assert!(
+        m.contains(r#"sluice_requests_total{family="items",outcome="200",upstream="secure"} 9"#),
+        "{m}"
+    );
+
+    // A client that does not trust sluice's CA fails its handshake; it is counted.
+    let (ok, _, _) = curl(strs(&["-sS", "--max-time", "10", "-x", &proxy.url(), &url])).await;
+    assert!(!ok);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let m = proxy.metrics().await;
+    assert!(m.contains("sluice_tls_handshake_failures_total 1"), "{m}");
+}
+
+#[tokio::test]
+async fn an_untrusted_upstream_certificate_is_a_502() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = tls_upstream(dir.path()).await;
+    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    // No upstream_ca: the upstream's private CA is not trusted.
+    let proxy = Proxy::start(&format!(
+        "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
+         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n"
+    ))
+    .await;
+    let url = format!("https://{}/x", up.addr);
+    let (ok, out, err) = curl(strs(&[
+        "-sS",
+        "--max-time",
+        "10",
+        "-x",
+        &proxy.url(),
+        "--cacert",
+        ca_cert.to_str().unwrap(),
+        "-w",
+        " %{http_code}",
+        &url,
+    ]))
+    .await;
+    assert!(ok, "{err}");
+    assert!(out.ends_with(" 502"), "{out}");
+    assert!(out.contains("sluice_upstream_unreachable"), "{out}");
+    assert!(up.seen.lock().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn tls_origination_for_plain_http_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = tls_upstream(dir.path()).await;
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\nscheme = \"https\"\nupstream_ca = {:?}\n",
+        up.ca_path
+    ))
+    .await;
+    let resp = proxy
+        .client()
+        .get(format!("http://{}/plain", up.addr))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.text().await.unwrap(), "secure hello");
+    assert_eq!(up.seen.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn a_tunnel_to_an_unmatched_host_still_works() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = tls_upstream(dir.path()).await;
+    let proxy = Proxy::start("").await;
+    let url = format!("https://{}/blind", up.addr);
+    let (ok, out, err) = curl(strs(&[
+        "-sS",
+        "--max-time",
+        "10",
+        "-x",
+        &proxy.url(),
+        "--cacert",
+        up.ca_path.to_str().unwrap(),
+        &url,
+    ]))
+    .await;
+    assert!(ok, "{err}");
+    assert_eq!(out, "secure hello");
+}
