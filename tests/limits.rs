@@ -319,3 +319,46 @@ async fn partitions_by_key_and_buckets_endpoint() {
     assert!(parts.contains(&"-"));
     assert!(parts.iter().filter(|p| **p != "-").all(|p| p.len() == 12));
 }
+
+#[tokio::test]
+async fn a_blind_tunnel_holds_a_concurrency_permit_while_open() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let echo = echo_server().await;
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"tunnelled\"\nhosts = [\"127.0.0.1\"]\nmax_wait = \"300ms\"\n\
+         limits = [{{ kind = \"concurrency\", max = 1 }}]\n"
+    ))
+    .await;
+    let connect = format!("CONNECT {echo} HTTP/1.1\r\nHost: {echo}\r\n\r\n");
+    let mut first = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    first.write_all(connect.as_bytes()).await.unwrap();
+    assert_eq!(read_response(&mut first).await.status, 200);
+
+    let second = raw(proxy.addr, connect.as_bytes()).await;
+    assert_eq!(
+        second.status, 429,
+        "the only permit is held by the open tunnel"
+    );
+    assert_eq!(
+        second.header("sluice-reason").as_deref(),
+        Some("queue_timeout")
+    );
+
+    first.write_all(b"ping").await.unwrap();
+    let mut buf = [0u8; 4];
+    first.read_exact(&mut buf).await.unwrap();
+    drop(first);
+    let mut third = None;
+    for _ in 0..50 {
+        let r = raw(proxy.addr, connect.as_bytes()).await;
+        if r.status == 200 {
+            third = Some(r);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        third.is_some(),
+        "the permit came back when the tunnel closed"
+    );
+}
