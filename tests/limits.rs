@@ -324,10 +324,10 @@ async fn partitions_by_key_and_buckets_endpoint() {
 async fn a_blind_tunnel_holds_a_concurrency_permit_while_open() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let echo = echo_server().await;
-    let proxy = Proxy::start(&format!(
+    let proxy = Proxy::start(
         "[[upstream]]\nname = \"tunnelled\"\nhosts = [\"127.0.0.1\"]\nmax_wait = \"300ms\"\n\
-         limits = [{{ kind = \"concurrency\", max = 1 }}]\n"
-    ))
+         limits = [{ kind = \"concurrency\", max = 1 }]\n",
+    )
     .await;
     let connect = format!("CONNECT {echo} HTTP/1.1\r\nHost: {echo}\r\n\r\n");
     let mut first = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
