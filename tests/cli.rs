@@ -124,6 +124,7 @@ fn free_port() -> u16 {
 
 #[tokio::test]
 async fn run_serves_logs_safely_and_drains_on_sigterm() {
+    support::crypto();
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
     let (port, admin) = (free_port(), free_port());

@@ -268,3 +268,45 @@ async fn a_tunnel_to_an_unmatched_host_still_works() {
     assert!(ok, "{err}");
     assert_eq!(out, "secure hello");
 }
+
+#[tokio::test]
+async fn reqwest_with_the_ca_added_over_http1_and_http2() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = tls_upstream(dir.path()).await;
+    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let proxy = Proxy::start(&format!(
+        "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
+         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\nupstream_ca = {:?}\n",
+        up.ca_path
+    ))
+    .await;
+    let ca = reqwest::Certificate::from_pem(&std::fs::read(&ca_cert).unwrap()).unwrap();
+    for http2 in [false, true] {
+        let mut b = reqwest::Client::builder()
+            .proxy(reqwest::Proxy::all(proxy.url()).unwrap())
+            .tls_certs_only([ca.clone()]);
+        b = if http2 {
+            b.http2_prior_knowledge()
+        } else {
+            b.http1_only()
+        };
+        let resp = b
+            .build()
+            .unwrap()
+            .get(format!("https://{}/r", up.addr))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(
+            resp.version(),
+            if http2 {
+                http::Version::HTTP_2
+            } else {
+                http::Version::HTTP_11
+            }
+        );
+        assert_eq!(resp.text().await.unwrap(), "secure hello");
+    }
+    assert_eq!(up.seen.lock().unwrap().len(), 2);
+}

@@ -27,6 +27,14 @@ use sluice::egress::Lookup;
 use sluice::proxy::BoxError;
 use sluice::{App, Config, Server};
 
+/// reqwest's TLS needs a process-wide rustls provider; sluice itself uses ring.
+pub fn crypto() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
 /// What the upstream saw of one request.
 #[derive(Debug, Clone)]
 pub struct Seen {
@@ -262,6 +270,7 @@ impl Proxy {
     }
 
     pub async fn start_with(extra: &str, lookup: Option<Arc<dyn Lookup>>) -> Proxy {
+        crypto();
         let text = format!("[proxy]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n{extra}");
         let config = Config::parse(&text, "test.toml").unwrap_or_else(|e| panic!("{e}"));
         let mut builder = App::builder(config);
