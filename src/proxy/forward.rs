@@ -100,35 +100,14 @@ impl Target {
 
 pub async fn forward(app: &App, req: Request<Incoming>) -> Response<Body> {
     let start = Instant::now();
-    let config = app.config();
-    let method = req.method().clone();
-    let mut target = match Target::from_uri(req.uri()) {
-        Ok(t) => t,
-        Err(e) => return finish(app, &config, None, &method, "-", "-", start, Err(e)),
-    };
-    let route = config.route(
-        &target.host,
-        target.port,
-        &method,
-        target.path(),
-        req.headers(),
-    );
-    if let Some(r) = &route
-        && config.upstreams[r.upstream].scheme == Scheme::Https
-    {
-        target.originate_tls(req.uri().port_u16().is_some());
+    match Target::from_uri(req.uri()) {
+        Ok(target) => route_and_send(app, req, target, start).await,
+        Err(e) => {
+            let config = app.config();
+            let method = req.method().clone();
+            finish(app, &config, None, &method, "-", "-", start, Err(e))
+        }
     }
-    let result = send(app, &config, route.as_ref(), &target, req).await;
-    finish(
-        app,
-        &config,
-        route.as_ref(),
-        &method,
-        &target.host,
-        target.path(),
-        start,
-        result,
-    )
 }
 
 /// A request inside an intercepted tunnel to `host:port`: routed and limited exactly like
@@ -140,9 +119,18 @@ pub async fn intercepted(
     port: u16,
 ) -> Response<Body> {
     let start = Instant::now();
+    let target = Target::in_tunnel(host, port, req.uri());
+    route_and_send(app, req, target, start).await
+}
+
+async fn route_and_send(
+    app: &App,
+    req: Request<Incoming>,
+    mut target: Target,
+    start: Instant,
+) -> Response<Body> {
     let config = app.config();
     let method = req.method().clone();
-    let target = Target::in_tunnel(host, port, req.uri());
     let route = config.route(
         &target.host,
         target.port,
@@ -150,6 +138,12 @@ pub async fn intercepted(
         target.path(),
         req.headers(),
     );
+    if let Some(r) = &route
+        && !target.https
+        && config.upstreams[r.upstream].scheme == Scheme::Https
+    {
+        target.originate_tls(req.uri().port_u16().is_some());
+    }
     let result = send(app, &config, route.as_ref(), &target, req).await;
     finish(
         app,

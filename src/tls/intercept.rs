@@ -123,17 +123,7 @@ pub(crate) async fn serve(
     });
     let builder = auto::Builder::new(TokioExecutor::new());
     let conn = builder.serve_connection(TokioIo::new(tls), svc);
-    tokio::pin!(conn);
-    let result = tokio::select! {
-        r = conn.as_mut() => r,
-        _ = lc.drain.cancelled() => {
-            conn.as_mut().graceful_shutdown();
-            tokio::select! {
-                r = conn.as_mut() => r,
-                _ = lc.stop.cancelled() => Ok(()),
-            }
-        }
-    };
+    let result = lc.until_drained(conn).await;
     if let Err(e) = result {
         tracing::debug!(client = %peer, error = %e, "intercepted connection ended with an error");
     }
