@@ -207,6 +207,16 @@ impl<W> Bucket<W> {
         seq
     }
 
+    /// Empties every queue (shutdown), returning each waiter with its family.
+    pub fn take_all_waiters(&mut self) -> Vec<(usize, W)> {
+        let mut out = Vec::with_capacity(self.waiting);
+        for (i, f) in self.families.iter_mut().enumerate() {
+            out.extend(f.queue.drain(..).map(|q| (i, q.waiter)));
+        }
+        self.waiting = 0;
+        out
+    }
+
     /// Removes a waiter that gave up; `None` if it is no longer queued (it was admitted).
     pub fn cancel(&mut self, family: usize, seq: u64) -> Option<Queued<W>> {
         let q = &mut self.families[family].queue;

@@ -302,6 +302,8 @@ pub enum LimitError {
     QueueFull { retry_after: Duration },
     #[error("admission would take longer than max_wait")]
     QueueTimeout { retry_after: Duration },
+    #[error("sluice is shutting down and the drain time ran out before admission")]
+    ShuttingDown,
 }
 
 impl From<Reject> for LimitError {
@@ -317,6 +319,8 @@ type CellKey = (Arc<str>, Option<Partition>);
 
 /// All partitions of all upstreams, and the plans they are built from.
 pub struct Limiter {
+    /// Set at the end of the drain: queued and new requests are refused.
+    closed: std::sync::atomic::AtomicBool,
     plans: RwLock<Vec<Arc<Plan>>>,
     cells: RwLock<HashMap<CellKey, Arc<Cell>>>,
 }
@@ -324,6 +328,7 @@ pub struct Limiter {
 impl Limiter {
     pub fn new(config: &Config, metrics: &Metrics) -> Limiter {
         Limiter {
+            closed: std::sync::atomic::AtomicBool::new(false),
             plans: RwLock::new(
                 config
                     .upstreams
@@ -373,7 +378,7 @@ impl Limiter {
             return Ok(None);
         };
         let family = cell.plan.family_index(route.family);
-        Self::wait(cell, family).await
+        self.wait(cell, family).await
     }
 
     /// A CONNECT tunnel's permit: one of the upstream's concurrency limits for as long as
@@ -383,10 +388,14 @@ impl Limiter {
             return Ok(None);
         };
         let family = cell.plan.tunnel_index();
-        Self::wait(cell, family).await
+        self.wait(cell, family).await
     }
 
-    async fn wait(cell: Arc<Cell>, family: usize) -> Result<Option<Permit>, LimitError> {
+    async fn wait(&self, cell: Arc<Cell>, family: usize) -> Result<Option<Permit>, LimitError> {
+        use std::sync::atomic::Ordering;
+        if self.closed.load(Ordering::Acquire) {
+            return Err(LimitError::ShuttingDown);
+        }
         let metrics = &cell.plan.metrics[family];
         let max_wait = cell.plan.spec.families[family].max_wait;
         let (mut rx, seq) = {
@@ -420,9 +429,13 @@ impl Limiter {
                 guard.armed = false;
                 Ok(grant.into_permit())
             }
-            // The sender went away without a grant: the cell was dropped under us,
-            // which only a reload can do. Count it as running out of time.
-            Ok(Err(_)) | Err(_) => {
+            // The sender went away without a grant: the queues were emptied at the end of
+            // the drain.
+            Ok(Err(_)) => {
+                guard.armed = false;
+                Err(LimitError::ShuttingDown)
+            }
+            Err(_) => {
                 let retry_after = {
                     let mut st = cell.lock();
                     st.bucket.timeout_hint(family, seq, Instant::now())
@@ -432,6 +445,28 @@ impl Limiter {
                 // Admitted in the same instant the wait ran out: `rx` drops the grant,
                 // which gives the permits back.
                 Err(LimitError::QueueTimeout { retry_after })
+            }
+        }
+    }
+
+    /// End of the drain: every queued request, and any that arrives from now on, is
+    /// refused with `ShuttingDown`. Requests already admitted are not touched.
+    pub fn close(&self) {
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
+        let cells: Vec<Arc<Cell>> = self
+            .cells
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        for cell in cells {
+            let waiters = cell.lock().bucket.take_all_waiters();
+            for (family, waiter) in waiters {
+                cell.plan.metrics[family].depth.dec();
+                // Dropping the sender wakes the waiter with nothing: it answers 503.
+                drop(waiter);
             }
         }
     }

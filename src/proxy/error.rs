@@ -52,6 +52,7 @@ impl ProxyError {
             ProxyError::UpstreamTimeout(_) => "upstream_timeout",
             ProxyError::Limit(LimitError::QueueFull { .. }) => "queue_full",
             ProxyError::Limit(LimitError::QueueTimeout { .. }) => "queue_timeout",
+            ProxyError::Limit(LimitError::ShuttingDown) => "shutting_down",
         }
     }
 
@@ -60,7 +61,7 @@ impl ProxyError {
             "bad_request" => StatusCode::BAD_REQUEST,
             "denied" => StatusCode::FORBIDDEN,
             "total_timeout" | "upstream_timeout" => StatusCode::GATEWAY_TIMEOUT,
-            "breaker_open" => StatusCode::SERVICE_UNAVAILABLE,
+            "breaker_open" | "shutting_down" => StatusCode::SERVICE_UNAVAILABLE,
             "queue_full" | "queue_timeout" => StatusCode::TOO_MANY_REQUESTS,
             _ => StatusCode::BAD_GATEWAY,
         }

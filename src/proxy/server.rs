@@ -173,8 +173,11 @@ impl Server {
         {
             tracing::warn!(
                 remaining = lc.tracker.len(),
-                "drain_timeout ran out; cutting what is left"
+                "drain_timeout ran out: queued requests get 503 shutting_down, the rest is cut"
             );
+            app.limiter.close();
+            // Time for those 503s to reach their clients before connections are cut.
+            let _ = tokio::time::timeout(Duration::from_secs(1), lc.tracker.wait()).await;
         }
         lc.stop.cancel();
         lc.tracker.wait().await;

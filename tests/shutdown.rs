@@ -1,0 +1,66 @@
+//! Shutdown with a full queue: in-flight and queued requests carry on during the drain;
+//! whatever is still queued when it ends gets 503 `shutting_down`; no client sees a
+//! reset connection.
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+
+#[tokio::test]
+async fn every_client_gets_a_complete_response_when_the_drain_runs_out() {
+    let up = Upstream::start().await;
+    let mut proxy = Proxy::start(
+        "drain_timeout = \"700ms\"\n\
+         [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1\"]\nlimits = [{ kind = \"concurrency\", max = 1 }]\n",
+    )
+    .await;
+    let client = proxy.client();
+    let mut clients = Vec::new();
+    for i in 0..8 {
+        let (c, url) = (client.clone(), up.url(&format!("/slow/300?n={i}")));
+        clients.push(tokio::spawn(async move {
+            let resp = c.get(url).send().await.expect("a response, not a reset");
+            let status = resp.status().as_u16();
+            let reason = resp
+                .headers()
+                .get("sluice-reason")
+                .map(|v| v.to_str().unwrap().to_string());
+            let body = resp.text().await.expect("a complete body");
+            (status, reason, body)
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxy.shutdown();
+
+    let mut ok = 0;
+    let mut refused = 0;
+    for c in clients {
+        let (status, reason, body) = c.await.unwrap();
+        match status {
+            200 => {
+                assert_eq!(body, "slow");
+                ok += 1;
+            }
+            503 => {
+                assert_eq!(reason.as_deref(), Some("shutting_down"));
+                assert!(body.contains("sluice_shutting_down"), "{body}");
+                refused += 1;
+            }
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    assert!(
+        ok >= 2,
+        "requests admitted during the drain finished ({ok})"
+    );
+    assert!(
+        refused >= 1,
+        "the ones still queued at the end were refused ({refused})"
+    );
+    tokio::time::timeout(Duration::from_secs(5), proxy.task.take().unwrap())
+        .await
+        .expect("the server stops")
+        .unwrap();
+}
