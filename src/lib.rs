@@ -5,7 +5,8 @@
 //!
 //! - [`proxy::server`]: accept loop, per-connection HTTP/1.1, graceful drain.
 //! - [`proxy::forward`] / [`proxy::connect`]: absolute-form requests and CONNECT tunnels;
-//!   hop-by-hop handling; egress checks ([`egress`]).
+//!   hop-by-hop handling; egress checks ([`egress`]); [`tls`] for intercepted tunnels,
+//!   the interception CA and trust towards upstreams.
 //! - [`route`]: host → upstream, method + path → family, key header → partition.
 //! - [`proxy::pipeline`]: the single function through which every request reaches an
 //!   upstream. Policies nest in this order, outermost first:
@@ -19,7 +20,10 @@
 //!             └─ upstream call  pooled client, hop-by-hop stripped
 //! ```
 //!
+//! - [`limit`]: the limiter (limit kinds, per-partition buckets and queues, the async
+//!   driver); [`policy`]: backoff, wait hints, retry budget, classification, breaker.
 //! - [`config`]: the TOML file, validated into an immutable [`config::Config`].
+//! - [`explain`]: `sluice explain`, through the same routing code.
 //! - [`admin`] and [`metrics`]: the operator's side.
 //! - [`app::App`]: wires the parts together; no globals, tests build their own.
 
