@@ -1,0 +1,174 @@
+"""Pass-through overhead next to the proxies a user would pick instead: direct, sluice
+(unmatched host), squid and tinyproxy as forward proxies, haproxy and nginx as reverse
+proxies, all in front of the same nginx `return 200`. wrk drives each with 32
+connections; targets interleave over the rounds; each row reports the median (min-max),
+the proxy process's CPU and its RSS after the run. Run by bench/peers.sh.
+"""
+
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import SLUICE, Procs, rss_kib, wait_http
+
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 10
+CONNS = 32
+UP = 18200
+PORTS = {"sluice": 13160, "squid": 13161, "tinyproxy": 13162, "haproxy": 13163, "nginx": 13164}
+ADMIN = 19941
+
+work = tempfile.mkdtemp(prefix="sluice-peers-")
+os.chmod(work, 0o755)
+procs = Procs()
+
+
+def write(name, text):
+    path = os.path.join(work, name)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def cpu_seconds(pids):
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            pass
+    return total
+
+
+def family_pids(root):
+    """The process and its children (nginx and squid work in child processes)."""
+    out = subprocess.run(["pgrep", "-P", str(root)], capture_output=True, text=True).stdout.split()
+    return [root] + [int(p) for p in out]
+
+
+def ms(value, unit):
+    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+
+
+def wrk(url, script=None):
+    cmd = ["wrk", "-t2", f"-c{CONNS}", f"-d{SECONDS}s", "--latency"]
+    if script:
+        cmd += ["-s", script]
+    out = subprocess.run(cmd + [url], capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    lat = {p: ms(v, u) for p, v, u in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)", out, re.M)}
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if bad:
+        raise SystemExit(f"{url}: {bad.group(1)} non-2xx responses\n{out}")
+    return rps, lat["50"], lat["99"]
+
+
+def main():
+    upstream = write("up.conf", f"""worker_processes 1; daemon off; pid {work}/up.pid; error_log {work}/up.err;
+events {{ worker_connections 4096; }}
+http {{ access_log off; keepalive_requests 1000000;
+  server {{ listen 127.0.0.1:{UP}; location / {{ return 200 "hello\\n"; }} }} }}
+""")
+    procs.start(["nginx", "-c", upstream, "-p", work])
+    reverse = write("rev.conf", f"""worker_processes 1; daemon off; pid {work}/rev.pid; error_log {work}/rev.err;
+events {{ worker_connections 4096; }}
+http {{ access_log off; keepalive_requests 1000000;
+  upstream up {{ server 127.0.0.1:{UP}; keepalive 64; }}
+  server {{ listen 127.0.0.1:{PORTS["nginx"]};
+    location / {{ proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection ""; }} }} }}
+""")
+    haproxy = write("haproxy.cfg", f"""global
+  nbthread 1
+defaults
+  mode http
+  timeout connect 5s
+  timeout client 30s
+  timeout server 30s
+  http-reuse always
+frontend fe
+  bind 127.0.0.1:{PORTS["haproxy"]}
+  default_backend be
+backend be
+  server s1 127.0.0.1:{UP}
+""")
+    squid = write("squid.conf", f"""http_port 127.0.0.1:{PORTS["squid"]}
+http_access allow all
+cache deny all
+access_log none
+cache_log /dev/null
+pid_filename {work}/squid.pid
+coredump_dir {work}
+workers 1
+shutdown_lifetime 1 seconds
+""")
+    tiny = write("tinyproxy.conf", f"""Port {PORTS["tinyproxy"]}
+Listen 127.0.0.1
+MaxClients 256
+LogLevel Critical
+PidFile "{work}/tinyproxy.pid"
+""")
+    sluice_conf = write("sluice.toml", f'[proxy]\nlisten = "127.0.0.1:{PORTS["sluice"]}"\nadmin = "127.0.0.1:{ADMIN}"\n')
+    pids = {
+        "sluice": procs.start([SLUICE, "run", "-c", sluice_conf], env={**os.environ, "RUST_LOG": "warn"}).pid,
+        "squid": procs.start(["squid", "-N", "-f", squid]).pid,
+        "tinyproxy": procs.start(["tinyproxy", "-d", "-c", tiny]).pid,
+        "haproxy": procs.start(["haproxy", "-db", "-f", haproxy]).pid,
+        "nginx": procs.start(["nginx", "-c", reverse, "-p", work]).pid,
+    }
+    wait_http(f"http://127.0.0.1:{UP}/")
+    wait_http(f"http://127.0.0.1:{ADMIN}/readyz")
+    wait_http(f"http://127.0.0.1:{PORTS['haproxy']}/")
+    wait_http(f"http://127.0.0.1:{PORTS['nginx']}/")
+    time.sleep(2)  # squid and tinyproxy take a moment to listen
+    procs.check_alive()
+    forward = write("forward.lua", f'wrk.path = "http://127.0.0.1:{UP}/"\n')
+
+    targets = [
+        ("direct", f"http://127.0.0.1:{UP}/", None, None),
+        ("sluice (forward)", f"http://127.0.0.1:{PORTS['sluice']}", forward, "sluice"),
+        ("squid (forward)", f"http://127.0.0.1:{PORTS['squid']}", forward, "squid"),
+        ("tinyproxy (forward)", f"http://127.0.0.1:{PORTS['tinyproxy']}", forward, "tinyproxy"),
+        ("haproxy (reverse)", f"http://127.0.0.1:{PORTS['haproxy']}/", None, "haproxy"),
+        ("nginx (reverse)", f"http://127.0.0.1:{PORTS['nginx']}/", None, "nginx"),
+    ]
+    for _, url, script, _ in targets:
+        subprocess.run(["wrk", "-t1", "-c4", "-d1s"] + (["-s", script] if script else []) + [url], capture_output=True, check=True)
+    results = {t[0]: [] for t in targets}
+    cpu = {t[0]: [] for t in targets}
+    for r in range(ROUNDS):
+        for name, url, script, who in targets:
+            watched = family_pids(pids[who]) if who else []
+            before = cpu_seconds(watched)
+            results[name].append(wrk(url, script))
+            cpu[name].append((cpu_seconds(watched) - before) / SECONDS * 100)
+            print(f"round {r + 1} {name}: {results[name][-1][0]:.0f} req/s", file=sys.stderr)
+
+    def cell(values, fmt):
+        return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+
+    direct = statistics.median(v[0] for v in results["direct"])
+    print(f"\nwrk -t2 -c{CONNS} -d{SECONDS}s, {ROUNDS} rounds interleaved; median (min–max)\n")
+    print("| target | req/s | % of direct | p50 ms | p99 ms | proxy CPU % | proxy RSS MiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, _, _, who in targets:
+        rows = results[name]
+        rps = [v[0] for v in rows]
+        rss = "–" if not who else f"{sum(rss_kib(p) for p in family_pids(pids[who])) / 1024:.1f}"
+        print(
+            f"| {name} | {cell(rps, '{:.0f}')} | {statistics.median(rps) / direct * 100:.0f}% "
+            f"| {cell([v[1] for v in rows], '{:.2f}')} | {cell([v[2] for v in rows], '{:.2f}')} "
+            f"| {statistics.median(cpu[name]):.0f} | {rss} |"
+        )
+
+
+try:
+    main()
+finally:
+    procs.stop_all()
+    shutil.rmtree(work, ignore_errors=True)
