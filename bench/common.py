@@ -2,6 +2,7 @@
 readiness polling, and resident memory from /proc."""
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -56,3 +57,33 @@ def rss_kib(pid):
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
+
+
+def cpu_seconds(pids):
+    """User + system CPU time so far of the given processes."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            pass
+    return total
+
+
+def _ms(value, unit):
+    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+
+
+def wrk(url, conns, seconds, script=None):
+    """Runs wrk with 2 threads; returns (req/s, p50 ms, p99 ms). Any non-2xx aborts."""
+    cmd = ["wrk", "-t2", f"-c{conns}", f"-d{seconds}s", "--latency"]
+    if script:
+        cmd += ["-s", script]
+    out = subprocess.run(cmd + [url], capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    lat = {p: _ms(v, u) for p, v, u in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)", out, re.M)}
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if bad:
+        raise SystemExit(f"{url}: {bad.group(1)} non-2xx responses\n{out}")
+    return rps, lat["50"], lat["99"]

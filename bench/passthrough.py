@@ -5,14 +5,12 @@ over all of them; each figure is the median of the rounds with the min-max besid
 """
 
 import os
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
-from common import SLUICE, Procs, rss_kib, wait_http
+from common import SLUICE, Procs, cpu_seconds, rss_kib, wait_http, wrk
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 10
@@ -22,28 +20,6 @@ PROXY_PORT, ADMIN_PORT = 13128, 19901
 
 work = tempfile.mkdtemp(prefix="sluice-bench-")
 procs = Procs()
-
-
-def cpu_seconds(pid):
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def ms(value, unit):
-    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
-
-
-def wrk(url, script=None):
-    cmd = ["wrk", "-t2", f"-c{CONNS}", f"-d{SECONDS}s", "--latency"]
-    if script:
-        cmd += ["-s", script]
-    out = subprocess.run(cmd + [url], capture_output=True, text=True, check=True).stdout
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
-    lat = {p: ms(v, u) for p, v, u in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)", out, re.M)}
-    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    if errors:
-        raise SystemExit(f"{url}: {errors.group(1)} non-2xx responses\n{out}")
-    return rps, lat["50"], lat["99"]
 
 
 def main():
@@ -99,12 +75,12 @@ hosts = ["127.0.0.1:{NGINX_PORT_MATCHED}"]
     ]
     results = {t[0]: [] for t in targets}
     cpu = {t[0]: [] for t in targets}
-    wrk(targets[1][1], targets[1][2])  # warm the pool and the page cache
+    wrk(targets[1][1], CONNS, SECONDS, targets[1][2])  # warm the pool and the page cache
     for r in range(ROUNDS):
         for name, url, script in targets:
-            before = cpu_seconds(sluice.pid)
-            results[name].append(wrk(url, script))
-            cpu[name].append((cpu_seconds(sluice.pid) - before) / SECONDS * 100)
+            before = cpu_seconds([sluice.pid])
+            results[name].append(wrk(url, CONNS, SECONDS, script))
+            cpu[name].append((cpu_seconds([sluice.pid]) - before) / SECONDS * 100)
             print(f"round {r + 1} {name}: {results[name][-1][0]:.0f} req/s", file=sys.stderr)
 
     def cell(values, fmt):

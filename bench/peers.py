@@ -6,7 +6,6 @@ the proxy process's CPU and its RSS after the run. Run by bench/peers.sh.
 """
 
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -14,7 +13,7 @@ import sys
 import tempfile
 import time
 
-from common import SLUICE, Procs, rss_kib, wait_http
+from common import SLUICE, Procs, cpu_seconds, rss_kib, wait_http, wrk
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 10
@@ -35,38 +34,10 @@ def write(name, text):
     return path
 
 
-def cpu_seconds(pids):
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except OSError:
-            pass
-    return total
-
-
 def family_pids(root):
     """The process and its children (nginx and squid work in child processes)."""
     out = subprocess.run(["pgrep", "-P", str(root)], capture_output=True, text=True).stdout.split()
     return [root] + [int(p) for p in out]
-
-
-def ms(value, unit):
-    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
-
-
-def wrk(url, script=None):
-    cmd = ["wrk", "-t2", f"-c{CONNS}", f"-d{SECONDS}s", "--latency"]
-    if script:
-        cmd += ["-s", script]
-    out = subprocess.run(cmd + [url], capture_output=True, text=True, check=True).stdout
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
-    lat = {p: ms(v, u) for p, v, u in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)", out, re.M)}
-    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    if bad:
-        raise SystemExit(f"{url}: {bad.group(1)} non-2xx responses\n{out}")
-    return rps, lat["50"], lat["99"]
 
 
 def main():
@@ -145,7 +116,7 @@ PidFile "{work}/tinyproxy.pid"
         for name, url, script, who in targets:
             watched = family_pids(pids[who]) if who else []
             before = cpu_seconds(watched)
-            results[name].append(wrk(url, script))
+            results[name].append(wrk(url, CONNS, SECONDS, script))
             cpu[name].append((cpu_seconds(watched) - before) / SECONDS * 100)
             print(f"round {r + 1} {name}: {results[name][-1][0]:.0f} req/s", file=sys.stderr)
 

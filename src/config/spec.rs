@@ -195,31 +195,26 @@ pub struct FamilySpec {
     pub breaker: Option<BreakerSpec>,
 }
 
-impl UpstreamSpec {
-    pub fn policy(&self) -> PolicySpec {
-        PolicySpec {
-            max_queue: self.max_queue,
-            max_wait: self.max_wait,
-            attempt_timeout: self.attempt_timeout,
-            total_timeout: self.total_timeout,
-            retry: self.retry.clone(),
-            breaker: self.breaker.clone(),
+/// Gathers the policy keys an upstream or a family sets, to merge over the level above.
+macro_rules! policy_of {
+    ($t:ty) => {
+        impl $t {
+            pub fn policy(&self) -> PolicySpec {
+                PolicySpec {
+                    max_queue: self.max_queue,
+                    max_wait: self.max_wait,
+                    attempt_timeout: self.attempt_timeout,
+                    total_timeout: self.total_timeout,
+                    retry: self.retry.clone(),
+                    breaker: self.breaker.clone(),
+                }
+            }
         }
-    }
+    };
 }
 
-impl FamilySpec {
-    pub fn policy(&self) -> PolicySpec {
-        PolicySpec {
-            max_queue: self.max_queue,
-            max_wait: self.max_wait,
-            attempt_timeout: self.attempt_timeout,
-            total_timeout: self.total_timeout,
-            retry: self.retry.clone(),
-            breaker: self.breaker.clone(),
-        }
-    }
-}
+policy_of!(UpstreamSpec);
+policy_of!(FamilySpec);
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]

@@ -454,13 +454,7 @@ impl Limiter {
     pub fn close(&self) {
         self.closed
             .store(true, std::sync::atomic::Ordering::Release);
-        let cells: Vec<Arc<Cell>> = self
-            .cells
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect();
+        let cells = self.all_cells();
         for cell in cells {
             let waiters = cell.lock().bucket.take_all_waiters();
             for (family, waiter) in waiters {
@@ -494,6 +488,16 @@ impl Limiter {
         live
     }
 
+    /// The live cells, cloned out so no lock on the registry is held while each is locked.
+    fn all_cells(&self) -> Vec<Arc<Cell>> {
+        self.cells
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+
     pub fn partitions(&self) -> usize {
         self.cells.read().unwrap_or_else(|e| e.into_inner()).len()
     }
@@ -502,13 +506,7 @@ impl Limiter {
     /// one per family, with available permits, queue depth and remaining pause.
     pub fn snapshot(&self) -> serde_json::Value {
         let now = Instant::now();
-        let cells: Vec<Arc<Cell>> = self
-            .cells
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect();
+        let cells = self.all_cells();
         let mut out = Vec::new();
         for cell in cells {
             let mut st = cell.lock();
