@@ -43,7 +43,7 @@ fn uncontended(c: &mut Criterion) {
             rt.block_on(async {
                 let start = tokio::time::Instant::now();
                 for _ in 0..iters {
-                    drop(l.acquire(&ROUTE).await);
+                    drop(l.acquire(&l.plans()[0], &ROUTE).await);
                 }
                 start.elapsed()
             })
@@ -65,7 +65,7 @@ fn uncontended(c: &mut Criterion) {
                         let l = l.clone();
                         tokio::spawn(async move {
                             for _ in 0..per_task {
-                                drop(l.acquire(&ROUTE).await);
+                                drop(l.acquire(&l.plans()[0], &ROUTE).await);
                             }
                         })
                     })
@@ -98,11 +98,13 @@ fn ten_thousand_waiters(c: &mut Criterion) {
             rt.block_on(async {
                 let mut total = Duration::ZERO;
                 for _ in 0..iters {
-                    let gate = l.acquire(&ROUTE).await;
+                    let gate = l.acquire(&l.plans()[0], &ROUTE).await;
                     let tasks: Vec<_> = (0..10_000)
                         .map(|_| {
                             let l = l.clone();
-                            tokio::spawn(async move { drop(l.acquire(&ROUTE).await) })
+                            tokio::spawn(
+                                async move { drop(l.acquire(&l.plans()[0], &ROUTE).await) },
+                            )
                         })
                         .collect();
                     // Let every task queue up before the clock starts.

@@ -1,5 +1,6 @@
 //! The admin listener, separate from the proxy port so it can be firewalled apart:
-//! `/metrics`, `/healthz`, `/readyz`, `/config` (secrets redacted), `/buckets`.
+//! `/metrics`, `/healthz`, `/readyz`, `/config` (secrets redacted), `/buckets`, and
+//! `POST /reload`.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -35,7 +36,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken
         tokio::spawn(async move {
             let svc = service_fn(move |req| {
                 let app = app.clone();
-                async move { Ok::<_, Infallible>(handle(&app, &req)) }
+                async move { Ok::<_, Infallible>(handle(&app, &req).await) }
             });
             let conn = http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -48,8 +49,11 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken
     }
 }
 
-pub fn handle(app: &App, req: &Request<Incoming>) -> Response<Body> {
+pub async fn handle(app: &Arc<App>, req: &Request<Incoming>) -> Response<Body> {
     let get = req.method() == Method::GET || req.method() == Method::HEAD;
+    if req.uri().path() == "/reload" {
+        return reload(app, req.method()).await;
+    }
     match (req.uri().path(), get) {
         ("/metrics", true) => reply(
             StatusCode::OK,
@@ -78,8 +82,30 @@ pub fn handle(app: &App, req: &Request<Incoming>) -> Response<Body> {
         _ => reply(
             StatusCode::NOT_FOUND,
             "text/plain",
-            "not found; try /metrics /healthz /readyz /config /buckets\n".into(),
+            "not found; try /metrics /healthz /readyz /config /buckets, POST /reload\n".into(),
         ),
+    }
+}
+
+/// `POST /reload`: 200 with what changed, or 400 with why the file was refused.
+async fn reload(app: &Arc<App>, method: &Method) -> Response<Body> {
+    if method != Method::POST {
+        let mut r = reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "use POST\n".into(),
+        );
+        r.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("POST"));
+        return r;
+    }
+    match crate::reload::reload(app).await {
+        Ok(summary) => json(&serde_json::to_value(&summary).unwrap_or_default()),
+        Err(error) => {
+            let mut r = json(&serde_json::json!({ "error": error }));
+            *r.status_mut() = StatusCode::BAD_REQUEST;
+            r
+        }
     }
 }
 

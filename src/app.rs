@@ -1,15 +1,19 @@
-//! The application: the live config, the metrics, the upstream client and the resolver,
-//! built once and shared by every connection. Tests build their own with [`App::builder`].
+//! The application: the live config with everything built from it, the metrics, the
+//! limiter and the resolver, shared by every connection. A reload builds a whole new
+//! [`Live`] beside the old one and swaps it in only when every part of it succeeded.
+//! Tests build their own app with [`App::builder`].
 
-use std::sync::Arc;
+use std::ops::Deref;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use prometheus::Registry;
 use tokio::sync::watch;
 
 use crate::config::Config;
 use crate::egress::{Lookup, Resolver};
-use crate::limit::Limiter;
+use crate::limit::{Limiter, Plans};
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::proxy::client::UpstreamClient;
@@ -17,25 +21,49 @@ use crate::tls::TlsError;
 use crate::tls::ca::Authority;
 use crate::tls::intercept::HandshakeLog;
 
-pub struct App {
-    config: watch::Sender<Arc<Config>>,
-    pub metrics: Metrics,
-    pub limiter: Limiter,
+/// One config and everything built from it. A request takes the `Arc<Live>` in force when
+/// it arrives and keeps it to its end, so its route, limits, policies and clients always
+/// come from the same config.
+pub struct Live {
+    pub config: Config,
+    /// The limiter's view of each upstream, by upstream index.
+    pub plans: Plans,
     pub policies: Policies,
-    pub(crate) client: UpstreamClient,
     /// Clients for upstreams that trust an extra CA (`upstream_ca`), by upstream index.
     upstream_clients: Vec<Option<UpstreamClient>>,
-    pub(crate) resolver: Resolver,
     /// The interception CA, when an upstream intercepts.
     pub(crate) authority: Option<Arc<Authority>>,
+}
+
+impl Deref for Live {
+    type Target = Config;
+
+    fn deref(&self) -> &Config {
+        &self.config
+    }
+}
+
+pub struct App {
+    live: watch::Sender<Arc<Live>>,
+    pub metrics: Metrics,
+    pub limiter: Limiter,
+    /// The client for upstreams without an `upstream_ca`: kept across reloads, with its
+    /// pooled connections.
+    pub(crate) client: UpstreamClient,
+    pub(crate) resolver: Resolver,
     pub(crate) handshake_log: HandshakeLog,
     draining: AtomicBool,
+    /// The file reloads read, when the config came from one.
+    path: Option<PathBuf>,
+    /// One reload at a time, whichever trigger started it.
+    reloading: Mutex<()>,
 }
 
 pub struct AppBuilder {
     config: Config,
     registry: Registry,
     resolver: Resolver,
+    path: Option<PathBuf>,
 }
 
 impl AppBuilder {
@@ -50,50 +78,74 @@ impl AppBuilder {
         self
     }
 
+    /// The file the config was loaded from; reloads read it again.
+    pub fn path(mut self, path: impl Into<PathBuf>) -> Self {
+        self.path = Some(path.into());
+        self
+    }
+
     pub fn build(self) -> Result<Arc<App>, BuildError> {
         let metrics = Metrics::new(self.registry)?;
         let client = UpstreamClient::new(
             self.resolver.clone(),
             crate::tls::client::client_config(None)?,
         );
-        let upstream_clients = self
-            .config
-            .upstreams
-            .iter()
-            .map(|u| match &u.upstream_ca {
-                Some(ca) => Ok(Some(UpstreamClient::new(
-                    self.resolver.clone(),
-                    crate::tls::client::client_config(Some(ca))?,
-                ))),
-                None => Ok(None),
-            })
-            .collect::<Result<Vec<_>, TlsError>>()?;
-        if let Some(name) = self.config.intercept_without_ca() {
-            return Err(BuildError::NoCa(name.to_string()));
-        }
-        let authority = match &self.config.tls {
-            Some(crate::config::TlsConfig {
-                ca_cert: Some(cert),
-                ca_key: Some(key),
-            }) => Some(Arc::new(Authority::load(cert, key)?)),
-            _ => None,
-        };
         let limiter = Limiter::new(&self.config, &metrics);
+        let (upstream_clients, authority) = build_tls(&self.config, &self.resolver)?;
         let policies = Policies::new(&self.config, &metrics);
-        let (config, _) = watch::channel(Arc::new(self.config));
+        metrics.config_info(&self.config.sha256, None);
+        let live = Live {
+            plans: limiter.plans(),
+            config: self.config,
+            policies,
+            upstream_clients,
+            authority,
+        };
+        let (live, _) = watch::channel(Arc::new(live));
         Ok(Arc::new(App {
-            config,
+            live,
             metrics,
             limiter,
-            policies,
             client,
-            upstream_clients,
             resolver: self.resolver,
-            authority,
             handshake_log: HandshakeLog::default(),
             draining: AtomicBool::new(false),
+            path: self.path,
+            reloading: Mutex::new(()),
         }))
     }
+}
+
+/// Per-upstream clients with an extra CA, and the interception CA.
+type TlsParts = (Vec<Option<UpstreamClient>>, Option<Arc<Authority>>);
+
+/// The parts of a config that talk TLS and can fail to build.
+fn build_tls(
+    config: &Config,
+    resolver: &Resolver,
+) -> Result<TlsParts, BuildError> {
+    let upstream_clients = config
+        .upstreams
+        .iter()
+        .map(|u| match &u.upstream_ca {
+            Some(ca) => Ok(Some(UpstreamClient::new(
+                resolver.clone(),
+                crate::tls::client::client_config(Some(ca))?,
+            ))),
+            None => Ok(None),
+        })
+        .collect::<Result<Vec<_>, TlsError>>()?;
+    if let Some(name) = config.intercept_without_ca() {
+        return Err(BuildError::NoCa(name.to_string()));
+    }
+    let authority = match &config.tls {
+        Some(crate::config::TlsConfig {
+            ca_cert: Some(cert),
+            ca_key: Some(key),
+        }) => Some(Arc::new(Authority::load(cert, key)?)),
+        _ => None,
+    };
+    Ok((upstream_clients, authority))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -108,30 +160,139 @@ pub enum BuildError {
     NoCa(String),
 }
 
-impl App {
-    /// The client for an upstream: its own when it trusts an extra CA.
-    pub(crate) fn client_for(&self, upstream: Option<usize>) -> &UpstreamClient {
-        upstream
-            .and_then(|u| self.upstream_clients.get(u)?.as_ref())
-            .unwrap_or(&self.client)
-    }
+/// Why a reload left the old config in force.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error("no config file to reload: the config was not loaded from a file")]
+    NoFile,
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Build(#[from] BuildError),
+}
 
+/// What a successful reload changed, for the log and `POST /reload`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ReloadSummary {
+    pub sha256: String,
+    /// False when the file's bytes are those of the live config: nothing was swapped.
+    pub changed: bool,
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    /// Upstreams whose settings differ (limits, families, policies, hosts, ...).
+    pub modified: Vec<String>,
+    /// Settings that differ but only take effect after a restart; left as they were.
+    pub restart_needed: Vec<String>,
+}
+
+impl App {
     pub fn builder(config: Config) -> AppBuilder {
         AppBuilder {
             config,
             registry: Registry::new(),
             resolver: Resolver::default(),
+            path: None,
         }
     }
 
-    /// The config in force now. A request keeps the `Arc` it started with.
-    pub fn config(&self) -> Arc<Config> {
-        self.config.borrow().clone()
+    /// The config in force now, with everything built from it. A request keeps the `Arc`
+    /// it started with.
+    pub fn config(&self) -> Arc<Live> {
+        self.live.borrow().clone()
     }
 
-    /// Subscribe to config changes (reload).
-    pub fn watch_config(&self) -> watch::Receiver<Arc<Config>> {
-        self.config.subscribe()
+    /// Subscribe to config changes (reloads).
+    pub fn watch_config(&self) -> watch::Receiver<Arc<Live>> {
+        self.live.subscribe()
+    }
+
+    /// The client for an upstream of `live`: its own when it trusts an extra CA.
+    pub(crate) fn client_for<'a>(
+        &'a self,
+        live: &'a Live,
+        upstream: Option<usize>,
+    ) -> &'a UpstreamClient {
+        upstream
+            .and_then(|u| live.upstream_clients.get(u)?.as_ref())
+            .unwrap_or(&self.client)
+    }
+
+    pub fn config_path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// Reads the config file again and applies it: the one code path of every trigger
+    /// (file change, SIGHUP, `POST /reload`). Logged and counted either way; on error the
+    /// old config stays in force, untouched.
+    pub fn reload(&self) -> Result<ReloadSummary, ReloadError> {
+        let result = match &self.path {
+            Some(path) => Config::load(path)
+                .map_err(ReloadError::from)
+                .and_then(|c| self.apply(c)),
+            None => Err(ReloadError::NoFile),
+        };
+        let outcome = if result.is_ok() { "success" } else { "failure" };
+        self.metrics
+            .config_reloads
+            .with_label_values(&[outcome])
+            .inc();
+        match &result {
+            Ok(s) if !s.changed => {
+                tracing::info!(sha256 = %s.sha256, "config reload: file unchanged")
+            }
+            Ok(s) => tracing::info!(
+                sha256 = %s.sha256,
+                added = ?s.added,
+                removed = ?s.removed,
+                modified = ?s.modified,
+                restart_needed = ?s.restart_needed,
+                "config reloaded"
+            ),
+            Err(e) => tracing::error!("config reload failed, the old config stays in force: {e}"),
+        }
+        result
+    }
+
+    /// Validates and builds everything `config` needs, then swaps it in. Settings that
+    /// cannot change live keep their running values.
+    pub fn apply(&self, mut config: Config) -> Result<ReloadSummary, ReloadError> {
+        let _one = self.reloading.lock().unwrap_or_else(|e| e.into_inner());
+        let old = self.config();
+        let mut summary = diff(&old, &config);
+        if !summary.changed {
+            return Ok(summary);
+        }
+        // Listeners are bound once; the running addresses stay what the live config says.
+        config.proxy.listen = old.proxy.listen;
+        config.proxy.admin = old.proxy.admin;
+        for w in config.warnings() {
+            tracing::warn!("{w}");
+        }
+
+        // Everything that can fail, before anything changes.
+        let (upstream_clients, authority) = build_tls(&config, &self.resolver)?;
+
+        let policies = Policies::carry(&config, &self.metrics, Some((&old, &old.policies)));
+        let plans = crate::limit::plans(&config, &self.metrics);
+        self.limiter.reload(plans.clone());
+        self.metrics.config_info(&config.sha256, Some(&old.sha256));
+        for u in old
+            .upstreams
+            .iter()
+            .filter(|u| summary.removed.contains(&u.name))
+        {
+            let families: Vec<&str> = u.families.iter().map(|f| f.name.as_str()).collect();
+            self.metrics.forget_upstream(&u.name, &families);
+        }
+        summary.sha256.clone_from(&config.sha256);
+        self.live.send_replace(Arc::new(Live {
+            config,
+            plans,
+            policies,
+            upstream_clients,
+            authority,
+        }));
+        Ok(summary)
     }
 
     pub fn is_draining(&self) -> bool {
@@ -140,5 +301,58 @@ impl App {
 
     pub(crate) fn start_draining(&self) {
         self.draining.store(true, Ordering::Release);
+    }
+}
+
+/// What differs between the live config and a new one, by upstream name.
+fn diff(old: &Config, new: &Config) -> ReloadSummary {
+    let names = |c: &Config| {
+        c.upstreams
+            .iter()
+            .map(|u| u.name.clone())
+            .collect::<Vec<_>>()
+    };
+    let (old_names, new_names) = (names(old), names(new));
+    let added = new_names
+        .iter()
+        .filter(|n| !old_names.contains(n))
+        .cloned()
+        .collect();
+    let removed = old_names
+        .iter()
+        .filter(|n| !new_names.contains(n))
+        .cloned()
+        .collect();
+    // The effective settings, as `/config` shows them, tell whether an upstream changed.
+    let modified = new
+        .upstreams
+        .iter()
+        .filter(|u| {
+            old.upstreams.iter().any(|o| {
+                o.name == u.name && serde_json::to_value(o).ok() != serde_json::to_value(u).ok()
+            })
+        })
+        .map(|u| u.name.clone())
+        .collect();
+    let mut restart_needed = Vec::new();
+    if old.proxy.listen != new.proxy.listen {
+        restart_needed.push(format!(
+            "proxy.listen ({} -> {})",
+            old.proxy.listen, new.proxy.listen
+        ));
+    }
+    if old.proxy.admin != new.proxy.admin {
+        restart_needed.push(format!(
+            "proxy.admin ({} -> {})",
+            old.proxy.admin, new.proxy.admin
+        ));
+    }
+    ReloadSummary {
+        sha256: old.sha256.clone(),
+        changed: old.sha256 != new.sha256,
+        added,
+        removed,
+        modified,
+        restart_needed,
     }
 }

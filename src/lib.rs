@@ -24,7 +24,8 @@
 //!   driver); [`policy`]: backoff, wait hints, retry budget, classification, breaker.
 //! - [`config`]: the TOML file, validated into an immutable [`config::Config`].
 //! - [`explain`]: `sluice explain`, through the same routing code.
-//! - [`admin`] and [`metrics`]: the operator's side.
+//! - [`admin`] and [`metrics`]: the operator's side; [`reload`]: the file watcher and
+//!   SIGHUP, which with `POST /reload` end in [`app::App::reload`].
 //! - [`app::App`]: wires the parts together; no globals, tests build their own.
 
 pub mod admin;
@@ -36,6 +37,7 @@ pub mod limit;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;
+pub mod reload;
 pub mod route;
 pub mod tls;
 

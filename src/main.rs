@@ -178,7 +178,7 @@ fn run(path: &Path) -> anyhow::Result<()> {
         .build()
         .context("cannot start the tokio runtime")?;
     runtime.block_on(async {
-        let app = App::builder(config).build()?;
+        let app = App::builder(config).path(path).build()?;
         let server = Server::bind(app).await?;
         tracing::info!(proxy = %server.proxy_addr(), admin = %server.admin_addr(), config = %path.display(), "listening");
         server.run(shutdown_signal()).await;

@@ -34,6 +34,10 @@ pub struct Metrics {
     pub tls_handshake_failures: prometheus::IntCounter,
     /// Live partitions (sets of buckets) over all upstreams, as of the last sweep.
     pub partitions: IntGauge,
+    /// `{result}`: reloads by result, success or failure.
+    pub config_reloads: IntCounterVec,
+    /// `{sha256}`: 1 for the config in force.
+    pub config_info: IntGaugeVec,
 }
 
 /// 1 ms to 60 s, roughly ×2.5 per step: resolves fast APIs and long queue waits alike.
@@ -120,6 +124,26 @@ impl Metrics {
             "sluice_tls_handshake_failures_total",
             "Failed TLS handshakes with clients of intercepted tunnels",
         )?;
+        let config_reloads = IntCounterVec::new(
+            Opts::new(
+                "sluice_config_reloads_total",
+                "Config reloads by result (success or failure)",
+            ),
+            &["result"],
+        )?;
+        let config_info = IntGaugeVec::new(
+            Opts::new(
+                "sluice_config_info",
+                "1 for the config in force, labelled with the SHA-256 of its file",
+            ),
+            &["sha256"],
+        )?;
+        // Both results exist from the start, so a rate() over failures is never absent.
+        for r in ["success", "failure"] {
+            config_reloads.with_label_values(&[r]);
+        }
+        registry.register(Box::new(config_reloads.clone()))?;
+        registry.register(Box::new(config_info.clone()))?;
         registry.register(Box::new(tls_handshake_failures.clone()))?;
         registry.register(Box::new(upstream_429.clone()))?;
         registry.register(Box::new(retries.clone()))?;
@@ -146,7 +170,30 @@ impl Metrics {
             breaker_state,
             family_breaker_state,
             tls_handshake_failures,
+            config_reloads,
+            config_info,
         })
+    }
+
+    /// Shows `sha256` as the config in force, in place of `previous`.
+    pub fn config_info(&self, sha256: &str, previous: Option<&str>) {
+        if let Some(p) = previous.filter(|p| *p != sha256) {
+            let _ = self.config_info.remove_label_values(&[p]);
+        }
+        self.config_info.with_label_values(&[sha256]).set(1);
+    }
+
+    /// Drops the circuit gauges of an upstream a reload removed, so no stale state is
+    /// exported for it. Counters and histograms stay: they are history.
+    pub fn forget_upstream(&self, upstream: &str, families: &[&str]) {
+        for state in ["closed", "open", "half_open"] {
+            let _ = self.breaker_state.remove_label_values(&[upstream, state]);
+            for f in families {
+                let _ = self
+                    .family_breaker_state
+                    .remove_label_values(&[upstream, f, state]);
+            }
+        }
     }
 
     /// Prometheus text exposition of everything registered.

@@ -111,7 +111,7 @@ pub struct RetryPolicy {
     pub budget: BudgetPolicy,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct BudgetPolicy {
     pub ratio: f64,
     pub min_per_second: u32,
@@ -128,7 +128,7 @@ pub struct Backoff {
     pub jitter: Jitter,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct BreakerPolicy {
     pub failure_ratio: f64,
     pub min_requests: u32,
@@ -248,6 +248,11 @@ fn ser_redacted_url<S: Serializer>(u: &str, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&redact_url(u))
 }
 
+/// The SHA-256 a config made from `text` reports as `sha256`.
+pub fn text_sha256(text: &str) -> String {
+    hex(&Sha256::digest(text.as_bytes()))
+}
+
 impl Config {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
@@ -271,8 +276,7 @@ impl Config {
         };
         let spec: ConfigSpec = toml::from_str(text)
             .map_err(|e| place(e.span(), e.message().trim_end().to_string()))?;
-        let sha256 = hex(&Sha256::digest(text.as_bytes()));
-        build(spec, sha256).map_err(|e| place(e.span, e.message))
+        build(spec, text_sha256(text)).map_err(|e| place(e.span, e.message))
     }
 
     /// The first upstream that intercepts TLS while no CA is configured: `sluice run`

@@ -9,6 +9,7 @@
 //! request holds a permit of one limit while it waits for another.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -33,8 +34,8 @@ pub struct FamilySpec {
 /// match no family: no limits of its own, the upstream's queue bounds.
 #[derive(Debug, Clone)]
 pub struct PartitionSpec {
-    pub upstream_limits: Vec<Limit>,
-    pub families: Vec<FamilySpec>,
+    pub upstream_limits: Arc<[Limit]>,
+    pub families: Vec<Arc<FamilySpec>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +53,7 @@ pub struct Queued<W> {
 
 #[derive(Debug)]
 pub struct Admitted<W> {
+    /// The family's slot at the moment of admission.
     pub family: usize,
     pub seq: u64,
     pub since: Instant,
@@ -59,25 +61,39 @@ pub struct Admitted<W> {
     pub waiter: W,
 }
 
+/// A family's slot in a bucket. Slots can move when a reload reorders families, so
+/// whoever holds on to one across an unlock names it by `id`, which never changes.
 #[derive(Debug)]
 pub struct FamilyBucket<W> {
+    pub id: u32,
+    pub spec: Arc<FamilySpec>,
     pub limits: Vec<LimitState>,
-    pub priority: Priority,
     pub paused_until: Option<Instant>,
     pub queue: VecDeque<Queued<W>>,
-    max_queue: usize,
-    max_wait: Duration,
     holds_concurrency: bool,
-    concurrency_only: bool,
+}
+
+/// A family named the way that survives a reload: its id, and the slot it was last seen
+/// in (checked first, so the common case is not a search).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FamilyRef {
+    pub id: u32,
+    pub slot: usize,
 }
 
 #[derive(Debug)]
 pub struct Bucket<W> {
+    pub upstream_spec: Arc<[Limit]>,
     pub upstream: Vec<LimitState>,
     pub paused_until: Option<Instant>,
+    /// The spec's families in its order, then retired ones (removed by a reload) that
+    /// still have requests queued.
     pub families: Vec<FamilyBucket<W>>,
     next_seq: u64,
+    next_id: u32,
     waiting: usize,
+    /// Reloads applied so far; concurrency permits remember the epoch they were taken in.
+    epoch: u64,
 }
 
 /// The upstream limits a family pays: all of them, or only concurrency for tunnels.
@@ -111,29 +127,131 @@ impl<W> Bucket<W> {
         let families = spec
             .families
             .iter()
-            .map(|f| {
+            .zip(0..)
+            .map(|(f, id)| {
                 let limits: Vec<LimitState> =
                     f.limits.iter().map(|l| LimitState::new(l, now)).collect();
                 FamilyBucket {
+                    id,
                     holds_concurrency: upstream_conc
                         || limits.iter().any(LimitState::is_concurrency),
                     limits,
-                    priority: f.priority,
+                    spec: f.clone(),
                     paused_until: None,
                     queue: VecDeque::new(),
-                    max_queue: f.max_queue as usize,
-                    max_wait: f.max_wait,
-                    concurrency_only: f.concurrency_only,
                 }
             })
-            .collect();
+            .collect::<Vec<_>>();
         Bucket {
+            upstream_spec: spec.upstream_limits.clone(),
             upstream,
             paused_until: None,
+            next_id: families.len() as u32,
             families,
             next_seq: 0,
             waiting: 0,
+            epoch: 0,
         }
+    }
+
+    /// Applies a reloaded spec at `now`. Families are matched by name and limits by spec:
+    /// an unchanged limit keeps its exact state, a changed one of the same kind carries
+    /// what has been taken (see [`LimitState::carry`]), a new one starts fresh. Queues,
+    /// pauses and arrival order are kept. A family the spec no longer has stays, retired,
+    /// after the spec's families while requests are queued in it: they finish under its
+    /// old limits. Returns the previous slot of each retired family kept, in order.
+    pub fn reconfigure(&mut self, spec: &PartitionSpec, now: Instant) -> Vec<usize> {
+        self.epoch += 1;
+        let epoch = self.epoch;
+        let upstream = std::mem::take(&mut self.upstream);
+        self.upstream = carry_limits(
+            &self.upstream_spec,
+            upstream,
+            &spec.upstream_limits,
+            now,
+            epoch,
+        );
+        self.upstream_spec = spec.upstream_limits.clone();
+        let upstream_conc = self.upstream.iter().any(LimitState::is_concurrency);
+
+        let mut old: Vec<Option<FamilyBucket<W>>> = std::mem::take(&mut self.families)
+            .into_iter()
+            .map(Some)
+            .collect();
+        let mut families = Vec::with_capacity(spec.families.len());
+        for f in &spec.families {
+            let found = old
+                .iter()
+                .position(|o| o.as_ref().is_some_and(|o| o.spec.name == f.name));
+            let fb = match found.and_then(|i| old[i].take()) {
+                Some(prev) => {
+                    let limits =
+                        carry_limits(&prev.spec.limits, prev.limits, &f.limits, now, epoch);
+                    FamilyBucket {
+                        id: prev.id,
+                        holds_concurrency: upstream_conc
+                            || limits.iter().any(LimitState::is_concurrency),
+                        limits,
+                        spec: f.clone(),
+                        paused_until: prev.paused_until,
+                        queue: prev.queue,
+                    }
+                }
+                None => {
+                    let limits: Vec<LimitState> = f
+                        .limits
+                        .iter()
+                        .map(|l| LimitState::new_in(l, now, epoch))
+                        .collect();
+                    self.next_id += 1;
+                    FamilyBucket {
+                        id: self.next_id - 1,
+                        holds_concurrency: upstream_conc
+                            || limits.iter().any(LimitState::is_concurrency),
+                        limits,
+                        spec: f.clone(),
+                        paused_until: None,
+                        queue: VecDeque::new(),
+                    }
+                }
+            };
+            families.push(fb);
+        }
+        let mut retired = Vec::new();
+        for (i, o) in old.into_iter().enumerate() {
+            if let Some(mut fb) = o.filter(|o| !o.queue.is_empty()) {
+                fb.holds_concurrency =
+                    upstream_conc || fb.limits.iter().any(LimitState::is_concurrency);
+                families.push(fb);
+                retired.push(i);
+            }
+        }
+        self.families = families;
+        retired
+    }
+
+    /// The current slot of a family named by `r`, if it still exists.
+    pub fn find(&self, r: FamilyRef) -> Option<usize> {
+        if self.families.get(r.slot).is_some_and(|f| f.id == r.id) {
+            return Some(r.slot);
+        }
+        self.families.iter().position(|f| f.id == r.id)
+    }
+
+    /// The slot of the family called `name`, current or retired.
+    pub fn slot_named(&self, name: &str) -> Option<usize> {
+        self.families.iter().position(|f| f.spec.name == name)
+    }
+
+    pub fn family_ref(&self, slot: usize) -> FamilyRef {
+        FamilyRef {
+            id: self.families[slot].id,
+            slot,
+        }
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
     }
 
     /// Requests queued in every family.
@@ -156,7 +274,7 @@ impl<W> Bucket<W> {
         for l in f
             .limits
             .iter_mut()
-            .chain(paid(&mut self.upstream, f.concurrency_only))
+            .chain(paid(&mut self.upstream, f.spec.concurrency_only))
         {
             at = at.max(l.ready_at(n, now)?);
         }
@@ -167,9 +285,9 @@ impl<W> Bucket<W> {
     pub fn check(&mut self, family: usize, now: Instant) -> Result<(), Reject> {
         let ahead = self.families[family].queue.len();
         let eta = self.eta(family, ahead as u64 + 1, now);
-        let f = &self.families[family];
+        let f = &self.families[family].spec;
         let hint = |eta: Option<Instant>| retry_after(eta.map_or(Duration::ZERO, |t| t - now));
-        if ahead >= f.max_queue {
+        if ahead >= f.max_queue as usize {
             return Err(Reject::QueueFull {
                 retry_after: hint(eta),
             });
@@ -218,11 +336,13 @@ impl<W> Bucket<W> {
     }
 
     /// Removes a waiter that gave up; `None` if it is no longer queued (it was admitted).
-    pub fn cancel(&mut self, family: usize, seq: u64) -> Option<Queued<W>> {
-        let q = &mut self.families[family].queue;
+    /// Returns its slot with it.
+    pub fn cancel(&mut self, family: FamilyRef, seq: u64) -> Option<(usize, Queued<W>)> {
+        let slot = self.find(family)?;
+        let q = &mut self.families[slot].queue;
         let i = q.binary_search_by_key(&seq, |w| w.seq).ok()?;
         self.waiting -= 1;
-        q.remove(i)
+        Some((slot, q.remove(i)?))
     }
 
     /// Admits every waiter that can go at `now`, in order, into `out`.
@@ -239,21 +359,18 @@ impl<W> Bucket<W> {
                 if paused(f.paused_until, now) || !f.limits.iter_mut().all(|l| l.can_take(now)) {
                     continue;
                 }
-                let key = (f.priority, head.seq);
+                let key = (f.spec.priority, head.seq);
                 if best.is_none_or(|(_, k)| key < k) {
                     best = Some((i, key));
                 }
             }
             let Some((i, _)) = best else { return };
             let f = &mut self.families[i];
-            if !paid(&mut self.upstream, f.concurrency_only).all(|l| l.can_take(now)) {
+            let only = f.spec.concurrency_only;
+            if !paid(&mut self.upstream, only).all(|l| l.can_take(now)) {
                 return;
             }
-            for l in f
-                .limits
-                .iter_mut()
-                .chain(paid(&mut self.upstream, f.concurrency_only))
-            {
+            for l in f.limits.iter_mut().chain(paid(&mut self.upstream, only)) {
                 l.take(now);
             }
             let Some(q) = f.queue.pop_front() else { return };
@@ -268,26 +385,33 @@ impl<W> Bucket<W> {
         }
     }
 
-    /// Gives back the permits of an admission at `at` that never reached its request.
-    pub fn undo(&mut self, family: usize, at: Instant, now: Instant) {
-        let f = &mut self.families[family];
+    /// Gives back the permits of an admission at `at`, in `epoch`, that never reached its
+    /// request.
+    pub fn undo(&mut self, family: FamilyRef, at: Instant, epoch: u64, now: Instant) {
+        let Some(slot) = self.find(family) else {
+            // Retired and gone: only the upstream's concurrency can still be owed.
+            return self.release(family, epoch);
+        };
+        let f = &mut self.families[slot];
         for l in f
             .limits
             .iter_mut()
-            .chain(paid(&mut self.upstream, f.concurrency_only))
+            .chain(paid(&mut self.upstream, f.spec.concurrency_only))
         {
-            l.undo(at, now);
+            l.undo(at, epoch, now);
         }
     }
 
-    /// A response of `family` ended: its concurrency permits come back.
-    pub fn release(&mut self, family: usize) {
-        for l in self.families[family]
-            .limits
-            .iter_mut()
-            .chain(self.upstream.iter_mut())
-        {
-            l.release();
+    /// A response admitted in `epoch` ended: its concurrency permits come back, from its
+    /// family if that still exists, and from the upstream.
+    pub fn release(&mut self, family: FamilyRef, epoch: u64) {
+        if let Some(slot) = self.find(family) {
+            for l in &mut self.families[slot].limits {
+                l.release(epoch);
+            }
+        }
+        for l in &mut self.upstream {
+            l.release(epoch);
         }
     }
 
@@ -330,3 +454,32 @@ impl<W> Bucket<W> {
 
 #[cfg(test)]
 mod tests;
+
+/// The states for `new` limits given the `old` specs and states: an equal spec takes its
+/// state as it is, else the first unused one of the same kind is carried over, else fresh.
+fn carry_limits(
+    old_spec: &[Limit],
+    old: Vec<LimitState>,
+    new: &[Limit],
+    now: Instant,
+    epoch: u64,
+) -> Vec<LimitState> {
+    let mut old: Vec<Option<(&Limit, LimitState)>> = old_spec.iter().zip(old).map(Some).collect();
+    new.iter()
+        .map(|spec| {
+            let equal = old
+                .iter()
+                .position(|o| o.as_ref().is_some_and(|(s, _)| *s == spec));
+            if let Some((_, state)) = equal.and_then(|i| old[i].take()) {
+                return state;
+            }
+            let kind = old
+                .iter()
+                .position(|o| o.as_ref().is_some_and(|(_, l)| l.same_kind(spec)));
+            match kind.and_then(|i| old[i].take()) {
+                Some((_, state)) => state.carry(spec, now, epoch),
+                None => LimitState::new_in(spec, now, epoch),
+            }
+        })
+        .collect()
+}

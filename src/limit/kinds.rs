@@ -38,9 +38,12 @@ pub enum LimitState {
         start: Option<Instant>,
         count: u32,
     },
+    /// `since` is the reload epoch the limit was created in: a permit granted in an
+    /// earlier epoch never took it, so its release must not give it back.
     Concurrency {
         max: u32,
         in_flight: u32,
+        since: u64,
     },
 }
 
@@ -74,8 +77,111 @@ impl LimitState {
             Limit::Concurrency { max, .. } => LimitState::Concurrency {
                 max: max.get(),
                 in_flight: 0,
+                since: 0,
             },
         }
+    }
+
+    /// A new limit created by the reload of `epoch`.
+    pub fn new_in(spec: &Limit, now: Instant, epoch: u64) -> LimitState {
+        let mut l = LimitState::new(spec, now);
+        if let LimitState::Concurrency { since, .. } = &mut l {
+            *since = epoch;
+        }
+        l
+    }
+
+    /// This limit under a changed spec of the same kind (a reload), keeping what has been
+    /// taken: a token bucket keeps its debt in permits, windows keep their admissions
+    /// (as far back as the old window remembered), concurrency keeps its permits in
+    /// flight. A lowered limit therefore admits nothing until the permits already taken
+    /// fit under it. A different kind starts fresh.
+    pub fn carry(mut self, spec: &Limit, now: Instant, epoch: u64) -> LimitState {
+        self.refresh(now);
+        match (self, spec) {
+            (
+                LimitState::TokenBucket {
+                    rate,
+                    per_ns,
+                    base,
+                    tat,
+                    ..
+                },
+                Limit::TokenBucket {
+                    rate: r,
+                    per,
+                    burst,
+                    ..
+                },
+            ) => {
+                // Debt in scaled units: `per_ns` is one permit. Rounded up, so the
+                // conversion never creates a permit.
+                let debt = tat.saturating_sub(scaled(base, now, rate));
+                let new_per = per.as_nanos();
+                LimitState::TokenBucket {
+                    rate: u128::from(r.get()),
+                    per_ns: new_per,
+                    burst: u128::from(burst.get()),
+                    base: now,
+                    tat: (debt * new_per).div_ceil(per_ns),
+                }
+            }
+            (
+                LimitState::SlidingWindow { mut taken, .. },
+                Limit::SlidingWindow {
+                    permits, window, ..
+                },
+            ) => {
+                while taken.front().is_some_and(|t| *t + *window <= now) {
+                    taken.pop_front();
+                }
+                LimitState::SlidingWindow {
+                    permits: permits.get() as usize,
+                    window: *window,
+                    taken,
+                }
+            }
+            (
+                LimitState::FixedWindow { start, count, .. },
+                Limit::FixedWindow {
+                    permits, window, ..
+                },
+            ) => {
+                let mut l = LimitState::FixedWindow {
+                    permits: permits.get(),
+                    window: *window,
+                    start,
+                    count,
+                };
+                l.refresh(now);
+                l
+            }
+            (
+                LimitState::Concurrency {
+                    in_flight, since, ..
+                },
+                Limit::Concurrency { max, .. },
+            ) => LimitState::Concurrency {
+                max: max.get(),
+                in_flight,
+                since,
+            },
+            (_, spec) => LimitState::new_in(spec, now, epoch),
+        }
+    }
+
+    /// Whether two limits are of the same kind, so one can carry into the other.
+    pub fn same_kind(&self, spec: &Limit) -> bool {
+        matches!(
+            (self, spec),
+            (LimitState::TokenBucket { .. }, Limit::TokenBucket { .. })
+                | (
+                    LimitState::SlidingWindow { .. },
+                    Limit::SlidingWindow { .. }
+                )
+                | (LimitState::FixedWindow { .. }, Limit::FixedWindow { .. })
+                | (LimitState::Concurrency { .. }, Limit::Concurrency { .. })
+        )
     }
 
     /// Forgets what time has made irrelevant (expired window entries).
@@ -128,7 +234,9 @@ impl LimitState {
             LimitState::FixedWindow { permits, count, .. } => {
                 u64::from(*permits - (*count).min(*permits))
             }
-            LimitState::Concurrency { max, in_flight } => u64::from(*max - (*in_flight).min(*max)),
+            LimitState::Concurrency { max, in_flight, .. } => {
+                u64::from(*max - (*in_flight).min(*max))
+            }
         }
     }
 
@@ -161,7 +269,7 @@ impl LimitState {
 
     /// Gives back a permit taken at `at` that was never used (its waiter went away at the
     /// moment it was admitted). The state becomes what it would be had it never been taken.
-    pub fn undo(&mut self, at: Instant, now: Instant) {
+    pub fn undo(&mut self, at: Instant, epoch: u64, now: Instant) {
         self.refresh(now);
         match self {
             LimitState::TokenBucket { per_ns, tat, .. } => *tat = tat.saturating_sub(*per_ns),
@@ -178,14 +286,18 @@ impl LimitState {
                     }
                 }
             }
-            LimitState::Concurrency { in_flight, .. } => *in_flight = in_flight.saturating_sub(1),
+            LimitState::Concurrency { .. } => self.release(epoch),
         }
     }
 
-    /// A finished request gives its concurrency permit back; the other kinds return
-    /// permits with time alone.
-    pub fn release(&mut self) {
-        if let LimitState::Concurrency { in_flight, .. } = self {
+    /// A finished request, admitted in reload epoch `epoch`, gives its concurrency permit
+    /// back; the other kinds return permits with time alone.
+    pub fn release(&mut self, epoch: u64) {
+        if let LimitState::Concurrency {
+            in_flight, since, ..
+        } = self
+            && *since <= epoch
+        {
             *in_flight = in_flight.saturating_sub(1);
         }
     }
@@ -227,15 +339,19 @@ impl LimitState {
                 // Slot i of the window frees at taken[i] + window (free slots: now); the
                 // m-th future admission reuses slot (m-1) mod permits, one window later
                 // for every full turn.
+                // After a reload lowered the limit more may be held than allowed: the
+                // excess must expire before any slot frees.
                 let p = *permits as u64;
-                let free = p - (taken.len() as u64).min(p);
+                let len = taken.len() as u64;
+                let free = p.saturating_sub(len);
+                let excess = len.saturating_sub(p);
                 let m = n - 1;
                 let slot = m % p;
                 let turns = (m / p) as u32;
                 let base = if slot < free {
                     now
                 } else {
-                    taken[(slot - free) as usize] + *window
+                    taken[(excess + slot - free) as usize] + *window
                 };
                 Some(base + *window * turns)
             }
@@ -257,7 +373,7 @@ impl LimitState {
                 let turns = 1 + (n - left - 1) / p;
                 Some(open + *window * u32::try_from(turns).unwrap_or(u32::MAX))
             }
-            LimitState::Concurrency { max, in_flight } => {
+            LimitState::Concurrency { max, in_flight, .. } => {
                 (n <= u64::from(max.saturating_sub(*in_flight))).then_some(now)
             }
         }
@@ -419,9 +535,9 @@ mod tests {
             "time alone frees nothing"
         );
         assert_eq!(l.ready_at(1, t0), None);
-        l.release();
+        l.release(0);
         assert!(l.can_take(t0));
-        l.release();
+        l.release(0);
         assert!(l.is_pristine(t0));
     }
 
@@ -453,7 +569,7 @@ mod tests {
         for spec in &specs {
             let mut l = LimitState::new(spec, t0);
             l.take(t0 + ms(10));
-            l.undo(t0 + ms(10), t0 + ms(20));
+            l.undo(t0 + ms(10), 0, t0 + ms(20));
             assert!(l.is_pristine(t0 + ms(20)), "{spec:?} -> {l:?}");
             assert_eq!(l.available(t0 + ms(20)), 2, "{spec:?}");
         }

@@ -24,7 +24,7 @@ use serde_json::json;
 use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
 
-use bucket::{Admitted, Bucket, FamilySpec, PartitionSpec, Reject};
+use bucket::{Admitted, Bucket, FamilyRef, FamilySpec, PartitionSpec, Reject};
 use kinds::LimitState;
 
 use crate::config::{Config, Limit, Priority, Upstream};
@@ -46,63 +46,46 @@ struct FamilyMetrics {
     queue_timeout: IntCounter,
 }
 
-/// An upstream's limits as the limiter uses them, with its metric handles.
+/// An upstream's limits as one config generation has them, with its metric handles.
+/// A request keeps the plan of the config it was routed with.
 pub struct Plan {
     name: Arc<str>,
     /// Whether CONNECT tunnels to this upstream pay anything (its concurrency limits).
     tunnels: bool,
     spec: PartitionSpec,
-    metrics: Vec<FamilyMetrics>,
+    metrics: Arc<[Arc<FamilyMetrics>]>,
 }
 
 impl Plan {
-    fn new(u: &Upstream, metrics: &Metrics) -> Plan {
-        let mut families: Vec<FamilySpec> = u
+    pub fn new(u: &Upstream, metrics: &Metrics) -> Plan {
+        let mut families: Vec<Arc<FamilySpec>> = u
             .families
             .iter()
-            .map(|f| FamilySpec {
-                name: f.name.clone(),
-                priority: f.priority,
-                limits: f.limits.clone(),
-                max_queue: f.policy.max_queue,
-                max_wait: f.policy.max_wait,
-                concurrency_only: false,
+            .map(|f| {
+                Arc::new(FamilySpec {
+                    name: f.name.clone(),
+                    priority: f.priority,
+                    limits: f.limits.clone(),
+                    max_queue: f.policy.max_queue,
+                    max_wait: f.policy.max_wait,
+                    concurrency_only: false,
+                })
             })
             .collect();
         // Two queues of our own: requests of no family, and CONNECT tunnels.
         for (name, concurrency_only) in [("-", false), (TUNNEL, true)] {
-            families.push(FamilySpec {
+            families.push(Arc::new(FamilySpec {
                 name: name.into(),
                 priority: Priority::Normal,
                 limits: Vec::new(),
                 max_queue: u.policy.max_queue,
                 max_wait: u.policy.max_wait,
                 concurrency_only,
-            });
+            }));
         }
         let handles = families
             .iter()
-            .map(|f| {
-                // Tunnels match no family: they count under family="-".
-                let family = if f.name == TUNNEL {
-                    "-"
-                } else {
-                    f.name.as_str()
-                };
-                let l = [u.name.as_str(), family];
-                FamilyMetrics {
-                    wait: metrics.queue_wait.with_label_values(&l),
-                    depth: metrics.queue_depth.with_label_values(&l),
-                    queue_full: metrics
-                        .rejections
-                        .with_label_values(&[l[0], l[1], "queue_full"]),
-                    queue_timeout: metrics.rejections.with_label_values(&[
-                        l[0],
-                        l[1],
-                        "queue_timeout",
-                    ]),
-                }
-            })
+            .map(|f| Arc::new(FamilyMetrics::new(metrics, &u.name, &f.name)))
             .collect();
         Plan {
             name: Arc::from(u.name.as_str()),
@@ -111,11 +94,15 @@ impl Plan {
                 .iter()
                 .any(|l| matches!(l, Limit::Concurrency { .. })),
             spec: PartitionSpec {
-                upstream_limits: u.limits.clone(),
+                upstream_limits: u.limits.clone().into(),
                 families,
             },
             metrics: handles,
         }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// The queue index of a route's family: its own, or the one for requests of none.
@@ -128,6 +115,26 @@ impl Plan {
     }
 }
 
+impl FamilyMetrics {
+    fn new(metrics: &Metrics, upstream: &str, family: &str) -> FamilyMetrics {
+        // Tunnels match no family: they count under family="-".
+        let family = if family == TUNNEL { "-" } else { family };
+        let l = [upstream, family];
+        FamilyMetrics {
+            wait: metrics.queue_wait.with_label_values(&l),
+            depth: metrics.queue_depth.with_label_values(&l),
+            queue_full: metrics
+                .rejections
+                .with_label_values(&[upstream, family, "queue_full"]),
+            queue_timeout: metrics.rejections.with_label_values(&[
+                upstream,
+                family,
+                "queue_timeout",
+            ]),
+        }
+    }
+}
+
 /// A request waiting in a queue: where to send its grant.
 struct Waiter {
     tx: oneshot::Sender<Grant>,
@@ -136,11 +143,57 @@ struct Waiter {
 struct CellState {
     bucket: Bucket<Waiter>,
     driver: bool,
+    /// The plan the bucket is configured from; its families are the bucket's first slots.
+    plan: Arc<Plan>,
+    /// Metric handles of retired slots (after the plan's families), from their own plan.
+    retired: Vec<Arc<FamilyMetrics>>,
+}
+
+impl CellState {
+    fn metrics(&self, slot: usize) -> &FamilyMetrics {
+        let n = self.plan.metrics.len();
+        if slot < n {
+            &self.plan.metrics[slot]
+        } else {
+            &self.retired[slot - n]
+        }
+    }
+
+    /// The slot for family `index` of `plan`. A request routed by an older or newer
+    /// config than the cell's finds its family by name; one the cell does not know waits
+    /// with the requests of no family.
+    fn slot(&self, plan: &Arc<Plan>, index: usize) -> usize {
+        if Arc::ptr_eq(plan, &self.plan) {
+            return index;
+        }
+        self.bucket
+            .slot_named(&plan.spec.families[index].name)
+            .unwrap_or(self.plan.family_index(None))
+    }
+
+    /// Moves the bucket to `plan` (a reload).
+    fn reconfigure(&mut self, plan: &Arc<Plan>, now: Instant) {
+        let kept = self.bucket.reconfigure(&plan.spec, now);
+        let retired = kept
+            .iter()
+            .map(|&i| {
+                let n = self.plan.metrics.len();
+                if i < n {
+                    self.plan.metrics[i].clone()
+                } else {
+                    self.retired[i - n].clone()
+                }
+            })
+            .collect();
+        // The slots before `kept` are now the new plan's, in its order.
+        self.retired = retired;
+        self.plan = plan.clone();
+    }
 }
 
 /// One (upstream, partition): its bucket under one lock, and the driver's wake-up.
 pub struct Cell {
-    plan: Arc<Plan>,
+    name: Arc<str>,
     partition: Option<Partition>,
     state: Mutex<CellState>,
     notify: Notify,
@@ -163,21 +216,24 @@ impl Cell {
                 return;
             }
             let mut undone = false;
+            let epoch = st.bucket.epoch();
             for a in admitted.drain(..) {
-                let m = &self.plan.metrics[a.family];
+                let m = st.metrics(a.family);
                 m.depth.dec();
                 m.wait.observe((a.at - a.since).as_secs_f64());
+                let family = st.bucket.family_ref(a.family);
                 let grant = Grant {
                     permit: Some(Permit {
                         cell: self.clone(),
-                        family: a.family,
+                        family,
+                        epoch,
                         holds: st.bucket.holds_concurrency(a.family),
                     }),
                     at: a.at,
                 };
                 if let Err(mut g) = a.waiter.tx.send(grant) {
                     g.disarm();
-                    st.bucket.undo(a.family, a.at, now);
+                    st.bucket.undo(family, a.at, epoch, now);
                     undone = true;
                 }
             }
@@ -252,7 +308,7 @@ impl Drop for Grant {
         let cell = permit.cell.clone();
         let mut st = cell.lock();
         let now = Instant::now();
-        st.bucket.undo(permit.family, self.at, now);
+        st.bucket.undo(permit.family, self.at, permit.epoch, now);
         cell.dispatch(&mut st, now);
         cell.wake_driver(&mut st);
     }
@@ -263,14 +319,16 @@ impl Drop for Grant {
 /// panic). Rate permits are not held: they come back with time.
 pub struct Permit {
     cell: Arc<Cell>,
-    family: usize,
+    family: FamilyRef,
+    /// The reload epoch it was taken in: a limit created later was never paid.
+    epoch: u64,
     holds: bool,
 }
 
 impl std::fmt::Debug for Permit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Permit")
-            .field("upstream", &&*self.cell.plan.name)
+            .field("upstream", &&*self.cell.name)
             .field("family", &self.family)
             .field("holds", &self.holds)
             .finish()
@@ -290,7 +348,7 @@ impl Drop for Permit {
             return;
         }
         let mut st = self.cell.lock();
-        st.bucket.release(self.family);
+        st.bucket.release(self.family, self.epoch);
         self.cell.dispatch(&mut st, Instant::now());
         self.cell.wake_driver(&mut st);
     }
@@ -317,36 +375,64 @@ impl From<Reject> for LimitError {
 
 type CellKey = (Arc<str>, Option<Partition>);
 
-/// All partitions of all upstreams, and the plans they are built from.
+/// All partitions of all upstreams, and the plans new partitions are built from.
 pub struct Limiter {
     /// Set at the end of the drain: queued and new requests are refused.
     closed: std::sync::atomic::AtomicBool,
-    plans: RwLock<Vec<Arc<Plan>>>,
+    /// The live config's plans, by upstream index.
+    current: RwLock<Plans>,
     cells: RwLock<HashMap<CellKey, Arc<Cell>>>,
+}
+
+/// One config generation's plans, by upstream index.
+pub type Plans = Arc<[Arc<Plan>]>;
+
+/// Builds the plans of every upstream of `config`.
+pub fn plans(config: &Config, metrics: &Metrics) -> Plans {
+    config
+        .upstreams
+        .iter()
+        .map(|u| Arc::new(Plan::new(u, metrics)))
+        .collect()
 }
 
 impl Limiter {
     pub fn new(config: &Config, metrics: &Metrics) -> Limiter {
         Limiter {
             closed: std::sync::atomic::AtomicBool::new(false),
-            plans: RwLock::new(
-                config
-                    .upstreams
-                    .iter()
-                    .map(|u| Arc::new(Plan::new(u, metrics)))
-                    .collect(),
-            ),
+            current: RwLock::new(plans(config, metrics)),
             cells: RwLock::new(HashMap::new()),
         }
     }
 
-    fn cell(&self, route: &Route) -> Option<Arc<Cell>> {
-        let plan = self
-            .plans
+    /// The plans new partitions are built from.
+    pub fn plans(&self) -> Plans {
+        self.current
             .read()
             .unwrap_or_else(|e| e.into_inner())
-            .get(route.upstream)?
-            .clone();
+            .clone()
+    }
+
+    /// A reload: every live partition of an upstream that `plans` has moves to its new
+    /// limits in place (see [`Bucket::reconfigure`]), and new partitions use them. Those of
+    /// upstreams it no longer has are left as they are, to drain and be swept.
+    pub fn reload(&self, plans: Plans) {
+        let cells = self.cells.write().unwrap_or_else(|e| e.into_inner());
+        *self.current.write().unwrap_or_else(|e| e.into_inner()) = plans.clone();
+        let now = Instant::now();
+        for cell in cells.values() {
+            let Some(plan) = plans.iter().find(|p| p.name == cell.name) else {
+                continue;
+            };
+            let mut st = cell.lock();
+            st.reconfigure(plan, now);
+            // A raised limit admits at once; a changed one may move the next wake-up.
+            cell.dispatch(&mut st, now);
+            cell.wake_driver(&mut st);
+        }
+    }
+
+    fn cell(&self, plan: &Arc<Plan>, route: &Route) -> Arc<Cell> {
         let key = (plan.name.clone(), route.partition);
         if let Some(c) = self
             .cells
@@ -354,66 +440,91 @@ impl Limiter {
             .unwrap_or_else(|e| e.into_inner())
             .get(&key)
         {
-            return Some(c.clone());
+            return c.clone();
         }
         let mut cells = self.cells.write().unwrap_or_else(|e| e.into_inner());
-        let cell = cells.entry(key).or_insert_with(|| {
-            Arc::new(Cell {
-                state: Mutex::new(CellState {
-                    bucket: Bucket::new(&plan.spec, Instant::now()),
-                    driver: false,
-                }),
-                partition: route.partition,
-                plan: plan.clone(),
-                notify: Notify::new(),
+        cells
+            .entry(key)
+            .or_insert_with(|| {
+                // Built from the live plan, even for a request routed just before a reload,
+                // so no partition is born with limits that are already gone.
+                let current = self.current.read().unwrap_or_else(|e| e.into_inner());
+                let plan = current
+                    .iter()
+                    .find(|p| p.name == plan.name)
+                    .unwrap_or(plan)
+                    .clone();
+                Arc::new(Cell {
+                    name: plan.name.clone(),
+                    partition: route.partition,
+                    state: Mutex::new(CellState {
+                        bucket: Bucket::new(&plan.spec, Instant::now()),
+                        driver: false,
+                        plan,
+                        retired: Vec::new(),
+                    }),
+                    notify: Notify::new(),
+                })
             })
-        });
-        Some(cell.clone())
+            .clone()
     }
 
     /// Waits, FIFO within the route's family, until every limit admits the request.
+    /// `plan` is the route's upstream in the config the route came from.
     /// Dropping the future while it waits leaves the queue and takes nothing.
-    pub async fn acquire(&self, route: &Route) -> Result<Option<Permit>, LimitError> {
-        let Some(cell) = self.cell(route) else {
-            return Ok(None);
-        };
-        let family = cell.plan.family_index(route.family);
-        self.wait(cell, family).await
+    pub async fn acquire(
+        &self,
+        plan: &Arc<Plan>,
+        route: &Route,
+    ) -> Result<Option<Permit>, LimitError> {
+        let cell = self.cell(plan, route);
+        self.wait(cell, plan, plan.family_index(route.family)).await
     }
 
     /// A CONNECT tunnel's permit: one of the upstream's concurrency limits for as long as
     /// the tunnel is open, or nothing when it has none.
-    pub async fn acquire_tunnel(&self, route: &Route) -> Result<Option<Permit>, LimitError> {
-        let Some(cell) = self.cell(route).filter(|c| c.plan.tunnels) else {
+    pub async fn acquire_tunnel(
+        &self,
+        plan: &Arc<Plan>,
+        route: &Route,
+    ) -> Result<Option<Permit>, LimitError> {
+        if !plan.tunnels {
             return Ok(None);
-        };
-        let family = cell.plan.tunnel_index();
-        self.wait(cell, family).await
+        }
+        let cell = self.cell(plan, route);
+        self.wait(cell, plan, plan.tunnel_index()).await
     }
 
-    async fn wait(&self, cell: Arc<Cell>, family: usize) -> Result<Option<Permit>, LimitError> {
+    async fn wait(
+        &self,
+        cell: Arc<Cell>,
+        plan: &Arc<Plan>,
+        index: usize,
+    ) -> Result<Option<Permit>, LimitError> {
         use std::sync::atomic::Ordering;
         if self.closed.load(Ordering::Acquire) {
             return Err(LimitError::ShuttingDown);
         }
-        let metrics = &cell.plan.metrics[family];
-        let max_wait = cell.plan.spec.families[family].max_wait;
-        let (mut rx, seq) = {
+        let (mut rx, family, seq, max_wait) = {
             let mut st = cell.lock();
             let now = Instant::now();
-            if let Err(r) = st.bucket.check(family, now) {
+            let slot = st.slot(plan, index);
+            if let Err(r) = st.bucket.check(slot, now) {
+                let m = st.metrics(slot);
                 match r {
-                    Reject::QueueFull { .. } => metrics.queue_full.inc(),
-                    Reject::QueueTimeout { .. } => metrics.queue_timeout.inc(),
+                    Reject::QueueFull { .. } => m.queue_full.inc(),
+                    Reject::QueueTimeout { .. } => m.queue_timeout.inc(),
                 }
                 return Err(r.into());
             }
             let (tx, rx) = oneshot::channel();
-            let seq = st.bucket.push(family, Waiter { tx }, now);
-            metrics.depth.inc();
+            let seq = st.bucket.push(slot, Waiter { tx }, now);
+            st.metrics(slot).depth.inc();
+            let family = st.bucket.family_ref(slot);
+            let max_wait = st.bucket.families[slot].spec.max_wait;
             cell.dispatch(&mut st, now);
             cell.wake_driver(&mut st);
-            (rx, seq)
+            (rx, family, seq, max_wait)
         };
         if let Ok(grant) = rx.try_recv() {
             return Ok(grant.into_permit());
@@ -438,9 +549,14 @@ impl Limiter {
             Err(_) => {
                 let retry_after = {
                     let mut st = cell.lock();
-                    st.bucket.timeout_hint(family, seq, Instant::now())
+                    let slot = st.bucket.find(family);
+                    if let Some(slot) = slot {
+                        st.metrics(slot).queue_timeout.inc();
+                    }
+                    slot.map_or(Duration::from_secs(1), |slot| {
+                        st.bucket.timeout_hint(slot, seq, Instant::now())
+                    })
                 };
-                metrics.queue_timeout.inc();
                 drop(guard);
                 // Admitted in the same instant the wait ran out: `rx` drops the grant,
                 // which gives the permits back.
@@ -456,9 +572,10 @@ impl Limiter {
             .store(true, std::sync::atomic::Ordering::Release);
         let cells = self.all_cells();
         for cell in cells {
-            let waiters = cell.lock().bucket.take_all_waiters();
-            for (family, waiter) in waiters {
-                cell.plan.metrics[family].depth.dec();
+            let mut st = cell.lock();
+            let waiters = st.bucket.take_all_waiters();
+            for (slot, waiter) in waiters {
+                st.metrics(slot).depth.dec();
                 // Dropping the sender wakes the waiter with nothing: it answers 503.
                 drop(waiter);
             }
@@ -467,10 +584,10 @@ impl Limiter {
 
     /// Pauses a route's family (`family = true`) or its whole upstream, for this
     /// partition, until `until`: the 429 cool-down hook.
-    pub fn pause(&self, route: &Route, family: bool, until: Instant) {
-        let Some(cell) = self.cell(route) else { return };
+    pub fn pause(&self, plan: &Arc<Plan>, route: &Route, family: bool, until: Instant) {
+        let cell = self.cell(plan, route);
         let mut st = cell.lock();
-        let f = family.then(|| cell.plan.family_index(route.family));
+        let f = family.then(|| st.slot(plan, plan.family_index(route.family)));
         st.bucket.pause(f, until);
         cell.wake_driver(&mut st);
     }
@@ -510,36 +627,46 @@ impl Limiter {
         let mut out = Vec::new();
         for cell in cells {
             let mut st = cell.lock();
+            let st = &mut *st;
             let partition = cell
                 .partition
                 .map_or_else(|| "-".to_string(), |p| p.short());
             let b = &mut st.bucket;
             let paused =
                 |t: Option<Instant>| t.filter(|t| *t > now).map(|t| (t - now).as_secs_f64());
+            let spec = b.upstream_spec.clone();
             out.push(json!({
-                "upstream": &*cell.plan.name,
+                "upstream": &*cell.name,
                 "family": null,
                 "partition": partition,
-                "limits": limits_json(&cell.plan.spec.upstream_limits, &mut b.upstream, now),
+                "limits": limits_json(&spec, &mut b.upstream, now),
                 "queue_depth": b.waiting(),
                 "paused_for_seconds": paused(b.paused_until),
             }));
-            let ours = cell.plan.family_index(None);
-            for (i, f) in cell.plan.spec.families.iter().enumerate() {
-                let fb = &mut b.families[i];
+            let ours = st.plan.family_index(None);
+            let live = st.plan.spec.families.len();
+            for (i, fb) in b.families.iter_mut().enumerate() {
                 // Our own queues (no family, tunnels) are shown only while they hold some.
-                if i >= ours && fb.queue.is_empty() {
+                if (ours..live).contains(&i) && fb.queue.is_empty() {
                     continue;
                 }
-                out.push(json!({
-                    "upstream": &*cell.plan.name,
+                let f = fb.spec.clone();
+                let mut v = json!({
+                    "upstream": &*cell.name,
                     "family": f.name,
                     "partition": partition,
                     "priority": f.priority,
                     "limits": limits_json(&f.limits, &mut fb.limits, now),
                     "queue_depth": fb.queue.len(),
                     "paused_for_seconds": paused(fb.paused_until),
-                }));
+                });
+                if i >= live
+                    && let Some(o) = v.as_object_mut()
+                {
+                    // Removed by a reload; its queued requests finish under these limits.
+                    o.insert("retired".into(), true.into());
+                }
+                out.push(v);
             }
         }
         serde_json::Value::Array(out)
@@ -563,7 +690,7 @@ fn limits_json(specs: &[Limit], states: &mut [LimitState], now: Instant) -> serd
 /// A waiter's place in a queue; leaving scope without a grant removes it.
 struct Queued<'a> {
     cell: &'a Arc<Cell>,
-    family: usize,
+    family: FamilyRef,
     seq: u64,
     armed: bool,
 }
@@ -574,8 +701,8 @@ impl Drop for Queued<'_> {
             return;
         }
         let mut st = self.cell.lock();
-        if st.bucket.cancel(self.family, self.seq).is_some() {
-            self.cell.plan.metrics[self.family].depth.dec();
+        if let Some((slot, _)) = st.bucket.cancel(self.family, self.seq) {
+            st.metrics(slot).depth.dec();
             // A head that leaves may unblock the next one in its family.
             self.cell.dispatch(&mut st, Instant::now());
             self.cell.wake_driver(&mut st);

@@ -19,6 +19,17 @@ fn limiter(limits_toml: &str) -> (Arc<Limiter>, Metrics) {
     (Arc::new(Limiter::new(&config, &metrics)), metrics)
 }
 
+/// The limiter as a request of the live config sees it.
+impl Limiter {
+    async fn take(&self, r: &Route) -> Result<Option<Permit>, LimitError> {
+        self.acquire(&self.plans()[r.upstream], r).await
+    }
+
+    fn hold(&self, r: &Route, family: bool, until: Instant) {
+        self.pause(&self.plans()[r.upstream], r, family, until)
+    }
+}
+
 fn route(family: Option<usize>) -> Route {
     Route {
         upstream: 0,
@@ -35,7 +46,7 @@ async fn admissions(l: &Arc<Limiter>, r: Route, n: usize, hold: Duration) -> Vec
     for _ in 0..n {
         let l = l.clone();
         tasks.push(tokio::spawn(async move {
-            let p = l.acquire(&r).await.unwrap();
+            let p = l.take(&r).await.unwrap();
             let at = Instant::now() - t0;
             tokio::time::sleep(hold).await;
             drop(p);
@@ -95,17 +106,17 @@ async fn fixed_window_and_token_bucket_together() {
 async fn a_waiter_that_leaves_takes_nothing_and_the_queue_moves_on() {
     let (l, m) =
         limiter("limits = [{ kind = \"sliding_window\", permits = 1, window = \"1s\" }]\n");
-    let first = l.acquire(&route(None)).await.unwrap();
+    let first = l.take(&route(None)).await.unwrap();
     drop(first);
     let leaver = {
         let l = l.clone();
-        tokio::spawn(async move { l.acquire(&route(None)).await.map(|_| ()) })
+        tokio::spawn(async move { l.take(&route(None)).await.map(|_| ()) })
     };
     tokio::task::yield_now().await;
     let stayer = {
         let l = l.clone();
         tokio::spawn(async move {
-            l.acquire(&route(None)).await.unwrap();
+            l.take(&route(None)).await.unwrap();
             Instant::now()
         })
     };
@@ -133,9 +144,9 @@ async fn a_grant_that_is_never_received_is_given_back() {
     let (l, _) = limiter(
         "limits = [{ kind = \"concurrency\", max = 1 }, { kind = \"sliding_window\", permits = 5, window = \"1m\" }]\n",
     );
-    let held = l.acquire(&route(None)).await.unwrap();
+    let held = l.take(&route(None)).await.unwrap();
     let r = route(None);
-    let mut waiting = Box::pin(l.acquire(&r));
+    let mut waiting = Box::pin(l.take(&r));
     let waker = std::task::Waker::noop();
     assert!(matches!(
         waiting.as_mut().poll(&mut Context::from_waker(waker)),
@@ -145,7 +156,7 @@ async fn a_grant_that_is_never_received_is_given_back() {
     // ever looks at it.
     drop(held);
     drop(waiting);
-    let cell = l.cell(&route(None)).unwrap();
+    let cell = l.cell(&l.plans()[0], &route(None));
     let mut st = cell.lock();
     let now = Instant::now();
     assert_eq!(
@@ -165,18 +176,18 @@ async fn queue_bounds_answer_at_once() {
     let (l, m) = limiter(
         "max_queue = 2\nmax_wait = \"3s\"\nlimits = [{ kind = \"sliding_window\", permits = 1, window = \"1s\" }]\n",
     );
-    let _p = l.acquire(&route(None)).await.unwrap();
+    let _p = l.take(&route(None)).await.unwrap();
     let mut queued = Vec::new();
     for _ in 0..2 {
         let l = l.clone();
         queued.push(tokio::spawn(async move {
-            l.acquire(&route(None)).await.map(|_| ())
+            l.take(&route(None)).await.map(|_| ())
         }));
         tokio::task::yield_now().await;
     }
     // Positions would wait 1 s, 2 s; a third would wait 3 s, but the queue holds 2.
     let t0 = Instant::now();
-    let full = l.acquire(&route(None)).await.err();
+    let full = l.take(&route(None)).await.err();
     assert_eq!(
         full,
         Some(LimitError::QueueFull {
@@ -198,9 +209,9 @@ async fn queue_bounds_answer_at_once() {
 #[tokio::test(start_paused = true)]
 async fn an_unknowable_wait_ends_at_max_wait() {
     let (l, m) = limiter("max_wait = \"2s\"\nlimits = [{ kind = \"concurrency\", max = 1 }]\n");
-    let held = l.acquire(&route(None)).await.unwrap();
+    let held = l.take(&route(None)).await.unwrap();
     let t0 = Instant::now();
-    let r = l.acquire(&route(None)).await;
+    let r = l.take(&route(None)).await;
     assert!(matches!(r, Err(LimitError::QueueTimeout { .. })), "{r:?}");
     assert_eq!(Instant::now() - t0, Duration::from_secs(2));
     assert_eq!(
@@ -212,7 +223,7 @@ async fn an_unknowable_wait_ends_at_max_wait() {
     assert_eq!(m.queue_depth.with_label_values(&["u", "-"]).get(), 0);
     drop(held);
     assert!(
-        l.acquire(&route(None)).await.is_ok(),
+        l.take(&route(None)).await.is_ok(),
         "the timed-out waiter took nothing"
     );
 }
@@ -222,9 +233,9 @@ async fn a_known_wait_beyond_max_wait_is_refused_at_once() {
     let (l, _) = limiter(
         "max_wait = \"1500ms\"\nlimits = [{ kind = \"fixed_window\", permits = 1, window = \"1m\" }]\n",
     );
-    let _p = l.acquire(&route(None)).await.unwrap();
+    let _p = l.take(&route(None)).await.unwrap();
     let t0 = Instant::now();
-    let r = l.acquire(&route(None)).await;
+    let r = l.take(&route(None)).await;
     assert_eq!(
         r.err(),
         Some(LimitError::QueueTimeout {
@@ -239,7 +250,7 @@ async fn pause_stops_admission_until_the_instant() {
     let (l, _) =
         limiter("limits = [{ kind = \"token_bucket\", rate = 10, per = \"1s\", burst = 2 }]\n");
     let t0 = Instant::now();
-    l.pause(&route(None), false, t0 + Duration::from_secs(3));
+    l.hold(&route(None), false, t0 + Duration::from_secs(3));
     let got = admissions(&l, route(None), 4, Duration::ZERO).await;
     assert_eq!(secs(&got), [3.0, 3.0, 3.1, 3.2], "the burst, then the rate");
 }
@@ -255,7 +266,7 @@ async fn idle_partitions_are_dropped() {
             family: None,
             partition: Some(crate::route::Partition::of(&i.to_be_bytes())),
         };
-        drop(l.acquire(&r).await.unwrap());
+        drop(l.take(&r).await.unwrap());
     }
     assert_eq!(l.partitions(), 10_000);
     assert_eq!(l.sweep(), 10_000, "still counting their windows");
@@ -271,14 +282,14 @@ async fn snapshot_lists_buckets_without_raw_keys() {
     );
     let p = crate::route::Partition::of(b"Bearer secret");
     let _permit = l
-        .acquire(&Route {
+        .take(&Route {
             upstream: 0,
             family: Some(0),
             partition: Some(p),
         })
         .await
         .unwrap();
-    l.pause(
+    l.hold(
         &Route {
             upstream: 0,
             family: Some(0),
@@ -305,13 +316,13 @@ async fn a_panicking_handler_gives_its_permit_back() {
     let task = {
         let l = l.clone();
         tokio::spawn(async move {
-            let _permit = l.acquire(&route(None)).await.unwrap();
+            let _permit = l.take(&route(None)).await.unwrap();
             panic!("handler bug");
         })
     };
     assert!(task.await.unwrap_err().is_panic());
     let t0 = Instant::now();
-    let again = l.acquire(&route(None)).await.unwrap();
+    let again = l.take(&route(None)).await.unwrap();
     assert_eq!(
         Instant::now(),
         t0,

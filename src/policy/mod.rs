@@ -9,7 +9,7 @@ pub mod classify;
 pub mod hints;
 mod window;
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use http::Method;
 use prometheus::IntGaugeVec;
@@ -95,11 +95,14 @@ impl Circuit {
     }
 }
 
+/// An upstream's shared policy state. Each piece is shared with the previous config's
+/// after a reload that left its settings unchanged, so a reload neither closes an open
+/// circuit nor refills a spent retry budget.
 pub struct UpstreamPolicies {
-    pub budget: Mutex<RetryBudget>,
-    pub breaker: Circuit,
+    pub budget: Arc<Mutex<RetryBudget>>,
+    pub breaker: Arc<Circuit>,
     /// Own circuits of families that set `[breaker]`; `None` shares the upstream's.
-    pub family_breakers: Vec<Option<Circuit>>,
+    pub family_breakers: Vec<Option<Arc<Circuit>>>,
 }
 
 impl UpstreamPolicies {
@@ -121,30 +124,66 @@ pub struct Policies {
 
 impl Policies {
     pub fn new(config: &Config, metrics: &Metrics) -> Policies {
+        Policies::carry(config, metrics, None)
+    }
+
+    /// The policies of `config`, keeping the state of `previous` (the config being
+    /// replaced, with its policies) wherever an upstream's or family's settings are equal.
+    pub fn carry(
+        config: &Config,
+        metrics: &Metrics,
+        previous: Option<(&Config, &Policies)>,
+    ) -> Policies {
         let now = Instant::now();
         let upstreams = config
             .upstreams
             .iter()
-            .map(|u| UpstreamPolicies {
-                budget: Mutex::new(RetryBudget::new(&u.policy.retry.budget, now)),
-                breaker: Circuit::new(
-                    Breaker::new(&u.policy.breaker, now),
-                    metrics.breaker_state.clone(),
-                    vec![u.name.clone()],
-                ),
-                family_breakers: u
+            .map(|u| {
+                let old = previous.and_then(|(c, p)| {
+                    let i = c.upstreams.iter().position(|o| o.name == u.name)?;
+                    Some((&c.upstreams[i], &p.upstreams[i]))
+                });
+                let budget = match old {
+                    Some((o, p)) if o.policy.retry.budget == u.policy.retry.budget => {
+                        p.budget.clone()
+                    }
+                    _ => Arc::new(Mutex::new(RetryBudget::new(&u.policy.retry.budget, now))),
+                };
+                let breaker = match old {
+                    Some((o, p)) if o.policy.breaker == u.policy.breaker => p.breaker.clone(),
+                    _ => Arc::new(Circuit::new(
+                        Breaker::new(&u.policy.breaker, now),
+                        metrics.breaker_state.clone(),
+                        vec![u.name.clone()],
+                    )),
+                };
+                let family_breakers = u
                     .families
                     .iter()
                     .map(|f| {
-                        f.own_breaker.then(|| {
-                            Circuit::new(
+                        if !f.own_breaker {
+                            return None;
+                        }
+                        let kept = old.and_then(|(o, p)| {
+                            let i = o.families.iter().position(|of| of.name == f.name)?;
+                            let same = o.families[i].own_breaker
+                                && o.families[i].policy.breaker == f.policy.breaker;
+                            same.then(|| p.family_breakers[i].clone()).flatten()
+                        });
+                        Some(kept.unwrap_or_else(|| {
+                            Arc::new(Circuit::new(
                                 Breaker::new(&f.policy.breaker, now),
                                 metrics.family_breaker_state.clone(),
                                 vec![u.name.clone(), f.name.clone()],
-                            )
-                        })
+                            ))
+                        }))
                     })
-                    .collect(),
+                    .collect();
+                UpstreamPolicies {
+                    budget,
+                    breaker,
+                    family_breakers,
+                }
             })
             .collect();
         Policies { upstreams }

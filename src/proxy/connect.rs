@@ -90,7 +90,11 @@ pub(crate) async fn tunnel(
 
     // A blind tunnel pays the upstream's concurrency limits, one permit while it is open.
     let permit = match &route {
-        Some(r) => match app.limiter.acquire_tunnel(r).await {
+        Some(r) => match app
+            .limiter
+            .acquire_tunnel(&config.plans[r.upstream], r)
+            .await
+        {
             Ok(p) => p,
             Err(e) => return done(Err(e.into())),
         },

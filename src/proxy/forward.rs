@@ -13,6 +13,7 @@ use super::error::ProxyError;
 use super::headers::{append_via, strip_hop_by_hop};
 use super::{Body, pipeline, stream};
 use crate::app::App;
+use crate::app::Live;
 use crate::config::{Config, Scheme, Unmatched};
 use crate::egress::{EgressError, is_denied};
 use crate::route::{Route, normalize_host};
@@ -159,7 +160,7 @@ async fn route_and_send(
 
 async fn send(
     app: &App,
-    config: &Config,
+    config: &Live,
     route: Option<&Route>,
     target: &Target,
     req: Request<Incoming>,

@@ -24,7 +24,8 @@ use super::body::{RequestBody, ResponseBody, peek};
 use super::client::AttemptError;
 use super::error::ProxyError;
 use crate::app::App;
-use crate::config::{Action, Config, CooldownScope, Policy};
+use crate::app::Live;
+use crate::config::{Action, CooldownScope, Policy};
 use crate::limit::Permit;
 use crate::policy::breaker::Admit;
 use crate::policy::{Circuit, backoff, classify, hints, is_idempotent, wants_retry};
@@ -37,7 +38,7 @@ const MAX_PAUSE: Duration = Duration::from_secs(3600);
 /// Sends `req` (already stripped and addressed to the upstream) under the route's policy.
 pub async fn run(
     app: &App,
-    config: &Config,
+    config: &Live,
     route: Option<&Route>,
     req: Request<Body>,
 ) -> Result<Response<Body>, ProxyError> {
@@ -80,7 +81,7 @@ impl Head {
 
 async fn retry_loop(
     app: &App,
-    config: &Config,
+    config: &Live,
     route: &Route,
     policy: &Policy,
     req: Request<Body>,
@@ -89,7 +90,8 @@ async fn retry_loop(
     let upstream = &config.upstreams[route.upstream];
     let (up_label, fam_label) = config.labels(Some(route));
     let retry = &policy.retry;
-    let shared = &app.policies.upstreams[route.upstream];
+    let shared = &config.policies.upstreams[route.upstream];
+    let plan = &config.plans[route.upstream];
     let circuit = shared.circuit(route.family);
     let retry_metric = |reason: &str| {
         app.metrics
@@ -134,7 +136,7 @@ async fn retry_loop(
             circuit,
             armed: probe,
         };
-        let permit = app.limiter.acquire(route).await?;
+        let permit = app.limiter.acquire(plan, route).await?;
         let Some(attempt_body) = body.for_attempt() else {
             return Err(ProxyError::BadRequest("request body already sent".into()));
         };
@@ -189,7 +191,7 @@ async fn retry_loop(
                         .map_or_else(|| backoff_delay(policy, attempt_no, prev_delay), |h| h.wait);
                     let whole_family = upstream.cooldown == CooldownScope::Family;
                     app.limiter
-                        .pause(route, whole_family, now + pause.min(MAX_PAUSE));
+                        .pause(plan, route, whole_family, now + pause.min(MAX_PAUSE));
                     tracing::info!(
                         upstream = up_label,
                         family = fam_label,
@@ -311,7 +313,7 @@ impl Drop for ProbeGuard<'_> {
 /// stall for longer than `timeout` between chunks. Measured per attempt.
 async fn attempt(
     app: &App,
-    config: &Config,
+    config: &Live,
     route: Option<&Route>,
     timeout: Duration,
     req: Request<Body>,
@@ -319,7 +321,7 @@ async fn attempt(
 ) -> Result<Response<Body>, AttemptError> {
     let (upstream, family) = config.labels(route);
     let start = Instant::now();
-    let client = app.client_for(route.map(|r| r.upstream));
+    let client = app.client_for(config, route.map(|r| r.upstream));
     let resp = tokio::time::timeout(timeout, client.send(req))
         .await
         .map_err(|_| AttemptError::Timeout(timeout))??;

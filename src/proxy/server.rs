@@ -144,6 +144,7 @@ impl Server {
         };
         let admin_task = tokio::spawn(admin::serve(app.clone(), admin, lc.stop.clone()));
         let sweeper = tokio::spawn(sweep_idle_partitions(app.clone(), lc.stop.clone()));
+        crate::reload::start(&app, &lc.stop);
         tracing::info!(
             listen = %proxy.local_addr().map_or("?".into(), |a| a.to_string()),
             "sluice is ready"

@@ -75,7 +75,7 @@ pub(crate) async fn serve(
     port: u16,
     peer: SocketAddr,
 ) {
-    let Some(ca) = app.authority.clone() else {
+    let Some(ca) = app.config().authority.clone() else {
         tracing::error!(host, "interception requested but no CA is loaded");
         return;
     };

@@ -1,4 +1,5 @@
 use std::num::NonZeroU32;
+use std::sync::Arc;
 use std::time::Duration;
 
 use proptest::prelude::*;
@@ -55,8 +56,8 @@ fn spec(upstream: Vec<Limit>, families: Vec<FamilySpec>) -> PartitionSpec {
     let mut families = families;
     families.push(fam("-", Priority::Normal, vec![]));
     PartitionSpec {
-        upstream_limits: upstream,
-        families,
+        upstream_limits: upstream.into(),
+        families: families.into_iter().map(Arc::new).collect(),
     }
 }
 
@@ -155,7 +156,7 @@ fn multi_limit_admission_takes_all_or_nothing() {
     }
     // The waiting request held no fixed-window permit while it waited.
     assert_eq!(b.upstream[0].available(t0 + ms(100)), 9);
-    b.release(0);
+    b.release(b.family_ref(0), 0);
     assert_eq!(run(&mut b, t0 + ms(100)), [2]);
     assert_eq!(b.upstream[0].available(t0 + ms(100)), 8);
 }
@@ -199,8 +200,8 @@ fn bounds_reject_at_once_with_a_hint() {
         vec![],
         vec![fam("f", Priority::Normal, vec![sliding(1, 2000)])],
     );
-    s.families[0].max_queue = 3;
-    s.families[0].max_wait = ms(5000);
+    Arc::make_mut(&mut s.families[0]).max_queue = 3;
+    Arc::make_mut(&mut s.families[0]).max_wait = ms(5000);
     let mut b = Bucket::new(&s, t0);
     assert_eq!(b.check(0, t0), Ok(()));
     b.push(0, 0, t0);
@@ -217,7 +218,7 @@ fn bounds_reject_at_once_with_a_hint() {
         })
     );
     let mut s2 = s.clone();
-    s2.families[0].limits = vec![conc(1)];
+    Arc::make_mut(&mut s2.families[0]).limits = vec![conc(1)];
     let mut b2: Bucket<u32> = Bucket::new(&s2, t0);
     for id in 0..4 {
         b2.push(0, id, t0);
@@ -240,8 +241,11 @@ fn a_cancelled_waiter_takes_nothing() {
     assert_eq!(run(&mut b, t0), [0]);
     let s1 = b.push(0, 1, t0);
     b.push(0, 2, t0);
-    assert_eq!(b.cancel(0, s1).map(|q| q.waiter), Some(1));
-    assert!(b.cancel(0, s1).is_none());
+    assert_eq!(
+        b.cancel(b.family_ref(0), s1).map(|(_, q)| q.waiter),
+        Some(1)
+    );
+    assert!(b.cancel(b.family_ref(0), s1).is_none());
     assert_eq!(run(&mut b, t0 + ms(1000)), [2]);
     assert_eq!(b.waiting(), 0);
 }
@@ -262,7 +266,7 @@ fn idle_once_everything_is_back() {
         !b.is_idle(t0 + ms(5000)),
         "a concurrency permit is still out"
     );
-    b.release(0);
+    b.release(b.family_ref(0), 0);
     assert!(!b.is_idle(t0 + ms(999)));
     assert!(b.is_idle(t0 + ms(1000)));
 }
@@ -362,11 +366,11 @@ proptest! {
                 }
                 Op::Cancel(i) if !queued.is_empty() => {
                     let (f, seq) = queued.remove(i % queued.len());
-                    prop_assert!(b.cancel(f, seq).is_some());
+                    prop_assert!(b.cancel(b.family_ref(f), seq).is_some());
                 }
                 Op::Complete(i) if !in_flight.is_empty() => {
                     let f = in_flight.remove(i % in_flight.len());
-                    b.release(f);
+                    b.release(b.family_ref(f), 0);
                 }
                 Op::Advance(d) => now += ms(d),
                 _ => {}
@@ -393,10 +397,10 @@ proptest! {
             prop_assert!(mine.windows(2).all(|w| w[0].1 < w[1].1), "family {} out of order", fi);
         }
         for (f, seq) in queued.drain(..) {
-            prop_assert!(b.cancel(f, seq).is_some());
+            prop_assert!(b.cancel(b.family_ref(f), seq).is_some());
         }
         for f in in_flight.drain(..) {
-            b.release(f);
+            b.release(b.family_ref(f), 0);
         }
         prop_assert!(b.is_idle(now + Duration::from_secs(60)), "permits still out: {:?}", b);
     }

@@ -1,0 +1,133 @@
+//! What starts a reload besides `POST /reload`: a change to the config file and SIGHUP.
+//! All three end in [`App::reload`], which validates the whole file before anything
+//! changes.
+//!
+//! The file is watched through its directory, not itself: editors write a temporary file
+//! and rename it over the old one, and Kubernetes updates a mounted ConfigMap by pointing
+//! the `..data` symlink at a new directory. Neither changes the inode a file watch would
+//! follow, but both show up as events in the directory. Events come in bursts, so a
+//! reload waits until the directory has been quiet for [`DEBOUNCE`], and only runs when
+//! the bytes behind the path differ from the last ones tried.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use notify::{RecursiveMode, Watcher};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::app::App;
+use crate::config::text_sha256;
+
+/// How long the directory must stay quiet before a change is read.
+pub const DEBOUNCE: Duration = Duration::from_millis(250);
+
+/// Starts the file watcher and the SIGHUP handler for an app loaded from a file; both
+/// end when `stop` is cancelled.
+pub fn start(app: &Arc<App>, stop: &CancellationToken) {
+    let Some(path) = app.config_path().map(Path::to_path_buf) else {
+        return;
+    };
+    match watch(&path) {
+        Ok((watcher, events)) => {
+            tokio::spawn(on_file_change(
+                app.clone(),
+                path,
+                watcher,
+                events,
+                stop.clone(),
+            ));
+        }
+        // Reloads still work through SIGHUP and POST /reload.
+        Err(e) => {
+            tracing::warn!(config = %path.display(), error = %e, "cannot watch the config file; reload with SIGHUP or POST /reload")
+        }
+    }
+    tokio::spawn(on_sighup(app.clone(), stop.clone()));
+}
+
+type Events = mpsc::UnboundedReceiver<()>;
+
+fn watch(path: &Path) -> notify::Result<(notify::RecommendedWatcher, Events)> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        // Access events (reads, our own included) change nothing.
+        if event.is_ok_and(|e| !e.kind.is_access()) {
+            let _ = tx.send(());
+        }
+    })?;
+    watcher.watch(&dir, RecursiveMode::NonRecursive)?;
+    Ok((watcher, rx))
+}
+
+async fn on_file_change(
+    app: Arc<App>,
+    path: PathBuf,
+    _watcher: notify::RecommendedWatcher,
+    mut events: Events,
+    stop: CancellationToken,
+) {
+    let mut last_tried = app.config().sha256.clone();
+    loop {
+        tokio::select! {
+            e = events.recv() => if e.is_none() { return },
+            _ = stop.cancelled() => return,
+        }
+        // Quiet for DEBOUNCE: the writer is done.
+        loop {
+            tokio::select! {
+                e = events.recv() => if e.is_none() { return },
+                _ = tokio::time::sleep(DEBOUNCE) => break,
+                _ = stop.cancelled() => return,
+            }
+        }
+        // An unreadable file (deleted, half swapped) goes to the reload, which reports it.
+        let current = tokio::fs::read_to_string(&path)
+            .await
+            .map(|t| text_sha256(&t))
+            .ok();
+        if current.as_ref() == Some(&last_tried) {
+            continue;
+        }
+        if let Some(sha) = current {
+            last_tried = sha;
+        }
+        tracing::info!(config = %path.display(), "config file changed");
+        // The outcome is logged and counted by the reload itself.
+        let _ = reload(&app).await;
+    }
+}
+
+async fn on_sighup(app: Arc<App>, stop: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hup = match signal(SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot handle SIGHUP; reload with POST /reload");
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            _ = hup.recv() => {
+                tracing::info!("SIGHUP received");
+                let _ = reload(&app).await;
+            }
+            _ = stop.cancelled() => return,
+        }
+    }
+}
+
+/// Runs a reload off the async threads: it reads files (config, CA certificates).
+pub async fn reload(app: &Arc<App>) -> Result<crate::app::ReloadSummary, String> {
+    let app = app.clone();
+    match tokio::task::spawn_blocking(move || app.reload()).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(e) => Err(format!("reload task failed: {e}")),
+    }
+}
