@@ -585,4 +585,112 @@ mod tests {
         assert!(!l.is_pristine(t0 + ms(499)));
         assert!(l.is_pristine(t0 + ms(500)));
     }
+
+    fn spec_token(rate: u32, per: Duration, burst: u32) -> Limit {
+        Limit::TokenBucket {
+            rate: nz(rate),
+            per,
+            burst: nz(burst),
+            scope: Default::default(),
+        }
+    }
+
+    #[test]
+    fn a_carried_token_bucket_keeps_its_debt_in_permits() {
+        let t0 = Instant::now();
+        let sec = Duration::from_secs(1);
+        let mut l = token(10, sec, 10, t0);
+        for _ in 0..5 {
+            l.take(t0);
+        }
+        // Five taken; a burst of three admits nothing until two are left (300 ms at 10/s).
+        let mut lower = l.clone().carry(&spec_token(10, sec, 3), t0, 1);
+        assert_eq!(lower.available(t0), 0);
+        assert_eq!(lower.ready_at(1, t0), Some(t0 + ms(300)));
+        let mut higher = l.clone().carry(&spec_token(10, sec, 20), t0, 1);
+        assert_eq!(higher.available(t0), 15);
+        // The debt of five permits now drains at the new rate, one a second.
+        let mut slower = l.carry(&spec_token(1, sec, 10), t0, 1);
+        assert_eq!(slower.available(t0), 5);
+        assert_eq!(slower.available(t0 + ms(999)), 5);
+        assert_eq!(slower.available(t0 + ms(1000)), 6);
+    }
+
+    #[test]
+    fn carried_windows_and_concurrency_keep_what_was_taken() {
+        let t0 = Instant::now();
+        let sliding = |p, w| Limit::SlidingWindow {
+            permits: nz(p),
+            window: ms(w),
+            scope: Default::default(),
+        };
+        let mut l = LimitState::new(&sliding(5, 1000), t0);
+        for i in 0..4 {
+            l.take(t0 + ms(10 * i));
+        }
+        let mut lower = l.clone().carry(&sliding(2, 1000), t0 + ms(100), 1);
+        assert_eq!(lower.available(t0 + ms(100)), 0);
+        // Two of four must expire: the third admission's instant plus the window.
+        assert_eq!(lower.ready_at(1, t0 + ms(100)), Some(t0 + ms(1020)));
+        assert_eq!(lower.ready_at(2, t0 + ms(100)), Some(t0 + ms(1030)));
+        assert_eq!(
+            l.clone().carry(&sliding(10, 1000), t0 + ms(100), 1).available(t0 + ms(100)),
+            6
+        );
+        // A shorter window forgets what falls out of it.
+        assert_eq!(
+            l.carry(&sliding(5, 200), t0 + ms(500), 1).available(t0 + ms(500)),
+            5
+        );
+
+        let fixed = |p| Limit::FixedWindow {
+            permits: nz(p),
+            window: ms(1000),
+            scope: Default::default(),
+        };
+        let mut f = LimitState::new(&fixed(5), t0);
+        for _ in 0..3 {
+            f.take(t0);
+        }
+        let mut lower = f.clone().carry(&fixed(2), t0 + ms(100), 1);
+        assert_eq!(lower.available(t0 + ms(100)), 0);
+        assert_eq!(lower.available(t0 + ms(1000)), 2, "the next window is whole");
+        assert_eq!(f.carry(&fixed(10), t0 + ms(100), 1).available(t0), 7);
+
+        let conc = |m| Limit::Concurrency {
+            max: nz(m),
+            scope: Default::default(),
+        };
+        let mut c = LimitState::new(&conc(4), t0);
+        for _ in 0..3 {
+            c.take(t0);
+        }
+        let mut lower = c.carry(&conc(2), t0, 1);
+        assert_eq!(lower.available(t0), 0);
+        lower.release(0);
+        assert_eq!(lower.available(t0), 0);
+        lower.release(0);
+        assert_eq!(lower.available(t0), 1);
+        // A limit born in epoch 1 was never paid by a permit of epoch 0.
+        let mut born = LimitState::new_in(&conc(2), t0, 1);
+        born.take(t0);
+        born.release(0);
+        assert_eq!(born.available(t0), 1);
+        born.release(1);
+        assert_eq!(born.available(t0), 2);
+    }
+
+    #[test]
+    fn a_changed_kind_starts_fresh() {
+        let t0 = Instant::now();
+        let mut l = token(1, Duration::from_secs(1), 1, t0);
+        l.take(t0);
+        let spec = Limit::SlidingWindow {
+            permits: nz(3),
+            window: ms(1000),
+            scope: Default::default(),
+        };
+        assert!(!l.same_kind(&spec));
+        assert_eq!(l.carry(&spec, t0, 1).available(t0), 3);
+    }
 }

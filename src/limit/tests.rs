@@ -330,3 +330,99 @@ async fn a_panicking_handler_gives_its_permit_back() {
     );
     drop(again);
 }
+
+fn config(limits_toml: &str) -> Config {
+    let text = format!(
+        "[[upstream]]\nname = \"u\"\nhosts = [\"u.example\"]\nmax_queue = 1000\nmax_wait = \"1h\"\n{limits_toml}"
+    );
+    Config::parse(&text, "t.toml").unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn window(permits: u32) -> String {
+    format!("limits = [{{ kind = \"sliding_window\", permits = {permits}, window = \"1s\" }}]\n")
+}
+
+/// 200 requests queue on 10/s; the limit is raised to 40 and then lowered to 5 while they
+/// wait. Every one is admitted, in arrival order, at exactly the instants the limits in
+/// force allow, counting what the earlier limit had already let through.
+#[tokio::test(start_paused = true)]
+async fn limits_raised_and_lowered_under_200_queued_keep_order_and_lose_none() {
+    let metrics = Metrics::new(Registry::new()).unwrap();
+    let l = Arc::new(Limiter::new(&config(&window(10)), &metrics));
+    let first_plan = l.plans()[0].clone();
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let (l, plan) = (l.clone(), first_plan.clone());
+        tasks.push(tokio::spawn(async move {
+            // Every request was routed by the first config: the reloads find them by name.
+            let p = l.acquire(&plan, &route(None)).await.unwrap();
+            (i, Instant::now() - t0, p)
+        }));
+        tokio::task::yield_now().await;
+    }
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    l.reload(crate::limit::plans(&config(&window(40)), &metrics));
+    tokio::time::sleep(Duration::from_millis(1700)).await;
+    l.reload(crate::limit::plans(&config(&window(5)), &metrics));
+    let mut got = Vec::new();
+    for t in tasks {
+        let (i, at, _permit) = t.await.unwrap();
+        got.push((i, at));
+    }
+    assert!(
+        got.windows(2).all(|w| w[0].1 <= w[1].1),
+        "admitted in arrival order"
+    );
+    let mut per_instant = std::collections::BTreeMap::<u64, usize>::new();
+    for (_, at) in &got {
+        *per_instant.entry(at.as_millis() as u64).or_default() += 1;
+    }
+    let mut expected: Vec<(u64, usize)> = vec![
+        (0, 10),
+        (1000, 10),
+        (2000, 10),
+        // Raised to 40 with 10 taken in the window: 30 more at once.
+        (2500, 30),
+        (3000, 10),
+        (3500, 30),
+        (4000, 10),
+    ];
+    // Lowered to 5 at 4.2 s with 40 in the window: none until it has emptied, at 5 s.
+    expected.extend((0..18).map(|s| (5000 + s * 1000, 5)));
+    assert_eq!(per_instant.into_iter().collect::<Vec<_>>(), expected);
+    assert_eq!(metrics.queue_depth.with_label_values(&["u", "-"]).get(), 0);
+}
+
+/// A family removed by a reload: its queue is served under its old limits, new requests
+/// routed by the new config wait with the requests of no family.
+#[tokio::test(start_paused = true)]
+async fn a_removed_family_finishes_its_queue_under_the_old_limits() {
+    let metrics = Metrics::new(Registry::new()).unwrap();
+    let fam = "[[upstream.family]]\nname = \"slow\"\npaths = [\"/slow\"]\nlimits = [{ kind = \"sliding_window\", permits = 1, window = \"1s\" }]\n";
+    let l = Arc::new(Limiter::new(&config(fam), &metrics));
+    let old = l.plans()[0].clone();
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let (l, plan) = (l.clone(), old.clone());
+        tasks.push(tokio::spawn(async move {
+            let t0 = Instant::now();
+            l.acquire(&plan, &route(Some(0))).await.unwrap();
+            Instant::now() - t0
+        }));
+        tokio::task::yield_now().await;
+    }
+    l.reload(crate::limit::plans(&config(""), &metrics));
+    let snapshot = l.snapshot().to_string();
+    assert!(snapshot.contains("\"retired\":true"), "{snapshot}");
+    let new = l.plans()[0].clone();
+    let t0 = Instant::now();
+    drop(l.acquire(&new, &route(None)).await.unwrap());
+    assert_eq!(Instant::now(), t0, "the new config's requests do not wait");
+    let mut waits = Vec::new();
+    for t in tasks {
+        waits.push(t.await.unwrap());
+    }
+    assert_eq!(secs(&waits), [0.0, 1.0, 2.0]);
+    assert_eq!(metrics.queue_depth.with_label_values(&["u", "slow"]).get(), 0);
+}

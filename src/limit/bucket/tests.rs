@@ -405,3 +405,264 @@ proptest! {
         prop_assert!(b.is_idle(now + Duration::from_secs(60)), "permits still out: {:?}", b);
     }
 }
+
+fn state(b: &Bucket<u32>) -> String {
+    format!(
+        "{:?} {:?}",
+        b.upstream,
+        b.families
+            .iter()
+            .map(|f| (&f.spec.name, &f.limits, f.paused_until, f.queue.len()))
+            .collect::<Vec<_>>()
+    )
+}
+
+#[test]
+fn a_reload_with_the_same_limits_keeps_the_exact_state() {
+    let t0 = Instant::now();
+    let make = || {
+        spec(
+            vec![sliding(3, 1000), conc(5)],
+            vec![
+                fam("a", Priority::High, vec![token(2, 1000, 2)]),
+                fam("b", Priority::Normal, vec![fixed(4, 500)]),
+            ],
+        )
+    };
+    let mut b = Bucket::new(&make(), t0);
+    for id in 0..6 {
+        b.push((id % 2) as usize, id, t0);
+    }
+    b.pause(Some(1), t0 + ms(300));
+    // Family a's burst of two; b is paused.
+    assert_eq!(run(&mut b, t0 + ms(10)), [0, 2]);
+    let before = state(&b);
+    // A fresh spec from the same text: equal, not the same Arcs.
+    assert!(b.reconfigure(&make(), t0 + ms(20)).is_empty());
+    assert_eq!(state(&b), before);
+    // Then as if nothing happened: a refilled, b unpaused, the upstream window has 3.
+    assert_eq!(run(&mut b, t0 + ms(1010)), [4, 1, 3]);
+}
+
+#[test]
+fn a_raised_limit_admits_more_at_once_in_queue_order() {
+    let t0 = Instant::now();
+    let s = |p| spec(vec![], vec![fam("f", Priority::Normal, vec![sliding(p, 1000)])]);
+    let mut b = Bucket::new(&s(2), t0);
+    for id in 0..10 {
+        b.push(0, id, t0);
+    }
+    assert_eq!(run(&mut b, t0), [0, 1]);
+    b.reconfigure(&s(5), t0 + ms(100));
+    assert_eq!(run(&mut b, t0 + ms(100)), [2, 3, 4], "three more fit at once");
+    assert_eq!(run(&mut b, t0 + ms(999)), Vec::<u32>::new());
+    assert_eq!(run(&mut b, t0 + ms(1000)), [5, 6]);
+    assert_eq!(run(&mut b, t0 + ms(1100)), [7, 8, 9]);
+}
+
+#[test]
+fn a_lowered_limit_counts_the_permits_already_taken() {
+    let t0 = Instant::now();
+    let s = |p| spec(vec![sliding(p, 1000)], vec![fam("f", Priority::Normal, vec![])]);
+    let mut b = Bucket::new(&s(5), t0);
+    for id in 0..10 {
+        b.push(0, id, t0);
+    }
+    assert_eq!(run(&mut b, t0), [0, 1, 2, 3, 4]);
+    b.reconfigure(&s(2), t0 + ms(100));
+    assert_eq!(
+        b.next_wakeup(t0 + ms(100)),
+        Some(t0 + ms(1000)),
+        "five taken, two allowed: wait for the window"
+    );
+    assert_eq!(run(&mut b, t0 + ms(999)), Vec::<u32>::new());
+    assert_eq!(run(&mut b, t0 + ms(1000)), [5, 6]);
+    assert_eq!(run(&mut b, t0 + ms(1999)), Vec::<u32>::new());
+    assert_eq!(run(&mut b, t0 + ms(2000)), [7, 8]);
+}
+
+#[test]
+fn a_removed_family_drains_under_its_old_limits_then_goes() {
+    let t0 = Instant::now();
+    let old = spec(
+        vec![conc(10)],
+        vec![
+            fam("a", Priority::Normal, vec![sliding(1, 1000)]),
+            fam("b", Priority::Normal, vec![]),
+        ],
+    );
+    let new = spec(vec![conc(10)], vec![fam("b", Priority::Normal, vec![])]);
+    let mut b = Bucket::new(&old, t0);
+    for id in 0..3 {
+        b.push(0, id, t0);
+    }
+    let mut out = Vec::new();
+    b.dispatch(t0, &mut out);
+    let first = b.family_ref(out[0].family);
+    assert_eq!(b.reconfigure(&new, t0 + ms(10)), [0], "a kept, retired");
+    assert_eq!(b.families.len(), 3, "b, -, then retired a");
+    assert_eq!(b.families[2].spec.name, "a");
+    assert_eq!(run(&mut b, t0 + ms(999)), Vec::<u32>::new());
+    assert_eq!(run(&mut b, t0 + ms(1000)), [1]);
+    assert_eq!(run(&mut b, t0 + ms(2000)), [2]);
+    // The permit taken before the reload finds its family in its new slot.
+    assert_eq!(b.find(first), Some(2));
+    b.release(first, 0);
+    assert!(b.reconfigure(&new, t0 + ms(3000)).is_empty(), "empty now");
+    assert_eq!(b.families.len(), 2);
+    // Its last permits come back from the upstream even with the family gone.
+    b.release(first, 0);
+    b.release(first, 0);
+    assert_eq!(b.upstream[0].available(t0 + ms(3000)), 10);
+}
+
+#[test]
+fn permits_from_before_a_reload_never_return_a_limit_they_did_not_take() {
+    let t0 = Instant::now();
+    let old = spec(vec![conc(4)], vec![fam("f", Priority::Normal, vec![])]);
+    let new = spec(vec![conc(2)], vec![fam("f", Priority::Normal, vec![conc(1)])]);
+    let mut b = Bucket::new(&old, t0);
+    for id in 0..6 {
+        b.push(0, id, t0);
+    }
+    assert_eq!(run(&mut b, t0), [0, 1, 2, 3]);
+    let f = b.family_ref(0);
+    b.reconfigure(&new, t0);
+    // Four in flight against a new maximum of two: nobody goes until two are back.
+    b.release(f, 0);
+    b.release(f, 0);
+    assert_eq!(run(&mut b, t0), Vec::<u32>::new());
+    b.release(f, 0);
+    // Upstream 1/2 and the family's new limit (never taken by the old permits) 0/1.
+    assert_eq!(run(&mut b, t0), [4]);
+    b.release(f, 0);
+    assert_eq!(
+        b.families[0].limits[0].available(t0),
+        0,
+        "old permits left the new family limit alone"
+    );
+    b.release(f, b.epoch());
+    assert_eq!(run(&mut b, t0), [5]);
+}
+
+#[derive(Debug, Clone)]
+enum ReloadOp {
+    Arrive(usize),
+    Cancel(usize),
+    Complete(usize),
+    Advance(u64),
+    Reload(usize),
+}
+
+fn reload_op() -> impl Strategy<Value = ReloadOp> {
+    prop_oneof![
+        4 => any::<usize>().prop_map(ReloadOp::Arrive),
+        1 => any::<usize>().prop_map(ReloadOp::Cancel),
+        2 => any::<usize>().prop_map(ReloadOp::Complete),
+        3 => (0..400u64).prop_map(ReloadOp::Advance),
+        1 => (0..3usize).prop_map(ReloadOp::Reload),
+    ]
+}
+
+/// Three configs to move between: limits raised and lowered, a family removed, added and
+/// brought back. The upstream window's length stays, so its count can be checked.
+fn reload_specs() -> Vec<PartitionSpec> {
+    vec![
+        spec(
+            vec![sliding(5, 1000), conc(4)],
+            vec![
+                fam("a", Priority::High, vec![token(3, 1000, 2)]),
+                fam("b", Priority::Low, vec![fixed(3, 700)]),
+            ],
+        ),
+        spec(
+            vec![sliding(3, 1000), conc(2)],
+            vec![
+                fam("b", Priority::Low, vec![fixed(2, 700)]),
+                fam("c", Priority::Normal, vec![conc(1)]),
+            ],
+        ),
+        spec(
+            vec![sliding(8, 1000), conc(6)],
+            vec![
+                fam("c", Priority::Normal, vec![conc(3)]),
+                fam("a", Priority::High, vec![token(5, 1000, 1)]),
+                fam("b", Priority::Low, vec![fixed(3, 700)]),
+            ],
+        ),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Random traffic across random reloads: no waiter is lost or admitted twice, each
+    /// family keeps its order, the upstream limits in force at each admission hold
+    /// counting what was taken before, and in the end every permit is back.
+    #[test]
+    fn reloads_lose_nothing_and_keep_order(ops in prop::collection::vec(reload_op(), 1..300)) {
+        let specs = reload_specs();
+        let t0 = Instant::now();
+        let mut now = t0;
+        let mut current = 0;
+        let mut b: Bucket<u64> = Bucket::new(&specs[0], t0);
+        let mut queued: Vec<(FamilyRef, u64)> = Vec::new();
+        let mut in_flight: Vec<(FamilyRef, u64)> = Vec::new();
+        let mut admitted_at: Vec<Instant> = Vec::new();
+        let mut last_seq: std::collections::HashMap<u32, u64> = Default::default();
+        let mut out = Vec::new();
+        for op in ops {
+            match op {
+                ReloadOp::Arrive(i) => {
+                    // Arrivals come only to the live config's own families.
+                    let slot = i % (specs[current].families.len() - 1);
+                    let seq = b.push(slot, 0, now);
+                    queued.push((b.family_ref(slot), seq));
+                }
+                ReloadOp::Cancel(i) if !queued.is_empty() => {
+                    let (f, seq) = queued.remove(i % queued.len());
+                    prop_assert!(b.cancel(f, seq).is_some());
+                }
+                ReloadOp::Complete(i) if !in_flight.is_empty() => {
+                    let (f, epoch) = in_flight.remove(i % in_flight.len());
+                    b.release(f, epoch);
+                }
+                ReloadOp::Advance(d) => now += ms(d),
+                ReloadOp::Reload(to) => {
+                    b.reconfigure(&specs[to], now);
+                    current = to;
+                }
+                _ => {}
+            }
+            b.dispatch(now, &mut out);
+            for a in out.drain(..) {
+                let f = b.family_ref(a.family);
+                let before = queued.len();
+                // Slots move with reloads; ids do not.
+                queued.retain(|q| (q.0.id, q.1) != (f.id, a.seq));
+                prop_assert_eq!(queued.len() + 1, before, "admitted a waiter not queued");
+                let last = last_seq.insert(f.id, a.seq);
+                prop_assert!(last.is_none_or(|l| l < a.seq), "family {} out of order", f.id);
+                in_flight.push((f, b.epoch()));
+                admitted_at.push(a.at);
+                let Limit::SlidingWindow { permits, window, .. } = specs[current].upstream_limits[0] else {
+                    unreachable!()
+                };
+                let in_window = admitted_at.iter().filter(|t| **t + window > a.at).count();
+                prop_assert!(in_window <= permits.get() as usize, "upstream window exceeded");
+                let Limit::Concurrency { max, .. } = specs[current].upstream_limits[1] else {
+                    unreachable!()
+                };
+                prop_assert!(in_flight.len() <= max.get() as usize, "upstream concurrency exceeded");
+            }
+            prop_assert_eq!(b.waiting(), queued.len());
+        }
+        for (f, seq) in queued.drain(..) {
+            prop_assert!(b.cancel(f, seq).is_some());
+        }
+        for (f, epoch) in in_flight.drain(..) {
+            b.release(f, epoch);
+        }
+        prop_assert!(b.is_idle(now + Duration::from_secs(60)), "permits still out: {:?}", b);
+    }
+}
