@@ -120,10 +120,7 @@ impl AppBuilder {
 type TlsParts = (Vec<Option<UpstreamClient>>, Option<Arc<Authority>>);
 
 /// The parts of a config that talk TLS and can fail to build.
-fn build_tls(
-    config: &Config,
-    resolver: &Resolver,
-) -> Result<TlsParts, BuildError> {
+fn build_tls(config: &Config, resolver: &Resolver) -> Result<TlsParts, BuildError> {
     let upstream_clients = config
         .upstreams
         .iter()

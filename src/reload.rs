@@ -23,14 +23,44 @@ use crate::config::text_sha256;
 /// How long the directory must stay quiet before a change is read.
 pub const DEBOUNCE: Duration = Duration::from_millis(250);
 
-/// Starts the file watcher and the SIGHUP handler for an app loaded from a file; both
-/// end when `stop` is cancelled.
-pub fn start(app: &Arc<App>, stop: &CancellationToken) {
-    let Some(path) = app.config_path().map(Path::to_path_buf) else {
-        return;
-    };
-    match watch(&path) {
-        Ok((watcher, events)) => {
+/// The watch on the config's directory and the SIGHUP handler, for an app loaded from a
+/// file. Both are registered by [`Triggers::new`], so nothing that happens after it is
+/// missed; [`Triggers::start`] begins acting on them.
+pub struct Triggers {
+    path: Option<PathBuf>,
+    watch: Option<(notify::RecommendedWatcher, Events)>,
+    hup: Option<tokio::signal::unix::Signal>,
+}
+
+impl Triggers {
+    /// Must run inside the tokio runtime (the signal handler registers with it).
+    pub fn new(app: &App) -> Triggers {
+        let Some(path) = app.config_path().map(Path::to_path_buf) else {
+            return Triggers {
+                path: None,
+                watch: None,
+                hup: None,
+            };
+        };
+        let watch = watch(&path)
+            .inspect_err(|e| tracing::warn!(config = %path.display(), error = %e, "cannot watch the config file; reload with SIGHUP or POST /reload"))
+            .ok();
+        let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .inspect_err(
+                |e| tracing::warn!(error = %e, "cannot handle SIGHUP; reload with POST /reload"),
+            )
+            .ok();
+        Triggers {
+            path: Some(path),
+            watch,
+            hup,
+        }
+    }
+
+    /// Acts on the triggers until `stop` is cancelled.
+    pub fn start(self, app: &Arc<App>, stop: &CancellationToken) {
+        let Some(path) = self.path else { return };
+        if let Some((watcher, events)) = self.watch {
             tokio::spawn(on_file_change(
                 app.clone(),
                 path,
@@ -39,12 +69,10 @@ pub fn start(app: &Arc<App>, stop: &CancellationToken) {
                 stop.clone(),
             ));
         }
-        // Reloads still work through SIGHUP and POST /reload.
-        Err(e) => {
-            tracing::warn!(config = %path.display(), error = %e, "cannot watch the config file; reload with SIGHUP or POST /reload")
+        if let Some(hup) = self.hup {
+            tokio::spawn(on_sighup(app.clone(), hup, stop.clone()));
         }
     }
-    tokio::spawn(on_sighup(app.clone(), stop.clone()));
 }
 
 type Events = mpsc::UnboundedReceiver<()>;
@@ -73,10 +101,15 @@ async fn on_file_change(
     stop: CancellationToken,
 ) {
     let mut last_tried = app.config().sha256.clone();
+    // The first pass looks at once: the file may have changed between its load and the
+    // watch.
+    let mut first = true;
     loop {
-        tokio::select! {
-            e = events.recv() => if e.is_none() { return },
-            _ = stop.cancelled() => return,
+        if !std::mem::take(&mut first) {
+            tokio::select! {
+                e = events.recv() => if e.is_none() { return },
+                _ = stop.cancelled() => return,
+            }
         }
         // Quiet for DEBOUNCE: the writer is done.
         loop {
@@ -91,7 +124,11 @@ async fn on_file_change(
             .await
             .map(|t| text_sha256(&t))
             .ok();
-        if current.as_ref() == Some(&last_tried) {
+        // Already live (a POST /reload or SIGHUP got there first) or already refused.
+        if current
+            .as_ref()
+            .is_some_and(|c| *c == last_tried || *c == app.config().sha256)
+        {
             continue;
         }
         if let Some(sha) = current {
@@ -103,15 +140,7 @@ async fn on_file_change(
     }
 }
 
-async fn on_sighup(app: Arc<App>, stop: CancellationToken) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut hup = match signal(SignalKind::hangup()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot handle SIGHUP; reload with POST /reload");
-            return;
-        }
-    };
+async fn on_sighup(app: Arc<App>, mut hup: tokio::signal::unix::Signal, stop: CancellationToken) {
     loop {
         tokio::select! {
             _ = hup.recv() => {

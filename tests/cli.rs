@@ -3,8 +3,7 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use support::*;
@@ -103,25 +102,6 @@ fn explain_prints_route_limits_and_policies_without_the_key() {
     assert!(!out.status.success());
 }
 
-struct KillOnDrop(u32);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-KILL", &self.0.to_string()])
-            .status();
-    }
-}
-
-/// A port that was free a moment ago, for the binary's listeners.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[tokio::test]
 async fn run_serves_logs_safely_and_drains_on_sigterm() {
     support::crypto();
@@ -137,39 +117,14 @@ async fn run_serves_logs_safely_and_drains_on_sigterm() {
         ),
     )
     .unwrap();
-    let mut child = Command::new(BIN)
-        .args([
-            "--log-format",
-            "json",
-            "run",
-            "-c",
-            config.to_str().unwrap(),
-        ])
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // If an assertion fails before the SIGTERM, the binary must not outlive the test.
-    let _reaper = KillOnDrop(child.id());
-    let stderr = child.stderr.take().unwrap();
-    let log_lines = std::thread::spawn(move || {
-        BufReader::new(stderr)
-            .lines()
-            .map_while(Result::ok)
-            .collect::<Vec<_>>()
-    });
-
-    let admin_url = format!("http://127.0.0.1:{admin}");
-    let mut ready = false;
-    for _ in 0..100 {
-        if let Ok(r) = reqwest::get(format!("{admin_url}/readyz")).await {
-            ready = r.status() == 200;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(ready, "the binary became ready");
+    let sluice = Sluice::spawn(&[
+        "--log-format",
+        "json",
+        "run",
+        "-c",
+        config.to_str().unwrap(),
+    ]);
+    assert!(sluice.ready(admin).await, "the binary became ready");
 
     let client = reqwest::Client::builder()
         .proxy(reqwest::Proxy::all(format!("http://127.0.0.1:{port}")).unwrap())
@@ -193,21 +148,13 @@ async fn run_serves_logs_safely_and_drains_on_sigterm() {
     while up.seen().len() < 2 {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let kill = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(kill.success());
+    sluice.signal("TERM");
     let resp = slow.await.unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.text().await.unwrap(), "slow");
 
-    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
-        .await
-        .unwrap();
-    assert_eq!(status.code(), Some(0), "clean exit after the drain");
-
-    let lines = log_lines.join().unwrap();
+    let (code, lines) = sluice.exit().await;
+    assert_eq!(code, Some(0), "clean exit after the drain");
     let all = lines.join("\n");
     for secret in ["query-secret", "header-secret", "cookie-secret"] {
         assert!(

@@ -578,6 +578,13 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
         let mut fam_names: HashMap<String, ()> = HashMap::new();
         for f in &u.family {
             let fname = check_name(&f.name, "family")?;
+            if fname == "-" {
+                // `family="-"` in metrics means "no family matched".
+                return Err(invalid(
+                    f.name.span(),
+                    "family name \"-\" is reserved for requests that match no family",
+                ));
+            }
             if fam_names.insert(fname.clone(), ()).is_some() {
                 return Err(invalid(
                     f.name.span(),

@@ -135,6 +135,7 @@ fn every_rule_is_checked() {
             up("[[upstream.family]]\nname = \"f\"\nmethods = [\"G ET\"]"),
             "not an HTTP method",
         ),
+        (up("[[upstream.family]]\nname = \"-\""), "reserved"),
         (
             up("[[upstream.family]]\nname = \"f\"\n[[upstream.family]]\nname = \"f\""),
             "duplicate family",

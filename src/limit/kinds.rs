@@ -634,12 +634,15 @@ mod tests {
         assert_eq!(lower.ready_at(1, t0 + ms(100)), Some(t0 + ms(1020)));
         assert_eq!(lower.ready_at(2, t0 + ms(100)), Some(t0 + ms(1030)));
         assert_eq!(
-            l.clone().carry(&sliding(10, 1000), t0 + ms(100), 1).available(t0 + ms(100)),
+            l.clone()
+                .carry(&sliding(10, 1000), t0 + ms(100), 1)
+                .available(t0 + ms(100)),
             6
         );
         // A shorter window forgets what falls out of it.
         assert_eq!(
-            l.carry(&sliding(5, 200), t0 + ms(500), 1).available(t0 + ms(500)),
+            l.carry(&sliding(5, 200), t0 + ms(500), 1)
+                .available(t0 + ms(500)),
             5
         );
 
@@ -654,7 +657,11 @@ mod tests {
         }
         let mut lower = f.clone().carry(&fixed(2), t0 + ms(100), 1);
         assert_eq!(lower.available(t0 + ms(100)), 0);
-        assert_eq!(lower.available(t0 + ms(1000)), 2, "the next window is whole");
+        assert_eq!(
+            lower.available(t0 + ms(1000)),
+            2,
+            "the next window is whole"
+        );
         assert_eq!(f.carry(&fixed(10), t0 + ms(100), 1).available(t0), 7);
 
         let conc = |m| Limit::Concurrency {

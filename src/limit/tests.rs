@@ -424,5 +424,8 @@ async fn a_removed_family_finishes_its_queue_under_the_old_limits() {
         waits.push(t.await.unwrap());
     }
     assert_eq!(secs(&waits), [0.0, 1.0, 2.0]);
-    assert_eq!(metrics.queue_depth.with_label_values(&["u", "slow"]).get(), 0);
+    assert_eq!(
+        metrics.queue_depth.with_label_values(&["u", "slow"]).get(),
+        0
+    );
 }

@@ -97,6 +97,8 @@ pub struct Server {
     app: Arc<App>,
     proxy: TcpListener,
     admin: TcpListener,
+    /// Set up at bind, so that no change to the file after `bind` returns is missed.
+    reloads: crate::reload::Triggers,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -119,7 +121,13 @@ impl Server {
         };
         let proxy = bind(config.proxy.listen, "proxy listener").await?;
         let admin = bind(config.proxy.admin, "admin listener").await?;
-        Ok(Server { app, proxy, admin })
+        let reloads = crate::reload::Triggers::new(&app);
+        Ok(Server {
+            app,
+            proxy,
+            admin,
+            reloads,
+        })
     }
 
     pub fn proxy_addr(&self) -> SocketAddr {
@@ -136,7 +144,12 @@ impl Server {
 
     /// Serves until `shutdown` resolves, then drains and returns.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
-        let Server { app, proxy, admin } = self;
+        let Server {
+            app,
+            proxy,
+            admin,
+            reloads,
+        } = self;
         let lc = Lifecycle {
             tracker: TaskTracker::new(),
             drain: CancellationToken::new(),
@@ -144,7 +157,7 @@ impl Server {
         };
         let admin_task = tokio::spawn(admin::serve(app.clone(), admin, lc.stop.clone()));
         let sweeper = tokio::spawn(sweep_idle_partitions(app.clone(), lc.stop.clone()));
-        crate::reload::start(&app, &lc.stop);
+        reloads.start(&app, &lc.stop);
         tracing::info!(
             listen = %proxy.local_addr().map_or("?".into(), |a| a.to_string()),
             "sluice is ready"

@@ -1,6 +1,7 @@
 //! Test fixtures on 127.0.0.1:0: a scripted upstream that records what reaches it, a TCP
-//! echo server for tunnels, the proxy started in-process, and a raw HTTP/1.1 client for
-//! the cases well-behaved clients never send.
+//! echo server for tunnels, the proxy started in-process or as the real binary, a raw
+//! HTTP/1.1 client for the cases well-behaved clients never send, and a config directory
+//! updated the way the kubelet updates a mounted ConfigMap.
 
 #![allow(dead_code)]
 
@@ -277,7 +278,17 @@ impl Proxy {
         if let Some(l) = lookup {
             builder = builder.lookup(l);
         }
-        let app = builder.build().unwrap();
+        Proxy::serve(builder.build().unwrap()).await
+    }
+
+    /// From a config file, which reloads read again (and a watcher follows).
+    pub async fn from_file(path: &std::path::Path) -> Proxy {
+        crypto();
+        let config = Config::load(path).unwrap_or_else(|e| panic!("{e}"));
+        Proxy::serve(App::builder(config).path(path).build().unwrap()).await
+    }
+
+    async fn serve(app: Arc<App>) -> Proxy {
         let server = Server::bind(app.clone()).await.unwrap();
         let (addr, admin) = (server.proxy_addr(), server.admin_addr());
         let (tx, rx) = oneshot::channel();
@@ -322,6 +333,161 @@ impl Proxy {
     pub async fn metrics(&self) -> String {
         self.admin_get("/metrics").await.1
     }
+
+    pub async fn admin_post(&self, path: &str) -> (u16, String) {
+        let resp = reqwest::Client::new()
+            .post(format!("http://{}{}", self.admin, path))
+            .send()
+            .await
+            .unwrap();
+        (resp.status().as_u16(), resp.text().await.unwrap())
+    }
+}
+
+/// The value of the sample `series` (name and labels exactly as exported), if present.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// Polls `f` every 20 ms until it holds or `within` has passed.
+pub async fn eventually<F, Fut>(within: Duration, mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let end = tokio::time::Instant::now() + within;
+    loop {
+        if f().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= end {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A directory laid out and updated as the kubelet does for a mounted ConfigMap: the
+/// files live in a timestamped directory, `..data` points at it, and each visible file is
+/// a symlink through `..data`. An update writes a new timestamped directory, points a
+/// `..data_tmp` symlink at it, renames that over `..data` (the atomic step), and removes
+/// the old directory.
+pub struct ConfigMapDir {
+    pub dir: std::path::PathBuf,
+    generation: u32,
+}
+
+impl ConfigMapDir {
+    pub fn new(dir: &std::path::Path, file: &str, content: &str) -> ConfigMapDir {
+        let mut c = ConfigMapDir {
+            dir: dir.to_path_buf(),
+            generation: 0,
+        };
+        c.update(file, content);
+        std::os::unix::fs::symlink(format!("..data/{file}"), dir.join(file)).unwrap();
+        c
+    }
+
+    pub fn path(&self, file: &str) -> std::path::PathBuf {
+        self.dir.join(file)
+    }
+
+    pub fn update(&mut self, file: &str, content: &str) {
+        self.generation += 1;
+        let ts = format!("..2026_12_01_00_00_00.{:09}", self.generation);
+        let new = self.dir.join(&ts);
+        std::fs::create_dir(&new).unwrap();
+        std::fs::write(new.join(file), content).unwrap();
+        let old = std::fs::read_link(self.dir.join("..data")).ok();
+        let tmp = self.dir.join("..data_tmp");
+        std::os::unix::fs::symlink(&ts, &tmp).unwrap();
+        std::fs::rename(&tmp, self.dir.join("..data")).unwrap();
+        if let Some(old) = old {
+            std::fs::remove_dir_all(self.dir.join(old)).unwrap();
+        }
+    }
+}
+
+/// The real `sluice` binary, run with `args`; its stderr is collected line by line.
+pub struct Sluice {
+    child: std::process::Child,
+    log: Option<std::thread::JoinHandle<Vec<String>>>,
+    // Declared last: if an assertion fails first, the binary must not outlive the test.
+    _reaper: KillOnDrop,
+}
+
+impl Sluice {
+    pub fn spawn(args: &[&str]) -> Sluice {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let reaper = KillOnDrop(child.id());
+        let stderr = child.stderr.take().unwrap();
+        let log = std::thread::spawn(move || {
+            std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+                .collect::<Vec<_>>()
+        });
+        Sluice {
+            child,
+            log: Some(log),
+            _reaper: reaper,
+        }
+    }
+
+    /// Waits until `/readyz` on the admin port answers 200.
+    pub async fn ready(&self, admin: u16) -> bool {
+        let url = format!("http://127.0.0.1:{admin}/readyz");
+        eventually(Duration::from_secs(10), || async {
+            reqwest::get(&url).await.is_ok_and(|r| r.status() == 200)
+        })
+        .await
+    }
+
+    /// Sends a signal by name (`TERM`, `HUP`, ...).
+    pub fn signal(&self, name: &str) {
+        let ok = std::process::Command::new("kill")
+            .args([&format!("-{name}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success(), "kill -{name}");
+    }
+
+    /// Waits for the exit; returns its code and every log line.
+    pub async fn exit(self) -> (Option<i32>, Vec<String>) {
+        let Sluice { mut child, log, .. } = self;
+        let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+            .await
+            .unwrap();
+        let log = log.map(|l| l.join().unwrap()).unwrap_or_default();
+        (status.code(), log)
+    }
+}
+
+/// Kills a child process when dropped, so a failed assertion leaves no binary behind.
+pub struct KillOnDrop(pub u32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", &self.0.to_string()])
+            .status();
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// Name resolution from a fixed table, to point a name at an address of the test's choice.

@@ -447,14 +447,23 @@ fn a_reload_with_the_same_limits_keeps_the_exact_state() {
 #[test]
 fn a_raised_limit_admits_more_at_once_in_queue_order() {
     let t0 = Instant::now();
-    let s = |p| spec(vec![], vec![fam("f", Priority::Normal, vec![sliding(p, 1000)])]);
+    let s = |p| {
+        spec(
+            vec![],
+            vec![fam("f", Priority::Normal, vec![sliding(p, 1000)])],
+        )
+    };
     let mut b = Bucket::new(&s(2), t0);
     for id in 0..10 {
         b.push(0, id, t0);
     }
     assert_eq!(run(&mut b, t0), [0, 1]);
     b.reconfigure(&s(5), t0 + ms(100));
-    assert_eq!(run(&mut b, t0 + ms(100)), [2, 3, 4], "three more fit at once");
+    assert_eq!(
+        run(&mut b, t0 + ms(100)),
+        [2, 3, 4],
+        "three more fit at once"
+    );
     assert_eq!(run(&mut b, t0 + ms(999)), Vec::<u32>::new());
     assert_eq!(run(&mut b, t0 + ms(1000)), [5, 6]);
     assert_eq!(run(&mut b, t0 + ms(1100)), [7, 8, 9]);
@@ -463,7 +472,12 @@ fn a_raised_limit_admits_more_at_once_in_queue_order() {
 #[test]
 fn a_lowered_limit_counts_the_permits_already_taken() {
     let t0 = Instant::now();
-    let s = |p| spec(vec![sliding(p, 1000)], vec![fam("f", Priority::Normal, vec![])]);
+    let s = |p| {
+        spec(
+            vec![sliding(p, 1000)],
+            vec![fam("f", Priority::Normal, vec![])],
+        )
+    };
     let mut b = Bucket::new(&s(5), t0);
     for id in 0..10 {
         b.push(0, id, t0);
@@ -520,7 +534,10 @@ fn a_removed_family_drains_under_its_old_limits_then_goes() {
 fn permits_from_before_a_reload_never_return_a_limit_they_did_not_take() {
     let t0 = Instant::now();
     let old = spec(vec![conc(4)], vec![fam("f", Priority::Normal, vec![])]);
-    let new = spec(vec![conc(2)], vec![fam("f", Priority::Normal, vec![conc(1)])]);
+    let new = spec(
+        vec![conc(2)],
+        vec![fam("f", Priority::Normal, vec![conc(1)])],
+    );
     let mut b = Bucket::new(&old, t0);
     for id in 0..6 {
         b.push(0, id, t0);

@@ -1,0 +1,480 @@
+//! Reload without a restart: each trigger (POST /reload, the file watcher through rename,
+//! delete-and-recreate and a kubelet-style `..data` symlink swap, SIGHUP on the binary),
+//! bad files refused while traffic flows, limits moved under a full queue, and a hundred
+//! reloads in a row under load without one failed request.
+
+mod support;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use support::*;
+
+/// A config for one upstream on 127.0.0.1 with `limits`, listening on `listen`/`admin`.
+fn config_on(listen: &str, admin: &str, limits: &str, extra: &str) -> String {
+    format!(
+        "[proxy]\nlisten = \"{listen}\"\nadmin = \"{admin}\"\ndrain_timeout = \"3s\"\n\
+         [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1\"]\nmax_queue = 1000\nmax_wait = \"60s\"\n\
+         limits = [{limits}]\n{extra}"
+    )
+}
+
+fn config(limits: &str, extra: &str) -> String {
+    config_on("127.0.0.1:0", "127.0.0.1:0", limits, extra)
+}
+
+fn window(permits: u32, window: &str) -> String {
+    format!("{{ kind = \"sliding_window\", permits = {permits}, window = \"{window}\" }}")
+}
+
+/// Replaces the file the way editors do: write beside it, rename over it.
+fn rename_over(path: &Path, text: &str) {
+    let tmp = path.with_extension("toml.tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+async fn reloads(proxy: &Proxy, result: &str) -> f64 {
+    metric(
+        &proxy.metrics().await,
+        &format!("sluice_config_reloads_total{{result=\"{result}\"}}"),
+    )
+    .unwrap_or(-1.0)
+}
+
+async fn live_permits(proxy: &Proxy) -> u64 {
+    let (_, text) = proxy.admin_get("/config").await;
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["upstreams"][0]["limits"][0]["permits"].as_u64().unwrap()
+}
+
+#[tokio::test]
+async fn post_reload_answers_what_changed_and_refuses_bad_files() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(&path, config(&window(2, "1s"), "")).unwrap();
+    let proxy = Proxy::from_file(&path).await;
+
+    let (status, body) = proxy.admin_post("/reload").await;
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["changed"], false, "{body}");
+
+    let good = config(
+        &window(5, "1s"),
+        "[[upstream]]\nname = \"other\"\nhosts = [\"other.example\"]\n",
+    );
+    std::fs::write(&path, &good).unwrap();
+    let (status, body) = proxy.admin_post("/reload").await;
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["changed"], true, "{body}");
+    assert_eq!(v["modified"], serde_json::json!(["api"]), "{body}");
+    assert_eq!(v["added"], serde_json::json!(["other"]), "{body}");
+    assert_eq!(v["restart_needed"], serde_json::json!([]), "{body}");
+    assert_eq!(live_permits(&proxy).await, 5);
+    let sha = sluice::config::text_sha256(&good);
+
+    let bad = [
+        ("not toml", format!("{good}\n[[upstream]\n"), "expected"),
+        (
+            "bad value",
+            good.replace("permits = 5", "permits = 0"),
+            "nonzero",
+        ),
+        (
+            "unknown key",
+            good.replace("max_queue = 1000", "max_queue = 1000\nbogus = 1"),
+            "unknown field `bogus`",
+        ),
+    ];
+    for (what, text, needle) in &bad {
+        std::fs::write(&path, text).unwrap();
+        let (status, body) = proxy.admin_post("/reload").await;
+        assert_eq!(status, 400, "{what}: {body}");
+        let err = serde_json::from_str::<serde_json::Value>(&body).unwrap()["error"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        // file:line:col: message
+        let place = err.strip_prefix(&format!("{}:", path.display())).unwrap();
+        let mut parts = place.splitn(3, ':');
+        assert!(
+            parts.next().unwrap().parse::<u32>().is_ok(),
+            "{what}: {err}"
+        );
+        assert!(
+            parts.next().unwrap().parse::<u32>().is_ok(),
+            "{what}: {err}"
+        );
+        assert!(err.contains(needle), "{what}: {err}");
+        assert_eq!(live_permits(&proxy).await, 5, "{what}: old config in force");
+    }
+    let m = proxy.metrics().await;
+    assert_eq!(
+        metric(&m, "sluice_config_reloads_total{result=\"failure\"}"),
+        Some(3.0)
+    );
+    assert_eq!(
+        metric(&m, "sluice_config_reloads_total{result=\"success\"}"),
+        Some(2.0)
+    );
+    assert_eq!(
+        metric(&m, &format!("sluice_config_info{{sha256=\"{sha}\"}}")),
+        Some(1.0)
+    );
+    assert_eq!(m.matches("sluice_config_info{").count(), 1, "{m}");
+
+    // Listen addresses need a restart: reported, and the proxy keeps its sockets.
+    std::fs::write(
+        &path,
+        config_on("127.0.0.1:1", "127.0.0.1:0", &window(5, "1s"), ""),
+    )
+    .unwrap();
+    let (status, body) = proxy.admin_post("/reload").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("proxy.listen"), "{body}");
+    let resp = proxy.client().get(up.url("/x")).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+
+    let resp = reqwest::get(format!("http://{}/reload", proxy.admin))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 405);
+}
+
+#[tokio::test]
+async fn an_invalid_rewrite_keeps_the_old_limits_under_live_traffic() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let good = config(&window(4, "1s"), "");
+    std::fs::write(&path, &good).unwrap();
+    let proxy = Proxy::from_file(&path).await;
+    let client = proxy.client();
+
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..12 {
+        let (c, url) = (client.clone(), up.url(&format!("/r?n={i}")));
+        tasks.push(tokio::spawn(async move {
+            c.get(url).send().await.unwrap().status()
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Unknown key: the watcher reads it, refuses it and counts it.
+    rename_over(&path, &good.replace("max_queue", "max_queu"));
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            reloads(&proxy, "failure").await == 1.0
+        })
+        .await,
+        "the watcher saw the bad file"
+    );
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    // 12 requests at 4 per second: the last goes at 2 s, as before the bad file.
+    assert!(start.elapsed() >= Duration::from_millis(1900));
+    assert_eq!(live_permits(&proxy).await, 4);
+    assert_eq!(reloads(&proxy, "success").await, 0.0);
+}
+
+#[tokio::test]
+async fn a_configmap_symlink_swap_is_picked_up() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cm = ConfigMapDir::new(dir.path(), "sluice.toml", &config(&window(1, "30s"), ""));
+    let proxy = Proxy::from_file(&cm.path("sluice.toml")).await;
+    let client = proxy.client();
+    assert_eq!(client.get(up.url("/a")).send().await.unwrap().status(), 200);
+
+    cm.update("sluice.toml", &config(&window(100, "30s"), ""));
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            reloads(&proxy, "success").await == 1.0
+        })
+        .await,
+        "the swap was seen"
+    );
+    assert_eq!(live_permits(&proxy).await, 100);
+    // Under the old limit the next request would wait 30 s.
+    let t0 = Instant::now();
+    for _ in 0..5 {
+        assert_eq!(client.get(up.url("/b")).send().await.unwrap().status(), 200);
+    }
+    assert!(t0.elapsed() < Duration::from_secs(5));
+
+    // The watch survives the swap: a second update is seen too.
+    cm.update("sluice.toml", &config(&window(7, "30s"), ""));
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            reloads(&proxy, "success").await == 2.0
+        })
+        .await
+    );
+    assert_eq!(live_permits(&proxy).await, 7);
+    assert_eq!(reloads(&proxy, "failure").await, 0.0);
+}
+
+#[tokio::test]
+async fn rename_over_and_delete_and_recreate_are_picked_up_and_other_files_ignored() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(&path, config(&window(1, "1s"), "")).unwrap();
+    let proxy = Proxy::from_file(&path).await;
+
+    rename_over(&path, &config(&window(2, "1s"), ""));
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            live_permits(&proxy).await == 2
+        })
+        .await
+    );
+
+    std::fs::remove_file(&path).unwrap();
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    std::fs::write(&path, config(&window(3, "1s"), "")).unwrap();
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            live_permits(&proxy).await == 3
+        })
+        .await
+    );
+    assert_eq!(reloads(&proxy, "success").await, 2.0);
+
+    // An editor's swap file coming and going beside it changes nothing.
+    let swap = dir.path().join(".sluice.toml.swp");
+    std::fs::write(&swap, "junk").unwrap();
+    std::fs::remove_file(&swap).unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(reloads(&proxy, "success").await, 2.0);
+    assert_eq!(reloads(&proxy, "failure").await, 0.0);
+}
+
+/// 200 requests queued on 20/s; raised to 100/s at 1.2 s, lowered to 20/s at 1.7 s. None
+/// is lost, the raise lets a crowd through at once, the lower holds the rest back
+/// counting what the raised limit let through.
+#[tokio::test]
+async fn limits_raised_and_lowered_with_200_queued_lose_nothing() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(&path, config(&window(20, "1s"), "")).unwrap();
+    let proxy = Proxy::from_file(&path).await;
+    let client = proxy.client();
+
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let (c, url) = (client.clone(), up.url(&format!("/q?n={i}")));
+        tasks.push(tokio::spawn(async move {
+            let resp = c.get(url).send().await.expect("a response");
+            (resp.status().as_u16(), resp.text().await.expect("a body"))
+        }));
+    }
+    tokio::time::sleep_until(t0 + Duration::from_millis(1200)).await;
+    std::fs::write(&path, config(&window(100, "1s"), "")).unwrap();
+    assert_eq!(proxy.admin_post("/reload").await.0, 200);
+    tokio::time::sleep_until(t0 + Duration::from_millis(1700)).await;
+    std::fs::write(&path, config(&window(20, "1s"), "")).unwrap();
+    assert_eq!(proxy.admin_post("/reload").await.0, 200);
+
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), (200, "hello".to_string()));
+    }
+    let seen: Vec<Duration> = up.seen().iter().map(|s| s.at - t0).collect();
+    assert_eq!(seen.len(), 200, "each request reached the upstream once");
+    let by = |t: u64| {
+        seen.iter()
+            .filter(|s| **s < Duration::from_millis(t))
+            .count()
+    };
+    // 20 + 20 + 80 at the raise: 120 by 2.1 s; at 20/s it would be 60.
+    assert!(by(2100) >= 100, "the raise let more through: {}", by(2100));
+    // Lowered to 20/s with 100 in the window: nothing until 2.2 s, then 20 a second, so
+    // 60 remain after 2.6 s. Had the raised limit stayed, all would be through by 2.2 s.
+    assert!(
+        200 - by(2600) >= 40,
+        "the lower held requests back: {} after 2.6 s",
+        200 - by(2600)
+    );
+}
+
+#[tokio::test]
+async fn a_hundred_reloads_under_load_fail_no_request() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let family = "[[upstream.family]]\nname = \"orders\"\npaths = [\"/orders/**\"]\n\
+                  limits = [{ kind = \"concurrency\", max = 4 }]\n";
+    let variant = |i: u32| {
+        let limits = format!(
+            "{{ kind = \"token_bucket\", rate = {}, per = \"1s\", burst = 50 }}, {{ kind = \"concurrency\", max = {} }}",
+            1000 + 1000 * (i % 2),
+            8 + 8 * (i % 3)
+        );
+        config(&limits, if i.is_multiple_of(2) { family } else { "" })
+    };
+    std::fs::write(&path, variant(0)).unwrap();
+    let proxy = Proxy::from_file(&path).await;
+    let client = proxy.client();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut load = Vec::new();
+    for w in 0..8 {
+        let (c, stop) = (client.clone(), stop.clone());
+        let url = up.url(if w % 2 == 0 { "/orders/1" } else { "/catalog" });
+        load.push(tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let r = c.get(&url).send().await;
+                statuses.push(r.map(|r| r.status().as_u16()).unwrap_or(0));
+            }
+            statuses
+        }));
+    }
+    for i in 1..=100 {
+        std::fs::write(&path, variant(i)).unwrap();
+        let (status, body) = proxy.admin_post("/reload").await;
+        assert_eq!(status, 200, "reload {i}: {body}");
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut total = 0;
+    for l in load {
+        let statuses = l.await.unwrap();
+        assert!(
+            statuses.iter().all(|s| *s == 200),
+            "every request succeeded: {:?}",
+            statuses.iter().filter(|s| **s != 200).collect::<Vec<_>>()
+        );
+        total += statuses.len();
+    }
+    assert!(total >= 100, "load ran through the reloads ({total})");
+    assert!(reloads(&proxy, "success").await >= 100.0);
+    assert_eq!(reloads(&proxy, "failure").await, 0.0);
+}
+
+/// The binary under live traffic: a ConfigMap-style swap shows its new rate within 2 s,
+/// SIGHUP reloads, an invalid swap changes nothing but the failure counter, and SIGTERM
+/// with a full queue ends with every client holding a complete response.
+#[tokio::test]
+async fn the_binary_reloads_under_traffic_and_shuts_down_with_a_full_queue() {
+    crypto();
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin) = (free_port(), free_port());
+    let text = |limits: &str| {
+        config_on(
+            &format!("127.0.0.1:{port}"),
+            &format!("127.0.0.1:{admin}"),
+            limits,
+            "",
+        )
+    };
+    let mut cm = ConfigMapDir::new(dir.path(), "sluice.toml", &text(&window(2, "1s")));
+    let sluice = Sluice::spawn(&["run", "-c", cm.path("sluice.toml").to_str().unwrap()]);
+    assert!(sluice.ready(admin).await);
+    let admin_url = format!("http://127.0.0.1:{admin}");
+    let get = |path: &str| {
+        let url = format!("{admin_url}{path}");
+        async move {
+            match reqwest::get(url).await {
+                Ok(r) => r.text().await.unwrap_or_default(),
+                Err(_) => String::new(),
+            }
+        }
+    };
+    let count = |m: &str, result: &str| {
+        metric(
+            m,
+            &format!("sluice_config_reloads_total{{result=\"{result}\"}}"),
+        )
+    };
+
+    let client = reqwest::Client::builder()
+        .proxy(reqwest::Proxy::all(format!("http://127.0.0.1:{port}")).unwrap())
+        .build()
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut load = Vec::new();
+    for _ in 0..16 {
+        let (c, stop, url) = (client.clone(), stop.clone(), up.url("/live"));
+        load.push(tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                match c.get(&url).send().await {
+                    Ok(r) => statuses.push(r.status().as_u16()),
+                    Err(e) => panic!("request failed: {e}"),
+                }
+            }
+            statuses
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let swapped = Instant::now();
+    cm.update("sluice.toml", &text(&window(40, "1s")));
+    // The new rate within 2 s: count what reaches the upstream from 1 s to 2 s after.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let before = up.seen().len();
+    tokio::time::sleep_until(swapped + Duration::from_millis(2000)).await;
+    let in_second = up.seen().len() - before;
+    assert!(
+        in_second >= 25,
+        "{in_second} requests in the second second after the swap (old rate 2/s, new 40/s)"
+    );
+    assert_eq!(count(&get("/metrics").await, "success"), Some(1.0));
+
+    // SIGHUP with the file as it is: a reload, counted, nothing changed.
+    sluice.signal("HUP");
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            count(&get("/metrics").await, "success") == Some(2.0)
+        })
+        .await,
+        "SIGHUP reloaded"
+    );
+
+    // An invalid swap: the failure counter moves, the rate does not.
+    cm.update("sluice.toml", &text("{ kind = \"sliding_window\" }"));
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            count(&get("/metrics").await, "failure") == Some(1.0)
+        })
+        .await,
+        "the invalid file was refused"
+    );
+    let before = up.seen().len();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let in_second = up.seen().len() - before;
+    assert!(in_second >= 25, "still the new rate: {in_second}");
+
+    // A full queue (1/s for 16 clients) and SIGTERM: everyone gets a whole answer.
+    cm.update("sluice.toml", &text(&window(1, "1s")));
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            count(&get("/metrics").await, "success") == Some(3.0)
+        })
+        .await
+    );
+    stop.store(true, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sluice.signal("TERM");
+    let mut statuses = Vec::new();
+    for l in load {
+        statuses.extend(l.await.unwrap());
+    }
+    assert!(
+        statuses.iter().all(|s| *s == 200 || *s == 503),
+        "only whole answers: {statuses:?}"
+    );
+    let (code, log) = sluice.exit().await;
+    assert_eq!(code, Some(0));
+    let log = log.join("\n");
+    assert!(log.contains("SIGHUP received"), "{log}");
+    assert!(log.contains("config reload failed"), "{log}");
+}
