@@ -59,16 +59,22 @@ def rss_kib(pid):
     return 0
 
 
-def cpu_seconds(pids):
-    """User + system CPU time so far of the given processes."""
-    total = 0.0
+def cpu_split(pids):
+    """(user, system) CPU seconds so far of the given processes."""
+    user = system = 0.0
     for pid in pids:
         try:
             fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            user += int(fields[11]) / os.sysconf("SC_CLK_TCK")
+            system += int(fields[12]) / os.sysconf("SC_CLK_TCK")
         except OSError:
             pass
-    return total
+    return user, system
+
+
+def cpu_seconds(pids):
+    """User + system CPU time so far of the given processes."""
+    return sum(cpu_split(pids))
 
 
 def _ms(value, unit):

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 
-from common import SLUICE, Procs, cpu_seconds, rss_kib, wait_http, wrk
+from common import SLUICE, Procs, cpu_split, rss_kib, wait_http, wrk
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 10
@@ -112,12 +112,17 @@ PidFile "{work}/tinyproxy.pid"
         subprocess.run(["wrk", "-t1", "-c4", "-d1s"] + (["-s", script] if script else []) + [url], capture_output=True, check=True)
     results = {t[0]: [] for t in targets}
     cpu = {t[0]: [] for t in targets}
+    # CPU microseconds per request, user and system, of the proxy's processes.
+    per_req = {t[0]: [] for t in targets}
     for r in range(ROUNDS):
         for name, url, script, who in targets:
             watched = family_pids(pids[who]) if who else []
-            before = cpu_seconds(watched)
+            u0, s0 = cpu_split(watched)
             results[name].append(wrk(url, CONNS, SECONDS, script))
-            cpu[name].append((cpu_seconds(watched) - before) / SECONDS * 100)
+            u1, s1 = cpu_split(watched)
+            cpu[name].append((u1 + s1 - u0 - s0) / SECONDS * 100)
+            n = results[name][-1][0] * SECONDS
+            per_req[name].append(((u1 - u0) / n * 1e6, (s1 - s0) / n * 1e6))
             print(f"round {r + 1} {name}: {results[name][-1][0]:.0f} req/s", file=sys.stderr)
 
     def cell(values, fmt):
@@ -125,8 +130,8 @@ PidFile "{work}/tinyproxy.pid"
 
     direct = statistics.median(v[0] for v in results["direct"])
     print(f"\nwrk -t2 -c{CONNS} -d{SECONDS}s, {ROUNDS} rounds interleaved; median (min–max)\n")
-    print("| target | req/s | % of direct | p50 ms | p99 ms | proxy CPU % | proxy RSS MiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| target | req/s | % of direct | p50 ms | p99 ms | proxy CPU % | user µs/req | sys µs/req | proxy RSS MiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, _, _, who in targets:
         rows = results[name]
         rps = [v[0] for v in rows]
@@ -134,7 +139,9 @@ PidFile "{work}/tinyproxy.pid"
         print(
             f"| {name} | {cell(rps, '{:.0f}')} | {statistics.median(rps) / direct * 100:.0f}% "
             f"| {cell([v[1] for v in rows], '{:.2f}')} | {cell([v[2] for v in rows], '{:.2f}')} "
-            f"| {statistics.median(cpu[name]):.0f} | {rss} |"
+            f"| {statistics.median(cpu[name]):.0f} "
+            f"| {'–' if not who else f'{statistics.median(u for u, _ in per_req[name]):.1f}'} "
+            f"| {'–' if not who else f'{statistics.median(s for _, s in per_req[name]):.1f}'} | {rss} |"
         )
 
 

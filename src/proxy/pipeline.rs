@@ -46,6 +46,11 @@ pub async fn run(
         // Unmatched hosts pass through with [defaults] timeouts: no limits, retries or breaker.
         let p = &config.defaults;
         let once = async { Ok(attempt(app, config, None, p.attempt_timeout, req, None).await?) };
+        if p.attempt_timeout <= p.total_timeout {
+            // The single attempt's own timer always fires first: a second one would only
+            // cost a timer-wheel insert and removal on every request.
+            return once.await;
+        }
         return tokio::time::timeout(p.total_timeout, once)
             .await
             .unwrap_or(Err(ProxyError::TotalTimeout(p.total_timeout)));
