@@ -148,8 +148,10 @@ async fn post_reload_answers_what_changed_and_refuses_bad_files() {
     assert_eq!(resp.status(), 405);
 }
 
+/// Bad TOML, a bad value and an unknown key, one after the other while requests queue:
+/// each is refused and counted, the limits in force stay exactly as they were.
 #[tokio::test]
-async fn an_invalid_rewrite_keeps_the_old_limits_under_live_traffic() {
+async fn invalid_rewrites_keep_the_old_limits_under_live_traffic() {
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("sluice.toml");
@@ -160,28 +162,47 @@ async fn an_invalid_rewrite_keeps_the_old_limits_under_live_traffic() {
 
     let start = Instant::now();
     let mut tasks = Vec::new();
-    for i in 0..12 {
+    for i in 0..16 {
         let (c, url) = (client.clone(), up.url(&format!("/r?n={i}")));
         tasks.push(tokio::spawn(async move {
             c.get(url).send().await.unwrap().status()
         }));
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
-    // Unknown key: the watcher reads it, refuses it and counts it.
-    rename_over(&path, &good.replace("max_queue", "max_queu"));
+    let bad = [
+        format!("{good}\n[[upstream]\n"),
+        good.replace("permits = 4", "permits = 0"),
+        good.replace("max_queue", "max_queu"),
+    ];
+    for (i, text) in bad.iter().enumerate() {
+        // The watcher reads each, refuses it and counts it.
+        rename_over(&path, text);
+        let want = (i + 1) as f64;
+        assert!(
+            eventually(Duration::from_secs(5), || async {
+                reloads(&proxy, "failure").await == want
+            })
+            .await,
+            "the watcher refused bad file {i}"
+        );
+        assert_eq!(live_permits(&proxy).await, 4);
+    }
     assert!(
-        eventually(Duration::from_secs(5), || async {
-            reloads(&proxy, "failure").await == 1.0
-        })
-        .await,
-        "the watcher saw the bad file"
+        start.elapsed() < Duration::from_millis(2900),
+        "the bad files landed while requests were still queued"
     );
     for t in tasks {
         assert_eq!(t.await.unwrap(), 200);
     }
-    // 12 requests at 4 per second: the last goes at 2 s, as before the bad file.
-    assert!(start.elapsed() >= Duration::from_millis(1900));
-    assert_eq!(live_permits(&proxy).await, 4);
+    // 16 requests at 4 per second: the last goes at 3 s, as before the bad files.
+    assert!(start.elapsed() >= Duration::from_millis(2900));
+    let seen: Vec<Duration> = up.seen().iter().map(|s| s.at - start).collect();
+    for w in seen.windows(5) {
+        assert!(
+            w[4] - w[0] >= Duration::from_millis(900),
+            "never more than 4 in a second: {seen:?}"
+        );
+    }
     assert_eq!(reloads(&proxy, "success").await, 0.0);
 }
 
