@@ -462,10 +462,16 @@ impl Sluice {
 
     /// Waits for the exit; returns its code and every log line.
     pub async fn exit(self) -> (Option<i32>, Vec<String>) {
-        let Sluice { mut child, log, .. } = self;
+        let Sluice {
+            mut child,
+            log,
+            _reaper: reaper,
+        } = self;
         let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
             .await
             .unwrap();
+        // It has exited: nothing is left to kill.
+        std::mem::forget(reaper);
         let log = log.map(|l| l.join().unwrap()).unwrap_or_default();
         (status.code(), log)
     }
