@@ -36,6 +36,8 @@ fn uncontended(c: &mut Criterion) {
         .build()
         .expect("runtime");
     let l = limiter(GENEROUS);
+    // A request holds its config's plan already; looking it up is not the limiter's cost.
+    let plan = l.plans()[0].clone();
     let mut g = c.benchmark_group("limiter");
     g.throughput(Throughput::Elements(1));
     g.bench_function("uncontended admission", |b| {
@@ -43,7 +45,7 @@ fn uncontended(c: &mut Criterion) {
             rt.block_on(async {
                 let start = tokio::time::Instant::now();
                 for _ in 0..iters {
-                    drop(l.acquire(&l.plans()[0], &ROUTE).await);
+                    drop(l.acquire(&plan, &ROUTE).await);
                 }
                 start.elapsed()
             })
@@ -62,10 +64,10 @@ fn uncontended(c: &mut Criterion) {
                 let start = tokio::time::Instant::now();
                 let tasks: Vec<_> = (0..64)
                     .map(|_| {
-                        let l = l.clone();
+                        let (l, plan) = (l.clone(), plan.clone());
                         tokio::spawn(async move {
                             for _ in 0..per_task {
-                                drop(l.acquire(&l.plans()[0], &ROUTE).await);
+                                drop(l.acquire(&plan, &ROUTE).await);
                             }
                         })
                     })
@@ -90,6 +92,7 @@ fn ten_thousand_waiters(c: &mut Criterion) {
         .build()
         .expect("runtime");
     let l = limiter("limits = [{ kind = \"concurrency\", max = 1 }]\n");
+    let plan = l.plans()[0].clone();
     let mut g = c.benchmark_group("limiter");
     g.sample_size(10);
     g.throughput(Throughput::Elements(10_000));
@@ -98,13 +101,11 @@ fn ten_thousand_waiters(c: &mut Criterion) {
             rt.block_on(async {
                 let mut total = Duration::ZERO;
                 for _ in 0..iters {
-                    let gate = l.acquire(&l.plans()[0], &ROUTE).await;
+                    let gate = l.acquire(&plan, &ROUTE).await;
                     let tasks: Vec<_> = (0..10_000)
                         .map(|_| {
-                            let l = l.clone();
-                            tokio::spawn(
-                                async move { drop(l.acquire(&l.plans()[0], &ROUTE).await) },
-                            )
+                            let (l, plan) = (l.clone(), plan.clone());
+                            tokio::spawn(async move { drop(l.acquire(&plan, &ROUTE).await) })
                         })
                         .collect();
                     // Let every task queue up before the clock starts.
@@ -125,5 +126,63 @@ fn ten_thousand_waiters(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, uncontended, ten_thousand_waiters);
+/// A reload with 100k live partitions (each holding a sliding-window admission): every
+/// one is reconfigured in place under the registry's write lock, so this is how long new
+/// partitions wait during a reload.
+fn reload_100k_partitions(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let keyed = |permits: u32| {
+        format!(
+            "key = \"header:Authorization\"\nlimits = [{{ kind = \"sliding_window\", permits = {permits}, window = \"1h\" }}]\n"
+        )
+    };
+    let l = limiter(&keyed(5));
+    let metrics = Metrics::new(Registry::new()).expect("metrics");
+    let other: Vec<Config> = [5, 6]
+        .iter()
+        .map(|p| {
+            Config::parse(
+                &format!("[[upstream]]\nname = \"u\"\nhosts = [\"u.example\"]\nmax_queue = 100000\nmax_wait = \"1h\"\n{}", keyed(*p)),
+                "bench.toml",
+            )
+            .expect("bench config")
+        })
+        .collect();
+    let plan = l.plans()[0].clone();
+    let n = if cfg!(debug_assertions) {
+        1_000
+    } else {
+        100_000
+    };
+    rt.block_on(async {
+        for i in 0..n as u32 {
+            let r = Route {
+                upstream: 0,
+                family: None,
+                partition: Some(sluice::route::Partition::of(&i.to_be_bytes())),
+            };
+            drop(l.acquire(&plan, &r).await);
+        }
+    });
+    let mut g = c.benchmark_group("limiter");
+    g.sample_size(10);
+    let mut flip = 0;
+    g.bench_function("reload with 100k live partitions", |b| {
+        b.iter(|| {
+            flip ^= 1;
+            l.reload(sluice::limit::plans(&other[flip], &metrics));
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    uncontended,
+    ten_thousand_waiters,
+    reload_100k_partitions
+);
 criterion_main!(benches);

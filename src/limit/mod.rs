@@ -50,6 +50,9 @@ struct FamilyMetrics {
 /// A request keeps the plan of the config it was routed with.
 pub struct Plan {
     name: Arc<str>,
+    /// Later plans have larger numbers: a partition still on an older plan than a
+    /// request's moves to the request's first.
+    generation: u64,
     /// Whether CONNECT tunnels to this upstream pay anything (its concurrency limits).
     tunnels: bool,
     spec: PartitionSpec,
@@ -87,8 +90,10 @@ impl Plan {
             .iter()
             .map(|f| Arc::new(FamilyMetrics::new(metrics, &u.name, &f.name)))
             .collect();
+        static GENERATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Plan {
             name: Arc::from(u.name.as_str()),
+            generation: GENERATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             tunnels: u
                 .limits
                 .iter()
@@ -169,6 +174,16 @@ impl CellState {
         self.bucket
             .slot_named(&plan.spec.families[index].name)
             .unwrap_or(self.plan.family_index(None))
+    }
+
+    /// Moves the bucket to `plan` if it is newer than the one it has (a reload that has
+    /// not reached this partition yet); returns whether it did.
+    fn catch_up(&mut self, plan: &Arc<Plan>, now: Instant) -> bool {
+        if plan.generation <= self.plan.generation {
+            return false;
+        }
+        self.reconfigure(plan, now);
+        true
     }
 
     /// Moves the bucket to `plan` (a reload).
@@ -417,18 +432,25 @@ impl Limiter {
     /// limits in place (see [`Bucket::reconfigure`]), and new partitions use them. Those of
     /// upstreams it no longer has are left as they are, to drain and be swept.
     pub fn reload(&self, plans: Plans) {
-        let cells = self.cells.write().unwrap_or_else(|e| e.into_inner());
-        *self.current.write().unwrap_or_else(|e| e.into_inner()) = plans.clone();
-        let now = Instant::now();
-        for cell in cells.values() {
+        // From here on new partitions are built from `plans`; every partition that exists
+        // now is in `cells`. The registry is not held while they are moved one by one, so
+        // requests keep flowing; one that reaches a partition first moves it itself.
+        let cells: Vec<Arc<Cell>> = {
+            let registry = self.cells.write().unwrap_or_else(|e| e.into_inner());
+            *self.current.write().unwrap_or_else(|e| e.into_inner()) = plans.clone();
+            registry.values().cloned().collect()
+        };
+        for cell in cells {
             let Some(plan) = plans.iter().find(|p| p.name == cell.name) else {
                 continue;
             };
             let mut st = cell.lock();
-            st.reconfigure(plan, now);
-            // A raised limit admits at once; a changed one may move the next wake-up.
-            cell.dispatch(&mut st, now);
-            cell.wake_driver(&mut st);
+            let now = Instant::now();
+            if st.catch_up(plan, now) {
+                // A raised limit admits at once; a changed one may move the next wake-up.
+                cell.dispatch(&mut st, now);
+                cell.wake_driver(&mut st);
+            }
         }
     }
 
@@ -508,6 +530,10 @@ impl Limiter {
         let (mut rx, family, seq, max_wait) = {
             let mut st = cell.lock();
             let now = Instant::now();
+            if st.catch_up(plan, now) {
+                cell.dispatch(&mut st, now);
+                cell.wake_driver(&mut st);
+            }
             let slot = st.slot(plan, index);
             if let Err(r) = st.bucket.check(slot, now) {
                 let m = st.metrics(slot);
@@ -587,6 +613,10 @@ impl Limiter {
     pub fn pause(&self, plan: &Arc<Plan>, route: &Route, family: bool, until: Instant) {
         let cell = self.cell(plan, route);
         let mut st = cell.lock();
+        if st.catch_up(plan, Instant::now()) {
+            cell.dispatch(&mut st, Instant::now());
+            cell.wake_driver(&mut st);
+        }
         let f = family.then(|| st.slot(plan, plan.family_index(route.family)));
         st.bucket.pause(f, until);
         cell.wake_driver(&mut st);

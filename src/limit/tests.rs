@@ -429,3 +429,29 @@ async fn a_removed_family_finishes_its_queue_under_the_old_limits() {
         0
     );
 }
+
+/// A request routed by the new config can reach a partition before the reload's sweep
+/// over all partitions does: it moves the partition to the new limits itself.
+#[tokio::test(start_paused = true)]
+async fn a_request_of_the_new_config_moves_a_partition_the_reload_has_not_reached() {
+    let metrics = Metrics::new(Registry::new()).unwrap();
+    let l = Arc::new(Limiter::new(&config(&window(1)), &metrics));
+    let old = l.plans()[0].clone();
+    drop(l.acquire(&old, &route(None)).await.unwrap());
+    // The new config's plans, not yet handed to the limiter.
+    let new = crate::limit::plans(&config(&window(3)), &metrics)[0].clone();
+    let t0 = Instant::now();
+    drop(l.acquire(&new, &route(None)).await.unwrap());
+    drop(l.acquire(&new, &route(None)).await.unwrap());
+    assert_eq!(Instant::now(), t0, "two more fit at once under 3 per second");
+    // A request still holding the old plan does not move it back.
+    let r = route(None);
+    let late = l.acquire(&old, &r);
+    tokio::pin!(late);
+    assert!(
+        futures_util::poll!(&mut late).is_pending(),
+        "the window is full under the new limit"
+    );
+    late.await.unwrap();
+    assert_eq!(Instant::now(), t0 + Duration::from_secs(1));
+}
