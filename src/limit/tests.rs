@@ -443,7 +443,11 @@ async fn a_request_of_the_new_config_moves_a_partition_the_reload_has_not_reache
     let t0 = Instant::now();
     drop(l.acquire(&new, &route(None)).await.unwrap());
     drop(l.acquire(&new, &route(None)).await.unwrap());
-    assert_eq!(Instant::now(), t0, "two more fit at once under 3 per second");
+    assert_eq!(
+        Instant::now(),
+        t0,
+        "two more fit at once under 3 per second"
+    );
     // A request still holding the old plan does not move it back.
     let r = route(None);
     let late = l.acquire(&old, &r);
