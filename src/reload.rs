@@ -5,7 +5,8 @@
 //! The file is watched through its directory, not itself: editors write a temporary file
 //! and rename it over the old one, and Kubernetes updates a mounted ConfigMap by pointing
 //! the `..data` symlink at a new directory. Neither changes the inode a file watch would
-//! follow, but both show up as events in the directory. Events come in bursts, so a
+//! follow, but both show up as events in the directory. When the path is a symlink to a
+//! file elsewhere, that file's directory is watched too (and followed if the link moves). Events come in bursts, so a
 //! reload waits until the directory has been quiet for [`DEBOUNCE`], and only runs when
 //! the bytes behind the path differ from the last ones tried.
 
@@ -77,11 +78,42 @@ impl Triggers {
 
 type Events = mpsc::UnboundedReceiver<()>;
 
-fn watch(path: &Path) -> notify::Result<(notify::RecommendedWatcher, Events)> {
-    let dir = match path.parent() {
+fn dir_of(path: &Path) -> PathBuf {
+    match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
-    };
+    }
+}
+
+/// The directory of the file `path` resolves to, when a symlink puts it outside the
+/// directory of `path` itself (inside it, as in a ConfigMap, that one sees the changes).
+fn target_dir(path: &Path) -> Option<PathBuf> {
+    let dir = std::fs::canonicalize(dir_of(path)).ok()?;
+    let target = dir_of(&std::fs::canonicalize(path).ok()?);
+    (!target.starts_with(&dir)).then_some(target)
+}
+
+/// Keeps the watch on the symlink target's directory in step with where it points now.
+fn follow(watcher: &mut notify::RecommendedWatcher, followed: &mut Option<PathBuf>, path: &Path) {
+    let now = target_dir(path);
+    if now == *followed {
+        return;
+    }
+    if let Some(old) = followed.take() {
+        let _ = watcher.unwatch(&old);
+    }
+    if let Some(dir) = now {
+        match watcher.watch(&dir, RecursiveMode::NonRecursive) {
+            Ok(()) => *followed = Some(dir),
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "cannot watch the config file's target directory")
+            }
+        }
+    }
+}
+
+fn watch(path: &Path) -> notify::Result<(notify::RecommendedWatcher, Events)> {
+    let dir = dir_of(path);
     let (tx, rx) = mpsc::unbounded_channel();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
         // Access events (reads, our own included) change nothing.
@@ -96,10 +128,12 @@ fn watch(path: &Path) -> notify::Result<(notify::RecommendedWatcher, Events)> {
 async fn on_file_change(
     app: Arc<App>,
     path: PathBuf,
-    _watcher: notify::RecommendedWatcher,
+    mut watcher: notify::RecommendedWatcher,
     mut events: Events,
     stop: CancellationToken,
 ) {
+    let mut followed = None;
+    follow(&mut watcher, &mut followed, &path);
     let mut last_tried = app.config().sha256.clone();
     // The first pass looks at once: the file may have changed between its load and the
     // watch.
@@ -119,6 +153,7 @@ async fn on_file_change(
                 _ = stop.cancelled() => return,
             }
         }
+        follow(&mut watcher, &mut followed, &path);
         // An unreadable file (deleted, half swapped) goes to the reload, which reports it.
         let current = tokio::fs::read_to_string(&path)
             .await

@@ -278,6 +278,28 @@ async fn rename_over_and_delete_and_recreate_are_picked_up_and_other_files_ignor
     assert_eq!(reloads(&proxy, "failure").await, 0.0);
 }
 
+#[tokio::test]
+async fn a_symlinked_config_edited_where_it_lives_is_picked_up() {
+    let real = tempfile::tempdir().unwrap();
+    let linked = tempfile::tempdir().unwrap();
+    let target = real.path().join("sluice.toml");
+    std::fs::write(&target, config(&window(1, "1s"), "")).unwrap();
+    let path = linked.path().join("sluice.toml");
+    std::os::unix::fs::symlink(&target, &path).unwrap();
+    let proxy = Proxy::from_file(&path).await;
+    // After the watcher's first look at the file (one debounce after start).
+    tokio::time::sleep(sluice::reload::DEBOUNCE * 3).await;
+    // Written in place, in the other directory: nothing happens beside the symlink.
+    std::fs::write(&target, config(&window(9, "1s"), "")).unwrap();
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            live_permits(&proxy).await == 9
+        })
+        .await,
+        "the edit to the symlink's target was seen"
+    );
+}
+
 /// 200 requests queued on 20/s; raised to 100/s at 1.2 s, lowered to 20/s at 1.7 s. None
 /// is lost, the raise lets a crowd through at once, the lower holds the rest back
 /// counting what the raised limit let through.
