@@ -206,6 +206,39 @@ async fn origin_form_request_gets_400_with_explanation() {
     );
 }
 
+/// User info in the URL names credentials for the origin the old way; it never reaches
+/// the upstream, neither in the request line nor in `Host`.
+#[tokio::test]
+async fn user_info_in_the_url_is_not_forwarded() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start("").await;
+    let req = format!(
+        "GET http://user:s3cret@{}/u?q=1 HTTP/1.1\r\nHost: {}\r\n\r\n",
+        up.addr, up.addr
+    );
+    let resp = raw(proxy.addr, req.as_bytes()).await;
+    assert_eq!(resp.status, 200);
+    let seen = &up.seen()[0];
+    assert_eq!(seen.uri, "/u?q=1");
+    assert_eq!(seen.header("host"), Some(up.addr.to_string().as_str()));
+    assert!(!format!("{seen:?}").contains("s3cret"), "{seen:?}");
+
+    // Without user info the request line goes on as it came.
+    let resp = raw(
+        proxy.addr,
+        format!(
+            "GET http://{}/v HTTP/1.1\r\nHost: {}\r\n\r\n",
+            up.addr, up.addr
+        )
+        .as_bytes(),
+    )
+    .await;
+    assert_eq!(resp.status, 200);
+    let seen = &up.seen()[1];
+    assert_eq!(seen.uri, "/v");
+    assert_eq!(seen.header("host"), Some(up.addr.to_string().as_str()));
+}
+
 #[tokio::test]
 async fn malformed_and_oversized_requests_are_refused_and_the_proxy_stays_up() {
     let up = Upstream::start().await;

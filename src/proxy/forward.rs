@@ -52,9 +52,14 @@ impl Target {
             .host()
             .filter(|h| !h.is_empty())
             .ok_or_else(|| ProxyError::BadRequest("the URL has no host".into()))?;
-        let host_header = match uri.port_u16() {
-            Some(p) => format!("{raw_host}:{p}"),
-            None => raw_host.to_string(),
+        // The authority as written is the Host value, unless it carries user info (never
+        // forwarded) or an empty port.
+        let host_header = match uri.authority().map(|a| a.as_str()) {
+            Some(a) if !a.contains('@') && !a.ends_with(':') => a.to_string(),
+            _ => match uri.port_u16() {
+                Some(p) => format!("{raw_host}:{p}"),
+                None => raw_host.to_string(),
+            },
         };
         Ok(Target {
             https: false,
@@ -189,10 +194,24 @@ fn to_upstream(req: Request<Incoming>, target: &Target) -> Result<Request<Body>,
         .map_err(|_| ProxyError::BadRequest("the URL's host is not a valid Host value".into()))?;
     parts.headers.insert(header::HOST, host);
     append_via(&mut parts.headers);
-    let scheme = if target.https { "https" } else { "http" };
-    parts.uri = format!("{scheme}://{}{}", target.host_header, target.path_and_query)
-        .parse()
-        .map_err(|_| ProxyError::BadRequest("the URL cannot be forwarded".into()))?;
+    // A plain absolute-form request already names exactly what is forwarded; only TLS
+    // origination, requests inside a tunnel and URLs with user info need a new URI.
+    let unchanged = !target.https
+        && parts.uri.scheme_str() == Some("http")
+        && parts
+            .uri
+            .authority()
+            .is_some_and(|a| a.as_str() == target.host_header)
+        && parts
+            .uri
+            .path_and_query()
+            .is_some_and(|p| p.as_str() == target.path_and_query);
+    if !unchanged {
+        let scheme = if target.https { "https" } else { "http" };
+        parts.uri = format!("{scheme}://{}{}", target.host_header, target.path_and_query)
+            .parse()
+            .map_err(|_| ProxyError::BadRequest("the URL cannot be forwarded".into()))?;
+    }
     parts.version = Version::HTTP_11;
     Ok(Request::from_parts(parts, stream(body)))
 }
