@@ -255,7 +255,7 @@ impl App {
     pub fn apply(&self, mut config: Config) -> Result<ReloadSummary, ReloadError> {
         let _one = self.reloading.lock().unwrap_or_else(|e| e.into_inner());
         let old = self.config();
-        let mut summary = diff(&old, &config);
+        let summary = diff(&old, &config);
         if !summary.changed {
             return Ok(summary);
         }
@@ -281,7 +281,6 @@ impl App {
             let families: Vec<&str> = u.families.iter().map(|f| f.name.as_str()).collect();
             self.metrics.forget_upstream(&u.name, &families);
         }
-        summary.sha256.clone_from(&config.sha256);
         self.live.send_replace(Arc::new(Live {
             config,
             plans,
@@ -345,7 +344,7 @@ fn diff(old: &Config, new: &Config) -> ReloadSummary {
         ));
     }
     ReloadSummary {
-        sha256: old.sha256.clone(),
+        sha256: new.sha256.clone(),
         changed: old.sha256 != new.sha256,
         added,
         removed,

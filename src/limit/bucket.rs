@@ -73,6 +73,24 @@ pub struct FamilyBucket<W> {
     holds_concurrency: bool,
 }
 
+/// Whether an admission in a family with `limits` holds a permit until its response ends.
+fn holds(upstream_conc: bool, limits: &[LimitState]) -> bool {
+    upstream_conc || limits.iter().any(LimitState::is_concurrency)
+}
+
+impl<W> FamilyBucket<W> {
+    fn new(id: u32, spec: &Arc<FamilySpec>, limits: Vec<LimitState>, upstream_conc: bool) -> Self {
+        FamilyBucket {
+            id,
+            holds_concurrency: holds(upstream_conc, &limits),
+            limits,
+            spec: spec.clone(),
+            paused_until: None,
+            queue: VecDeque::new(),
+        }
+    }
+}
+
 /// A family named the way that survives a reload: its id, and the slot it was last seen
 /// in (checked first, so the common case is not a search).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,17 +147,8 @@ impl<W> Bucket<W> {
             .iter()
             .zip(0..)
             .map(|(f, id)| {
-                let limits: Vec<LimitState> =
-                    f.limits.iter().map(|l| LimitState::new(l, now)).collect();
-                FamilyBucket {
-                    id,
-                    holds_concurrency: upstream_conc
-                        || limits.iter().any(LimitState::is_concurrency),
-                    limits,
-                    spec: f.clone(),
-                    paused_until: None,
-                    queue: VecDeque::new(),
-                }
+                let limits = f.limits.iter().map(|l| LimitState::new(l, now)).collect();
+                FamilyBucket::new(id, f, limits, upstream_conc)
             })
             .collect::<Vec<_>>();
         Bucket {
@@ -188,31 +197,19 @@ impl<W> Bucket<W> {
                     let limits =
                         carry_limits(&prev.spec.limits, prev.limits, &f.limits, now, epoch);
                     FamilyBucket {
-                        id: prev.id,
-                        holds_concurrency: upstream_conc
-                            || limits.iter().any(LimitState::is_concurrency),
-                        limits,
-                        spec: f.clone(),
                         paused_until: prev.paused_until,
                         queue: prev.queue,
+                        ..FamilyBucket::new(prev.id, f, limits, upstream_conc)
                     }
                 }
                 None => {
-                    let limits: Vec<LimitState> = f
+                    let limits = f
                         .limits
                         .iter()
                         .map(|l| LimitState::new_in(l, now, epoch))
                         .collect();
                     self.next_id += 1;
-                    FamilyBucket {
-                        id: self.next_id - 1,
-                        holds_concurrency: upstream_conc
-                            || limits.iter().any(LimitState::is_concurrency),
-                        limits,
-                        spec: f.clone(),
-                        paused_until: None,
-                        queue: VecDeque::new(),
-                    }
+                    FamilyBucket::new(self.next_id - 1, f, limits, upstream_conc)
                 }
             };
             families.push(fb);
@@ -220,8 +217,7 @@ impl<W> Bucket<W> {
         let mut retired = Vec::new();
         for (i, o) in old.into_iter().enumerate() {
             if let Some(mut fb) = o.filter(|o| !o.queue.is_empty()) {
-                fb.holds_concurrency =
-                    upstream_conc || fb.limits.iter().any(LimitState::is_concurrency);
+                fb.holds_concurrency = holds(upstream_conc, &fb.limits);
                 families.push(fb);
                 retired.push(i);
             }

@@ -613,8 +613,9 @@ impl Limiter {
     pub fn pause(&self, plan: &Arc<Plan>, route: &Route, family: bool, until: Instant) {
         let cell = self.cell(plan, route);
         let mut st = cell.lock();
-        if st.catch_up(plan, Instant::now()) {
-            cell.dispatch(&mut st, Instant::now());
+        let now = Instant::now();
+        if st.catch_up(plan, now) {
+            cell.dispatch(&mut st, now);
             cell.wake_driver(&mut st);
         }
         let f = family.then(|| st.slot(plan, plan.family_index(route.family)));

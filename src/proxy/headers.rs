@@ -4,9 +4,11 @@
 use http::HeaderMap;
 use http::header::{self, HeaderName, HeaderValue};
 
+const FIXED: usize = 9;
+
 /// The fixed hop-by-hop fields, as typed names built at compile time: removing by `&str`
 /// would parse each name again on every request.
-const HOP_BY_HOP: [HeaderName; 9] = [
+const HOP_BY_HOP: [HeaderName; FIXED] = [
     header::CONNECTION,
     HeaderName::from_static("proxy-connection"),
     HeaderName::from_static("keep-alive"),
@@ -23,7 +25,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // One pass over the few names present (cheap comparisons) finds which fixed ones are
     // there; only those are removed, each removal being a hashed lookup. Most requests
     // have none, most responses only `Connection`.
-    let mut present = [false; 9];
+    let mut present = [false; FIXED];
     for k in headers.keys() {
         if let Some(i) = HOP_BY_HOP.iter().position(|h| h == k) {
             present[i] = true;
