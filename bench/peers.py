@@ -19,7 +19,11 @@ ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 10
 CONNS = 32
 UP = 18200
-PORTS = {"sluice": 13160, "squid": 13161, "tinyproxy": 13162, "haproxy": 13163, "nginx": 13164}
+PORTS = {"sluice": 13160, "squid": 13161, "tinyproxy": 13162, "haproxy": 13163, "nginx": 13164, "baseline": 13165}
+# Another sluice binary to compare with, e.g. a build of the previous commit.
+BASELINE = os.environ.get("BASELINE")
+# Comma-separated names to measure (default all), e.g. ONLY=sluice,haproxy for an A/B.
+ONLY = os.environ.get("ONLY")
 ADMIN = 19941
 
 work = tempfile.mkdtemp(prefix="sluice-peers-")
@@ -92,6 +96,10 @@ PidFile "{work}/tinyproxy.pid"
         "haproxy": procs.start(["haproxy", "-db", "-f", haproxy]).pid,
         "nginx": procs.start(["nginx", "-c", reverse, "-p", work]).pid,
     }
+    if BASELINE:
+        base_conf = write("baseline.toml", f'[proxy]\nlisten = "127.0.0.1:{PORTS["baseline"]}"\nadmin = "127.0.0.1:{ADMIN + 1}"\n')
+        pids["baseline"] = procs.start([BASELINE, "run", "-c", base_conf], env={**os.environ, "RUST_LOG": "warn"}).pid
+        wait_http(f"http://127.0.0.1:{ADMIN + 1}/readyz")
     wait_http(f"http://127.0.0.1:{UP}/")
     wait_http(f"http://127.0.0.1:{ADMIN}/readyz")
     wait_http(f"http://127.0.0.1:{PORTS['haproxy']}/")
@@ -103,11 +111,17 @@ PidFile "{work}/tinyproxy.pid"
     targets = [
         ("direct", f"http://127.0.0.1:{UP}/", None, None),
         ("sluice (forward)", f"http://127.0.0.1:{PORTS['sluice']}", forward, "sluice"),
+    ] + ([
+        ("sluice baseline (forward)", f"http://127.0.0.1:{PORTS['baseline']}", forward, "baseline"),
+    ] if BASELINE else []) + [
         ("squid (forward)", f"http://127.0.0.1:{PORTS['squid']}", forward, "squid"),
         ("tinyproxy (forward)", f"http://127.0.0.1:{PORTS['tinyproxy']}", forward, "tinyproxy"),
         ("haproxy (reverse)", f"http://127.0.0.1:{PORTS['haproxy']}/", None, "haproxy"),
         ("nginx (reverse)", f"http://127.0.0.1:{PORTS['nginx']}/", None, "nginx"),
     ]
+    if ONLY:
+        wanted = ONLY.split(",")
+        targets = [t for t in targets if t[0] == "direct" or t[3] in wanted]
     for _, url, script, _ in targets:
         subprocess.run(["wrk", "-t1", "-c4", "-d1s"] + (["-s", script] if script else []) + [url], capture_output=True, check=True)
     results = {t[0]: [] for t in targets}

@@ -1,0 +1,121 @@
+"""Counts user-space instructions per proxied request under callgrind (see callgrind.sh).
+
+Exact and repeatable where wall-clock throughput on a shared machine is not: one worker
+thread, a warm-up that is not counted, then a counted run whose total `Ir` is divided by
+the requests wrk completed. Prints one line per target, and with --top the functions with
+the largest inclusive share.
+"""
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import SLUICE, Procs, wait_http
+
+SECONDS = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 8
+TOP = "--top" in sys.argv or "--self" in sys.argv
+SELF = "--self" in sys.argv
+NGINX_PORT, NGINX_PORT_MATCHED = 18090, 18091
+PROXY_PORT, ADMIN_PORT = 13138, 19911
+
+work = tempfile.mkdtemp(prefix="sluice-cg-")
+procs = Procs()
+
+
+def wrk(script, seconds):
+    out = subprocess.run(
+        ["wrk", "-t1", "-c4", f"-d{seconds}s", "-s", script, f"http://127.0.0.1:{PROXY_PORT}"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    if "Non-2xx" in out:
+        raise SystemExit(out)
+    return int(re.search(r"(\d+) requests in", out).group(1))
+
+
+def measure(name, script, pid):
+    wrk(script, 3)
+    subprocess.run(["callgrind_control", "-z", str(pid)], check=True, capture_output=True)
+    requests = wrk(script, SECONDS)
+    for f in glob.glob(os.path.join(work, "cg.out.*")):
+        os.remove(f)
+    subprocess.run(["callgrind_control", "-d", str(pid)], check=True, capture_output=True)
+    time.sleep(1)
+    dumps = sorted(glob.glob(os.path.join(work, "cg.out.*")))
+    annotate = ["callgrind_annotate", f"--inclusive={'no' if SELF else 'yes'}", dumps[-1]]
+    out = subprocess.run(annotate, capture_output=True, text=True, check=True).stdout
+    if os.environ.get("KEEP"):
+        shutil.copy(dumps[-1], os.environ["KEEP"] + "." + name.split()[0])
+    total = int(re.search(r"([\d,]+) \(100.0%\)\s+PROGRAM TOTALS", out).group(1).replace(",", ""))
+    print(f"| {name} | {requests} | {total / requests / 1000:.1f}k |")
+    if TOP:
+        rows = re.findall(r"^\s*([\d,]+) \(\s*([\d.]+)%\)\s+(?:\S+:)?(.+?)(?: \[|$)", out, re.M)
+        rows = [r for r in rows if "PROGRAM TOTALS" not in r[2]]
+        for ir, pct, fn in rows[:60]:
+            print(f"    {pct:>5}%  {fn[:150]}")
+
+
+def main():
+    nginx_conf = os.path.join(work, "nginx.conf")
+    with open(nginx_conf, "w") as f:
+        f.write(f"""
+worker_processes 1;
+daemon off;
+pid {work}/nginx.pid;
+error_log {work}/error.log;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  keepalive_requests 1000000;
+  server {{
+    listen 127.0.0.1:{NGINX_PORT};
+    listen 127.0.0.1:{NGINX_PORT_MATCHED};
+    location / {{ return 200 "hello\\n"; }}
+  }}
+}}
+""")
+    procs.start(["nginx", "-c", nginx_conf, "-p", work])
+    sluice_conf = os.path.join(work, "sluice.toml")
+    with open(sluice_conf, "w") as f:
+        f.write(f"""
+[proxy]
+listen = "127.0.0.1:{PROXY_PORT}"
+admin = "127.0.0.1:{ADMIN_PORT}"
+[[upstream]]
+name = "bench"
+hosts = ["127.0.0.1:{NGINX_PORT_MATCHED}"]
+limits = [{{ kind = "token_bucket", rate = 100000000, per = "1s", burst = 100000000 }}]
+  [[upstream.family]]
+  name = "all"
+  paths = ["/**"]
+""")
+    sluice = procs.start(
+        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/cg.out",
+         SLUICE, "run", "-c", sluice_conf],
+        env={**os.environ, "RUST_LOG": "warn", "SLUICE_WORKERS": "1"},
+    )
+    wait_http(f"http://127.0.0.1:{NGINX_PORT}/")
+    for _ in range(600):
+        try:
+            wait_http(f"http://127.0.0.1:{ADMIN_PORT}/readyz")
+            break
+        except SystemExit:
+            time.sleep(0.1)
+    print("| target | requests counted | instructions per request |")
+    print("| --- | --- | --- |")
+    for name, port in [("unmatched host", NGINX_PORT), ("matched upstream + generous limit", NGINX_PORT_MATCHED)]:
+        script = os.path.join(work, f"{port}.lua")
+        with open(script, "w") as f:
+            f.write(f'wrk.path = "http://127.0.0.1:{port}/"\n')
+        measure(name, script, sluice.pid)
+
+
+try:
+    main()
+finally:
+    procs.stop_all()
+    shutil.rmtree(work, ignore_errors=True)
