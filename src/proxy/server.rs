@@ -28,6 +28,8 @@ use crate::app::App;
 pub const MAX_HEAD_BYTES: usize = 64 * 1024;
 
 /// More header fields than this are answered 431 too (Envoy's default is 100 as well).
+/// It is hyper's default, and left implicit on purpose: naming any limit makes hyper
+/// allocate and fill a header index array for every request instead of using the stack.
 pub const MAX_HEADERS: usize = 100;
 
 /// What connection and tunnel tasks need to know about shutdown.
@@ -259,7 +261,6 @@ async fn serve_connection(app: Arc<App>, stream: TcpStream, peer: SocketAddr, lc
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())
         .max_header_size(MAX_HEAD_BYTES)
-        .max_headers(MAX_HEADERS)
         .serve_connection(TokioIo::new(stream), svc)
         .with_upgrades();
     let result = lc.until_drained(conn).await;
