@@ -50,6 +50,8 @@ pub struct App {
     /// The client for upstreams without an `upstream_ca`: kept across reloads, with its
     /// pooled connections.
     pub(crate) client: UpstreamClient,
+    /// Plain-HTTP upstream connections whose client connection has closed.
+    pub(crate) idle_conns: Arc<crate::proxy::affine::IdleConns>,
     pub(crate) resolver: Resolver,
     pub(crate) handshake_log: HandshakeLog,
     draining: AtomicBool,
@@ -107,6 +109,7 @@ impl AppBuilder {
             metrics,
             limiter,
             client,
+            idle_conns: Arc::default(),
             resolver: self.resolver,
             handshake_log: HandshakeLog::default(),
             draining: AtomicBool::new(false),
@@ -212,6 +215,11 @@ impl App {
         upstream
             .and_then(|u| live.upstream_clients.get(u)?.as_ref())
             .unwrap_or(&self.client)
+    }
+
+    /// Plain-HTTP upstream connections parked by clients that left, waiting for the next.
+    pub fn idle_upstream_connections(&self) -> usize {
+        self.idle_conns.len()
     }
 
     pub fn config_path(&self) -> Option<&Path> {

@@ -12,6 +12,7 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::BodyExt;
 use tokio::time::{Instant, Sleep};
 
+use super::affine::Lease;
 use super::{Body, BoxError, full};
 use crate::limit::Permit;
 
@@ -137,6 +138,8 @@ pub struct BodyStalled(Duration);
 pub struct ResponseBody {
     inner: Body,
     permit: Option<Permit>,
+    /// The upstream connection, given back for the next request once the body is read.
+    lease: Option<Lease>,
     idle: Duration,
     /// Armed the first time the upstream makes us wait, so a body that arrives with its
     /// headers (most API responses) never touches the timer wheel.
@@ -144,15 +147,27 @@ pub struct ResponseBody {
 }
 
 impl ResponseBody {
-    pub fn wrap(inner: Body, permit: Option<Permit>, idle: Duration) -> Body {
+    pub fn wrap(inner: Body, permit: Option<Permit>, lease: Option<Lease>, idle: Duration) -> Body {
         let permit = permit.filter(Permit::holds_concurrency);
         ResponseBody {
             inner,
             permit,
+            lease,
             idle,
             timer: None,
         }
         .boxed_unsync()
+    }
+}
+
+impl ResponseBody {
+    /// The whole body went through: the permit is free and the connection can carry the
+    /// next request.
+    fn finished(&mut self) {
+        self.permit = None;
+        if let Some(lease) = self.lease.take() {
+            lease.release();
+        }
     }
 }
 
@@ -170,11 +185,21 @@ impl HttpBody for ResponseBody {
                 if let Some(t) = this.timer.as_mut() {
                     t.as_mut().reset(Instant::now() + this.idle);
                 }
+                // hyper stops polling a body that says it has ended, so this may be the
+                // last look we get.
+                if this.inner.is_end_stream() {
+                    this.finished();
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(other) => {
+            Poll::Ready(None) => {
+                this.finished();
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Err(e))) => {
                 this.permit = None;
-                Poll::Ready(other)
+                this.lease = None;
+                Poll::Ready(Some(Err(e)))
             }
             Poll::Pending => {
                 let idle = this.idle;
@@ -183,6 +208,7 @@ impl HttpBody for ResponseBody {
                     .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
                 if timer.as_mut().poll(cx).is_ready() {
                     this.permit = None;
+                    this.lease = None;
                     return Poll::Ready(Some(Err(Box::new(BodyStalled(this.idle)))));
                 }
                 Poll::Pending
@@ -265,6 +291,7 @@ mod tests {
             );
         let mut body = ResponseBody::wrap(
             stream(http_body_util::StreamBody::new(s)),
+            None,
             None,
             Duration::from_secs(2),
         );

@@ -9,6 +9,7 @@ use http::{Method, Request, Response, Uri, Version};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
+use super::affine::Affine;
 use super::error::ProxyError;
 use super::headers::{append_via, strip_hop_by_hop};
 use super::{Body, pipeline, stream};
@@ -104,10 +105,10 @@ impl Target {
     }
 }
 
-pub async fn forward(app: &App, req: Request<Incoming>) -> Response<Body> {
+pub async fn forward(app: &App, upstreams: &Affine, req: Request<Incoming>) -> Response<Body> {
     let start = Instant::now();
     match Target::from_uri(req.uri()) {
-        Ok(target) => route_and_send(app, req, target, start).await,
+        Ok(target) => route_and_send(app, Some(upstreams), req, target, start).await,
         Err(e) => {
             let config = app.config();
             let method = req.method().clone();
@@ -126,11 +127,14 @@ pub async fn intercepted(
 ) -> Response<Body> {
     let start = Instant::now();
     let target = Target::in_tunnel(host, port, req.uri());
-    route_and_send(app, req, target, start).await
+    route_and_send(app, None, req, target, start).await
 }
 
+/// `upstreams`: the client connection's own plain-HTTP upstream connections, when it has
+/// them (not inside an intercepted tunnel, whose upstream is reached over TLS).
 async fn route_and_send(
     app: &App,
+    upstreams: Option<&Affine>,
     req: Request<Incoming>,
     mut target: Target,
     start: Instant,
@@ -150,7 +154,7 @@ async fn route_and_send(
     {
         target.originate_tls(req.uri().port_u16().is_some());
     }
-    let result = send(app, &config, route.as_ref(), &target, req).await;
+    let result = send(app, &config, upstreams, route.as_ref(), &target, req).await;
     finish(
         app,
         &config,
@@ -166,6 +170,7 @@ async fn route_and_send(
 async fn send(
     app: &App,
     config: &Live,
+    upstreams: Option<&Affine>,
     route: Option<&Route>,
     target: &Target,
     req: Request<Incoming>,
@@ -180,7 +185,7 @@ async fn send(
         return Err(ProxyError::Egress(EgressError::Denied { addr: ip }));
     }
     let req = to_upstream(req, target)?;
-    let resp = pipeline::run(app, config, route, req).await?;
+    let resp = pipeline::run(app, config, upstreams, route, req).await?;
     Ok(from_upstream(resp))
 }
 

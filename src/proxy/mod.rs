@@ -3,6 +3,7 @@
 //! upstream request goes through, the pooled [`client`], and [`error`], the one place
 //! that turns failures into the responses sluice makes itself.
 
+pub mod affine;
 pub mod body;
 pub mod client;
 pub mod connect;

@@ -16,10 +16,12 @@
 use std::time::{Duration, SystemTime};
 
 use http::header::HeaderValue;
+use http::uri::Scheme;
 use http::{HeaderMap, Method, Request, Response, Uri, Version};
 use tokio::time::Instant;
 
 use super::Body;
+use super::affine::Affine;
 use super::body::{RequestBody, ResponseBody, peek};
 use super::client::AttemptError;
 use super::error::ProxyError;
@@ -39,13 +41,16 @@ const MAX_PAUSE: Duration = Duration::from_secs(3600);
 pub async fn run(
     app: &App,
     config: &Live,
+    upstreams: Option<&Affine>,
     route: Option<&Route>,
     req: Request<Body>,
 ) -> Result<Response<Body>, ProxyError> {
     let Some(route) = route else {
         // Unmatched hosts pass through with [defaults] timeouts: no limits, retries or breaker.
         let p = &config.defaults;
-        let once = async { Ok(attempt(app, config, None, p.attempt_timeout, req, None).await?) };
+        let once = async {
+            Ok(attempt(app, config, upstreams, None, p.attempt_timeout, req, None).await?)
+        };
         if p.attempt_timeout <= p.total_timeout {
             // The single attempt's own timer always fires first: a second one would only
             // cost a timer-wheel insert and removal on every request.
@@ -59,7 +64,7 @@ pub async fn run(
     let deadline = Instant::now() + policy.total_timeout;
     tokio::time::timeout_at(
         deadline,
-        retry_loop(app, config, route, policy, req, deadline),
+        retry_loop(app, config, upstreams, route, policy, req, deadline),
     )
     .await
     .unwrap_or(Err(ProxyError::TotalTimeout(policy.total_timeout)))
@@ -87,6 +92,7 @@ impl Head {
 async fn retry_loop(
     app: &App,
     config: &Live,
+    upstreams: Option<&Affine>,
     route: &Route,
     policy: &Policy,
     req: Request<Body>,
@@ -148,6 +154,7 @@ async fn retry_loop(
         let result = attempt(
             app,
             config,
+            upstreams,
             Some(route),
             policy.attempt_timeout,
             head.request(attempt_body),
@@ -319,6 +326,7 @@ impl Drop for ProbeGuard<'_> {
 async fn attempt(
     app: &App,
     config: &Live,
+    upstreams: Option<&Affine>,
     route: Option<&Route>,
     timeout: Duration,
     req: Request<Body>,
@@ -326,8 +334,19 @@ async fn attempt(
 ) -> Result<Response<Body>, AttemptError> {
     let (upstream, family) = config.labels(route);
     let start = Instant::now();
-    let client = app.client_for(config, route.map(|r| r.upstream));
-    let resp = tokio::time::timeout(timeout, client.send(req))
+    let send = async {
+        match upstreams {
+            Some(own) if req.uri().scheme() == Some(&Scheme::HTTP) => {
+                let (resp, lease) = own.send(&app.resolver, req).await?;
+                Ok((resp, Some(lease)))
+            }
+            _ => {
+                let client = app.client_for(config, route.map(|r| r.upstream));
+                Ok((client.send(req).await?, None))
+            }
+        }
+    };
+    let (resp, lease) = tokio::time::timeout(timeout, send)
         .await
         .map_err(|_| AttemptError::Timeout(timeout))??;
     app.metrics
@@ -338,7 +357,7 @@ async fn attempt(
         .upstream_responses
         .with_label_values(&[upstream, family, resp.status().as_str()])
         .inc();
-    Ok(resp.map(|b| ResponseBody::wrap(super::stream(b), permit, timeout)))
+    Ok(resp.map(|b| ResponseBody::wrap(super::stream(b), permit, lease, timeout)))
 }
 
 #[cfg(test)]

@@ -19,6 +19,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::affine::{Affine, Driven};
 use super::{Body, connect, forward};
 use crate::admin;
 use crate::app::App;
@@ -212,6 +213,7 @@ async fn sweep_idle_partitions(app: Arc<App>, stop: CancellationToken) {
             _ = tick.tick() => {
                 let before = app.limiter.partitions();
                 let live = app.limiter.sweep();
+                app.idle_conns.expire(tokio::time::Instant::now());
                 app.metrics.partitions.set(i64::try_from(live).unwrap_or(i64::MAX));
                 if before.saturating_sub(live) >= 1024 {
                     return_freed_memory();
@@ -253,17 +255,23 @@ async fn accept_loop(app: Arc<App>, listener: TcpListener, lc: Lifecycle) {
 
 async fn serve_connection(app: Arc<App>, stream: TcpStream, peer: SocketAddr, lc: Lifecycle) {
     let handler_lc = lc.clone();
+    let affine = Affine::new(app.idle_conns.clone());
+    let upstreams = affine.clone();
     let svc = service_fn(move |req: Request<Incoming>| {
         let app = app.clone();
         let lc = handler_lc.clone();
-        async move { Ok::<_, Infallible>(handle(&app, &lc, req, peer).await) }
+        let upstreams = upstreams.clone();
+        async move { Ok::<_, Infallible>(handle(&app, &lc, &upstreams, req, peer).await) }
     });
     let conn = http1::Builder::new()
+        // One flat buffer per write: API responses are small, and copying a body chunk
+        // costs less than hyper's bookkeeping for vectored writes (docs/BENCHMARKS.md).
+        .writev(false)
         .timer(TokioTimer::new())
         .max_header_size(MAX_HEAD_BYTES)
         .serve_connection(TokioIo::new(stream), svc)
         .with_upgrades();
-    let result = lc.until_drained(conn).await;
+    let result = lc.until_drained(Driven::new(conn, affine)).await;
     if let Err(e) = result {
         tracing::debug!(%peer, error = %e, "client connection ended with an error");
     }
@@ -272,12 +280,13 @@ async fn serve_connection(app: Arc<App>, stream: TcpStream, peer: SocketAddr, lc
 async fn handle(
     app: &Arc<App>,
     lc: &Lifecycle,
+    upstreams: &Affine,
     req: Request<Incoming>,
     peer: SocketAddr,
 ) -> Response<Body> {
     if req.method() == Method::CONNECT {
         connect::tunnel(app, lc, req, peer).await
     } else {
-        forward::forward(app, req).await
+        forward::forward(app, upstreams, req).await
     }
 }

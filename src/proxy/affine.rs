@@ -1,0 +1,449 @@
+//! Plain-HTTP upstream connections that follow the client connection, driven inside its
+//! task. A keep-alive client's next request goes out on the upstream connection its last
+//! one used: no pool lookup, no shared lock, no spawned task, and no hop to another task
+//! and back (the client connection's task polls its upstream connections itself, see
+//! [`Driven`]). That hop and the shared pool were two thirds of the proxy's CPU per
+//! request (docs/BENCHMARKS.md).
+//!
+//! When the client leaves, its idle upstream connections go to a shared idle list
+//! ([`IdleConns`]) for the next client to adopt, so clients that open a connection per
+//! request still reuse upstream connections. An upstream thus sees at most as many
+//! connections as clients have open to sluice, the way haproxy's default `http-reuse
+//! safe` ties server connections to client sessions.
+//!
+//! TLS upstreams keep the shared pooled client ([`super::client`]): a handshake and an
+//! HTTP/2 connection are worth sharing between clients.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::Duration;
+
+use http::uri::{PathAndQuery, Uri};
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper::client::conn::http1;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use super::Body;
+use super::client::AttemptError;
+use super::server::Graceful;
+use crate::egress::{EgressError, Resolver};
+
+/// An idle upstream connection older than this is closed rather than reused: shorter than
+/// the common 60 s+ server keep-alive, so we rarely send on one the upstream is closing.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(50);
+
+/// Idle connections kept per upstream address in the shared list; more are closed.
+const MAX_IDLE_PER_ADDR: usize = 256;
+
+/// Host (as in the URL, without brackets) and port.
+type Addr = (Box<str>, u16);
+type Driver = Pin<Box<dyn Future<Output = ()> + Send>>;
+type Sender = http1::SendRequest<Body>;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One upstream connection: the handle requests are sent on, and the future that does the
+/// connection's I/O.
+struct Conn {
+    host: Box<str>,
+    port: u16,
+    sender: Sender,
+    driver: Driver,
+    idle_since: Instant,
+}
+
+impl Conn {
+    fn expired(&self, now: Instant) -> bool {
+        now.saturating_duration_since(self.idle_since) >= IDLE_TIMEOUT
+    }
+}
+
+/// A connection of a client connection, with its sender out while a request holds it.
+struct Slot {
+    id: u64,
+    host: Box<str>,
+    port: u16,
+    sender: Option<(Sender, Instant)>,
+    driver: Driver,
+}
+
+#[derive(Default)]
+struct State {
+    slots: Vec<Slot>,
+    next_id: u64,
+}
+
+/// The upstream connections of one client connection.
+#[derive(Clone)]
+pub struct Affine {
+    state: Arc<Mutex<State>>,
+    shared: Arc<IdleConns>,
+}
+
+/// Upstream connections whose client has left, waiting for another client. Not polled
+/// while here: a connection the upstream closed in the meantime is found out when it is
+/// adopted (and a request it could not send is sent on a fresh connection).
+#[derive(Default)]
+pub struct IdleConns {
+    by_addr: Mutex<HashMap<Addr, Vec<Conn>>>,
+}
+
+impl IdleConns {
+    fn take(&self, host: &str, port: u16, now: Instant) -> Option<Conn> {
+        let mut map = lock(&self.by_addr);
+        // Allocation-free lookup would need a borrowed key type; this runs once per client
+        // connection and address, not per request.
+        let key = (Box::<str>::from(host), port);
+        let list = map.get_mut(&key)?;
+        let conn = loop {
+            let c = list.pop()?;
+            if !c.expired(now) && !c.sender.is_closed() {
+                break c;
+            }
+        };
+        if list.is_empty() {
+            map.remove(&key);
+        }
+        Some(conn)
+    }
+
+    fn put(&self, conn: Conn) {
+        let mut map = lock(&self.by_addr);
+        let list = map.entry((conn.host.clone(), conn.port)).or_default();
+        if list.len() < MAX_IDLE_PER_ADDR {
+            list.push(conn);
+        }
+    }
+
+    /// Closes connections idle for longer than [`IDLE_TIMEOUT`].
+    pub fn expire(&self, now: Instant) {
+        let mut map = lock(&self.by_addr);
+        map.retain(|_, list| {
+            list.retain(|c| !c.expired(now) && !c.sender.is_closed());
+            !list.is_empty()
+        });
+    }
+
+    /// Connections waiting, for tests and the admin view.
+    pub fn len(&self) -> usize {
+        lock(&self.by_addr).values().map(Vec::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A request's hold on an upstream connection. Released at the end of the response body
+/// the connection goes back to its client connection for the next request; dropped
+/// earlier, the connection is closed (its response was not read to the end).
+pub struct Lease {
+    affine: Affine,
+    id: u64,
+    sender: Option<Sender>,
+}
+
+impl Lease {
+    pub fn release(mut self) {
+        if let Some(sender) = self.sender.take() {
+            let mut st = lock(&self.affine.state);
+            if let Some(slot) = st.slots.iter_mut().find(|s| s.id == self.id) {
+                slot.sender = Some((sender, Instant::now()));
+            }
+        }
+    }
+}
+
+impl Affine {
+    pub fn new(shared: Arc<IdleConns>) -> Affine {
+        Affine {
+            state: Arc::default(),
+            shared,
+        }
+    }
+
+    /// Sends `req` (absolute-form `http://` URI) on one of this client's upstream
+    /// connections, adopting an idle one or connecting when it has none. The lease goes
+    /// with the response body.
+    pub async fn send(
+        &self,
+        resolver: &Resolver,
+        mut req: Request<Body>,
+    ) -> Result<(Response<Incoming>, Lease), AttemptError> {
+        let uri = req.uri();
+        let host = uri
+            .host()
+            .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
+            .filter(|h| !h.is_empty())
+            .ok_or_else(|| AttemptError::Connect("the request has no host".into()))?
+            .to_owned();
+        let port = uri.port_u16().unwrap_or(80);
+        *req.uri_mut() = origin_form(uri);
+        loop {
+            let ((id, mut sender), reused) = match self.checkout(&host, port) {
+                Some(conn) => (conn, true),
+                None => (self.connect(resolver, &host, port).await?, false),
+            };
+            if let Err(e) = sender.ready().await {
+                if reused {
+                    continue; // closed while idle: the next one, or a new one
+                }
+                return Err(AttemptError::Reset(Box::new(e)));
+            }
+            match sender.try_send_request(req).await {
+                Ok(resp) => {
+                    let lease = Lease {
+                        affine: self.clone(),
+                        id,
+                        sender: Some(sender),
+                    };
+                    return Ok((resp, lease));
+                }
+                Err(mut e) => match e.take_message() {
+                    // Never written: the connection closed under us and nothing reached
+                    // the upstream, so it goes on another connection whatever the method.
+                    Some(unsent) if reused => req = unsent,
+                    _ => return Err(AttemptError::Reset(Box::new(e.into_error()))),
+                },
+            }
+        }
+    }
+
+    /// Takes this client's idle connection to `host:port`, else one from the shared list.
+    fn checkout(&self, host: &str, port: u16) -> Option<(u64, Sender)> {
+        let now = Instant::now();
+        let mut st = lock(&self.state);
+        for s in st.slots.iter_mut() {
+            if s.port != port || *s.host != *host {
+                continue;
+            }
+            // An expired sender is dropped here, so its connection closes and the drive
+            // forgets it, rather than risk the upstream closing it under a request.
+            if let Some((sender, since)) = s.sender.take()
+                && now.saturating_duration_since(since) < IDLE_TIMEOUT
+            {
+                return Some((s.id, sender));
+            }
+        }
+        let conn = self.shared.take(host, port, now)?;
+        Some(adopt(
+            &mut st,
+            conn.host,
+            conn.port,
+            conn.sender,
+            conn.driver,
+        ))
+    }
+
+    async fn connect(
+        &self,
+        resolver: &Resolver,
+        host: &str,
+        port: u16,
+    ) -> Result<(u64, Sender), AttemptError> {
+        let addrs = resolver.resolve(host, port).await.map_err(|e| match e {
+            EgressError::Denied { addr } => AttemptError::Denied(EgressError::Denied { addr }),
+            other => AttemptError::Connect(Box::new(other)),
+        })?;
+        let mut last = None;
+        let mut stream = None;
+        for addr in addrs {
+            match TcpStream::connect(addr).await {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let stream = match (stream, last) {
+            (Some(s), _) => s,
+            (None, Some(e)) => return Err(AttemptError::Connect(Box::new(e))),
+            (None, None) => return Err(AttemptError::Connect(Box::new(EgressError::NoAddresses))),
+        };
+        let _ = stream.set_nodelay(true);
+        let (sender, conn) = http1::Builder::new()
+            .writev(false) // as on the client side (server.rs)
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| AttemptError::Connect(Box::new(e)))?;
+        let driver: Driver = Box::pin(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "upstream connection ended with an error");
+            }
+        });
+        let mut st = lock(&self.state);
+        Ok(adopt(&mut st, host.into(), port, sender, driver))
+    }
+
+    /// Polls every upstream connection; the ones that ended are forgotten.
+    fn drive(&self, cx: &mut Context<'_>) {
+        let mut st = lock(&self.state);
+        st.slots
+            .retain_mut(|s| s.driver.as_mut().poll(cx).is_pending());
+    }
+
+    /// The client left: idle connections go to the shared list, the rest are closed.
+    fn hand_over(&self) {
+        let slots = std::mem::take(&mut lock(&self.state).slots);
+        for s in slots {
+            if let Some((sender, idle_since)) = s.sender
+                && !sender.is_closed()
+            {
+                self.shared.put(Conn {
+                    host: s.host,
+                    port: s.port,
+                    sender,
+                    driver: s.driver,
+                    idle_since,
+                });
+            }
+        }
+    }
+}
+
+/// Makes a connection one of this client's, held by the request that asked for it.
+fn adopt(
+    st: &mut State,
+    host: Box<str>,
+    port: u16,
+    sender: Sender,
+    driver: Driver,
+) -> (u64, Sender) {
+    let id = st.next_id;
+    st.next_id += 1;
+    st.slots.push(Slot {
+        id,
+        host,
+        port,
+        sender: None,
+        driver,
+    });
+    (id, sender)
+}
+
+/// The request target as an upstream expects it (`/path?query`), the way a client talking
+/// to it directly would write it.
+fn origin_form(uri: &Uri) -> Uri {
+    let pq = uri
+        .path_and_query()
+        .filter(|pq| !pq.as_str().is_empty())
+        .cloned()
+        .unwrap_or_else(|| PathAndQuery::from_static("/"));
+    Uri::from(pq)
+}
+
+/// A client connection together with its upstream connections, polled in one task.
+///
+/// The two sides wake each other several times per request (request written, response
+/// head, body wanted, body sent). Going through the scheduler for each would cost a task
+/// poll apiece, so while this future is being polled a wake only marks it to go round
+/// again; only a wake from outside (a socket, a timer, another task) reaches the task.
+pub(crate) struct Driven<C> {
+    conn: Pin<Box<C>>,
+    affine: Affine,
+    wake: Arc<Rewake>,
+    waker: Waker,
+}
+
+/// Going round again within one poll is bounded, so one busy connection cannot keep a
+/// worker thread from its other tasks.
+const MAX_ROUNDS: usize = 8;
+
+const IDLE: u8 = 0;
+const POLLING: u8 = 1;
+const WOKEN: u8 = 2;
+
+/// The waker the connection's futures see: marks the poll in progress to go round again,
+/// or wakes the task when none is.
+struct Rewake {
+    state: AtomicU8,
+    task: Mutex<Option<Waker>>,
+}
+
+impl Wake for Rewake {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref()
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        match self
+            .state
+            .compare_exchange(POLLING, WOKEN, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) | Err(WOKEN) => {}
+            Err(_) => {
+                if let Some(task) = lock(&self.task).as_ref() {
+                    task.wake_by_ref();
+                }
+            }
+        }
+    }
+}
+
+impl<C> Driven<C> {
+    pub(crate) fn new(conn: C, affine: Affine) -> Driven<C> {
+        let wake = Arc::new(Rewake {
+            state: AtomicU8::new(IDLE),
+            task: Mutex::new(None),
+        });
+        Driven {
+            conn: Box::pin(conn),
+            affine,
+            waker: Waker::from(wake.clone()),
+            wake,
+        }
+    }
+}
+
+impl<C: Future> Future for Driven<C> {
+    type Output = C::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<C::Output> {
+        let this = self.get_mut();
+        {
+            let mut task = lock(&this.wake.task);
+            if !task.as_ref().is_some_and(|t| t.will_wake(cx.waker())) {
+                *task = Some(cx.waker().clone());
+            }
+        }
+        let mut own = Context::from_waker(&this.waker);
+        for _ in 0..MAX_ROUNDS {
+            this.wake.state.store(POLLING, Ordering::Release);
+            // The client side first: a request it sends is written by the drive just
+            // after, in the same round.
+            if let Poll::Ready(out) = this.conn.as_mut().poll(&mut own) {
+                this.wake.state.store(IDLE, Ordering::Release);
+                this.affine.hand_over();
+                return Poll::Ready(out);
+            }
+            this.affine.drive(&mut own);
+            if this
+                .wake
+                .state
+                .compare_exchange(POLLING, IDLE, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return Poll::Pending;
+            }
+        }
+        this.wake.state.store(IDLE, Ordering::Release);
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+}
+
+impl<C: Graceful> Graceful for Driven<C> {
+    fn graceful_shutdown(self: Pin<&mut Self>) {
+        self.get_mut().conn.as_mut().graceful_shutdown()
+    }
+}

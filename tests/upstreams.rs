@@ -1,0 +1,125 @@
+//! Upstream connections: reused by the client connection that opened them, handed to the
+//! next client when it leaves, never reused once the upstream closed them.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use support::{Proxy, Upstream, eventually, read_response};
+
+async fn get(s: &mut TcpStream, url: &str, close: bool) -> support::RawResponse {
+    let conn = if close { "Connection: close\r\n" } else { "" };
+    let req = format!("GET {url} HTTP/1.1\r\nHost: x\r\n{conn}\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    read_response(s).await
+}
+
+#[tokio::test]
+async fn clients_that_leave_hand_their_upstream_connection_to_the_next() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start("").await;
+    for i in 0..4 {
+        let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+        let resp = get(&mut s, &up.url(&format!("/c{i}")), true).await;
+        assert_eq!((resp.status, resp.body.as_slice()), (200, &b"hello"[..]));
+        // The proxy closes after a `Connection: close` exchange and parks the upstream
+        // connection just after.
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest).await;
+        let app = proxy.app.clone();
+        assert!(
+            eventually(Duration::from_secs(5), || {
+                let app = app.clone();
+                async move { app.idle_upstream_connections() == 1 }
+            })
+            .await,
+            "client {i}: its upstream connection was parked"
+        );
+    }
+    assert_eq!(up.seen().len(), 4);
+    assert_eq!(
+        up.connections.load(Ordering::SeqCst),
+        1,
+        "four clients, one after another, shared one upstream connection"
+    );
+}
+
+#[tokio::test]
+async fn concurrent_clients_get_their_own_upstream_connections() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start("").await;
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        clients.push(TcpStream::connect(proxy.addr).await.unwrap());
+    }
+    // Each client's request is still waiting upstream when the next one is sent.
+    for s in clients.iter_mut() {
+        let req = format!("GET {} HTTP/1.1\r\nHost: x\r\n\r\n", up.url("/slow/300"));
+        s.write_all(req.as_bytes()).await.unwrap();
+    }
+    for s in clients.iter_mut() {
+        assert_eq!(read_response(s).await.status, 200);
+    }
+    assert_eq!(up.connections.load(Ordering::SeqCst), 3);
+    // Then each keeps reusing its own.
+    for s in clients.iter_mut() {
+        assert_eq!(get(s, &up.url("/again"), false).await.status, 200);
+    }
+    assert_eq!(up.connections.load(Ordering::SeqCst), 3);
+}
+
+/// An HTTP/1.1 server that answers one request per connection and then closes it,
+/// without saying so in the response, as servers with a short keep-alive timeout do.
+async fn one_shot_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let conns = Arc::new(AtomicUsize::new(0));
+    let counted = conns.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    .await;
+            });
+        }
+    });
+    (addr, conns)
+}
+
+#[tokio::test]
+async fn a_connection_the_upstream_closed_is_not_used_again() {
+    let (addr, conns) = one_shot_upstream().await;
+    let proxy = Proxy::start("").await;
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    for i in 0..3 {
+        let resp = get(&mut s, &format!("http://{addr}/n{i}"), false).await;
+        assert_eq!(
+            (resp.status, resp.body.as_slice()),
+            (200, &b"ok"[..]),
+            "request {i}"
+        );
+        // Idle long enough for the close to arrive, as between real calls.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(conns.load(Ordering::SeqCst), 3);
+
+    // A client that leaves after the upstream closed on it parks nothing.
+    drop(s);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(proxy.app.idle_upstream_connections(), 0);
+}
