@@ -7,6 +7,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 
+use sluice::proxy::server::Workers;
 use sluice::{App, Config, Server};
 
 #[derive(Parser)]
@@ -44,7 +45,14 @@ struct ConfigArg {
 #[derive(Subcommand)]
 enum Command {
     /// Run the proxy.
-    Run(ConfigArg),
+    Run {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Threads that serve clients, each with its own event loop (default: one per
+        /// CPU this process may use).
+        #[arg(long, env = "SLUICE_WORKERS", value_parser = clap::value_parser!(u16).range(1..=1024))]
+        workers: Option<u16>,
+    },
     /// Validate a config file: exit 0 when valid, 1 with file:line:col: message otherwise.
     Check(ConfigArg),
     /// Certificate authority for TLS interception.
@@ -79,7 +87,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
     let result = match cli.command {
-        Command::Run(c) => run(&c.config),
+        Command::Run { config, workers } => run(&config.config, workers),
         Command::Check(c) => check(&c.config),
         Command::Ca {
             command: CaCommand::New { out },
@@ -168,19 +176,26 @@ fn explain(path: &Path, method: &str, url: &str, headers: &[String]) -> anyhow::
     Ok(())
 }
 
-fn run(path: &Path) -> anyhow::Result<()> {
+fn run(path: &Path, workers: Option<u16>) -> anyhow::Result<()> {
     let config = Config::load(path)?;
     for w in config.warnings() {
         tracing::warn!(config = %path.display(), "{w}");
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    let count = workers.map_or_else(
+        || std::thread::available_parallelism().map_or(1, |n| n.get()),
+        usize::from,
+    );
+    let workers = Workers::start(count).context("cannot start the worker threads")?;
+    // This thread runs what is not per client: signals, reloads, the admin listener, the
+    // partition sweep and the shutdown sequence.
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("cannot start the tokio runtime")?;
     runtime.block_on(async {
         let app = App::builder(config).path(path).build()?;
-        let server = Server::bind(app).await?;
-        tracing::info!(proxy = %server.proxy_addr(), admin = %server.admin_addr(), config = %path.display(), "listening");
+        let server = Server::bind(app).await?.serve_on(workers.handles());
+        tracing::info!(proxy = %server.proxy_addr(), admin = %server.admin_addr(), config = %path.display(), workers = count, "listening");
         server.run(shutdown_signal()).await;
         Ok(())
     })

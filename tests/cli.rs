@@ -121,6 +121,8 @@ async fn run_serves_logs_safely_and_drains_on_sigterm() {
         "--log-format",
         "json",
         "run",
+        "--workers",
+        "3",
         "-c",
         config.to_str().unwrap(),
     ]);
@@ -176,4 +178,22 @@ async fn run_serves_logs_safely_and_drains_on_sigterm() {
     assert_eq!(first["path"], "/orders");
     assert!(first["duration_ms"].is_number());
     assert!(all.contains("SIGTERM received"), "{all}");
+    let listening = lines
+        .iter()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["message"] == "listening")
+        .unwrap_or_else(|| panic!("no listening line:\n{all}"));
+    assert_eq!(listening["workers"], 3, "{listening}");
+}
+
+#[test]
+fn run_refuses_zero_workers() {
+    let out = Command::new(BIN)
+        .args(["run", "-c", "config/sluice.toml"])
+        .env("SLUICE_WORKERS", "0")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--workers"), "{err}");
 }

@@ -1,5 +1,6 @@
 //! Upstream connections: reused by the client connection that opened them, handed to the
-//! next client when it leaves, never reused once the upstream closed them.
+//! next client when it leaves, never reused once the upstream closed them; and the
+//! thread-per-core workers the binary serves clients on.
 
 mod support;
 
@@ -10,6 +11,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+use sluice::proxy::server::Workers;
 use support::{Proxy, Upstream, eventually, read_response};
 
 async fn get(s: &mut TcpStream, url: &str, close: bool) -> support::RawResponse {
@@ -122,4 +124,57 @@ async fn a_connection_the_upstream_closed_is_not_used_again() {
     drop(s);
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(proxy.app.idle_upstream_connections(), 0);
+}
+
+#[tokio::test]
+async fn workers_serve_many_clients_and_drain_on_shutdown() {
+    let up = Upstream::start().await;
+    let workers = Workers::start(2).unwrap();
+    let mut proxy = Proxy::on_workers(
+        r#"
+[[upstream]]
+name = "slow"
+hosts = ["127.0.0.1"]
+limits = [{ kind = "token_bucket", rate = 40, per = "1s", burst = 1 }]
+"#,
+        &workers,
+    )
+    .await;
+    // 8 clients, each with its own connection, 5 requests each through one bucket: the
+    // bucket is shared by both workers, so 40 requests take about a second.
+    let start = tokio::time::Instant::now();
+    let mut tasks = Vec::new();
+    for c in 0..8 {
+        let addr = proxy.addr;
+        let url = up.url(&format!("/w{c}"));
+        tasks.push(tokio::spawn(async move {
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            for _ in 0..5 {
+                assert_eq!(get(&mut s, &url, false).await.status, 200);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let took = start.elapsed();
+    assert_eq!(up.seen().len(), 40);
+    assert!(
+        took >= Duration::from_millis(900),
+        "40 requests at 40/s with a burst of 1 cannot finish in {took:?}"
+    );
+
+    // A request in flight when the shutdown starts still gets its answer.
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    let req = format!("GET {} HTTP/1.1\r\nHost: x\r\n\r\n", up.url("/slow/400"));
+    s.write_all(req.as_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxy.shutdown();
+    assert_eq!(read_response(&mut s).await.status, 200);
+    proxy.task.take().unwrap().await.unwrap();
+    assert!(
+        TcpStream::connect(proxy.addr).await.is_err(),
+        "the listener is closed after the drain"
+    );
+    drop(workers);
 }

@@ -1,6 +1,11 @@
-//! The proxy listener: accept loop, one HTTP/1.1 connection task per client (keep-alive,
+//! The proxy listener: accept loops, one HTTP/1.1 connection task per client (keep-alive,
 //! upgrades for CONNECT), and the shutdown sequence: stop being ready, optionally keep
 //! accepting for `shutdown_delay`, stop accepting, let work finish for `drain_timeout`.
+//!
+//! The binary serves clients thread-per-core ([`Workers`]): one single-threaded runtime
+//! per CPU, each running the connections it is given start to end, so a request never
+//! waits for or wakes another thread on its way through. What is shared between them
+//! (limiter, metrics, config) is behind locks held for a few instructions.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -8,6 +13,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use http::{Method, Request, Response};
@@ -16,6 +22,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -102,6 +109,52 @@ pub struct Server {
     admin: TcpListener,
     /// Set up at bind, so that no change to the file after `bind` returns is missed.
     reloads: crate::reload::Triggers,
+    /// Runtimes that accept and serve clients; none: the runtime `run` is called on.
+    workers: Vec<Handle>,
+}
+
+/// Single-threaded runtimes on their own threads, one per core by default, that serve
+/// client connections. Dropping it stops them (after the server has drained).
+pub struct Workers {
+    handles: Vec<Handle>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    done: CancellationToken,
+}
+
+impl Workers {
+    pub fn start(count: usize) -> io::Result<Workers> {
+        let done = CancellationToken::new();
+        let mut workers = Workers {
+            handles: Vec::new(),
+            threads: Vec::new(),
+            done: done.clone(),
+        };
+        for i in 0..count.max(1) {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            workers.handles.push(rt.handle().clone());
+            let done = done.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("sluice-worker-{i}"))
+                .spawn(move || rt.block_on(done.cancelled()))?;
+            workers.threads.push(thread);
+        }
+        Ok(workers)
+    }
+
+    pub fn handles(&self) -> Vec<Handle> {
+        self.handles.clone()
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        self.done.cancel();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -130,7 +183,14 @@ impl Server {
             proxy,
             admin,
             reloads,
+            workers: Vec::new(),
         })
+    }
+
+    /// Serves clients on these runtimes (see [`Workers`]) instead of the caller's.
+    pub fn serve_on(mut self, workers: Vec<Handle>) -> Server {
+        self.workers = workers;
+        self
     }
 
     pub fn proxy_addr(&self) -> SocketAddr {
@@ -152,6 +212,7 @@ impl Server {
             proxy,
             admin,
             reloads,
+            workers,
         } = self;
         let lc = Lifecycle {
             tracker: TaskTracker::new(),
@@ -166,21 +227,30 @@ impl Server {
             "sluice is ready"
         );
 
-        // Boxed so that dropping it below really closes the listener.
-        let mut accept = Box::pin(accept_loop(app.clone(), proxy, lc.clone()));
-        tokio::select! {
-            _ = &mut accept => {}
-            _ = shutdown => {}
-        }
+        let accepting = CancellationToken::new();
+        let workers = workers
+            .into_iter()
+            .map(|handle| Worker {
+                handle,
+                live: Arc::default(),
+            })
+            .collect();
+        let accept = tokio::spawn(accept_loop(
+            app.clone(),
+            proxy,
+            lc.clone(),
+            accepting.clone(),
+            workers,
+        ));
+        shutdown.await;
 
         let config = app.config();
         app.start_draining();
         let delay = config.proxy.shutdown_delay;
         tracing::info!(shutdown_delay = ?delay, drain_timeout = ?config.proxy.drain_timeout, "shutdown: not ready any more");
-        if !delay.is_zero() {
-            let _ = tokio::time::timeout(delay, &mut accept).await;
-        }
-        drop(accept); // new connections are refused from here on
+        tokio::time::sleep(delay).await;
+        accepting.cancel();
+        let _ = accept.await; // the listener is closed: new connections are refused
 
         lc.drain.cancel();
         lc.tracker.close();
@@ -236,21 +306,85 @@ fn return_freed_memory() {
     }
 }
 
-async fn accept_loop(app: Arc<App>, listener: TcpListener, lc: Lifecycle) {
+/// A runtime that serves clients, and how many connections it has now.
+struct Worker {
+    handle: Handle,
+    live: Arc<AtomicUsize>,
+}
+
+/// Counts a connection out of its worker however its task ends.
+struct Live(Arc<AtomicUsize>);
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn accept_loop(
+    app: Arc<App>,
+    listener: TcpListener,
+    lc: Lifecycle,
+    accepting: CancellationToken,
+    workers: Vec<Worker>,
+) {
     loop {
-        match listener.accept().await {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = accepting.cancelled() => return,
+        };
+        match accepted {
             Ok((stream, peer)) => {
                 let _ = stream.set_nodelay(true);
-                lc.tracker
-                    .spawn(serve_connection(app.clone(), stream, peer, lc.clone()));
+                hand_out(&app, stream, peer, &lc, &workers);
             }
             Err(e) => {
                 // Typically EMFILE: back off a little instead of spinning.
                 tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                    _ = accepting.cancelled() => return,
+                }
             }
         }
     }
+}
+
+/// Gives a new connection to the worker with the fewest, where it stays to its end. (With
+/// a shared accept queue, whichever thread wakes first would take a whole burst.)
+fn hand_out(
+    app: &Arc<App>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    lc: &Lifecycle,
+    workers: &[Worker],
+) {
+    let Some(worker) = workers
+        .iter()
+        .min_by_key(|w| w.live.load(Ordering::Relaxed))
+    else {
+        lc.tracker
+            .spawn(serve_connection(app.clone(), stream, peer, lc.clone()));
+        return;
+    };
+    // Re-registered with the worker's event loop on arrival.
+    let stream = match stream.into_std() {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(%peer, error = %e, "cannot hand a connection to a worker");
+            return;
+        }
+    };
+    worker.live.fetch_add(1, Ordering::Relaxed);
+    let live = Live(worker.live.clone());
+    let (app, lc2) = (app.clone(), lc.clone());
+    worker.handle.spawn(lc.tracker.track_future(async move {
+        let _live = live;
+        match TcpStream::from_std(stream) {
+            Ok(stream) => serve_connection(app, stream, peer, lc2).await,
+            Err(e) => tracing::warn!(%peer, error = %e, "a worker cannot take a connection"),
+        }
+    }));
 }
 
 async fn serve_connection(app: Arc<App>, stream: TcpStream, peer: SocketAddr, lc: Lifecycle) {

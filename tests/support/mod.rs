@@ -288,8 +288,25 @@ impl Proxy {
         Proxy::serve(App::builder(config).path(path).build().unwrap()).await
     }
 
+    /// Served thread-per-core on `workers`, as the binary does.
+    pub async fn on_workers(extra: &str, workers: &sluice::proxy::server::Workers) -> Proxy {
+        crypto();
+        let text = format!("[proxy]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n{extra}");
+        let config = Config::parse(&text, "test.toml").unwrap_or_else(|e| panic!("{e}"));
+        let app = App::builder(config).build().unwrap();
+        let server = Server::bind(app.clone())
+            .await
+            .unwrap()
+            .serve_on(workers.handles());
+        Proxy::serving(app, server)
+    }
+
     async fn serve(app: Arc<App>) -> Proxy {
         let server = Server::bind(app.clone()).await.unwrap();
+        Proxy::serving(app, server)
+    }
+
+    fn serving(app: Arc<App>, server: Server) -> Proxy {
         let (addr, admin) = (server.proxy_addr(), server.admin_addr());
         let (tx, rx) = oneshot::channel();
         let task = tokio::spawn(server.run(async {
