@@ -5,6 +5,7 @@
 use std::net::IpAddr;
 
 use http::header::{self, HeaderValue};
+use http::uri::PathAndQuery;
 use http::{Method, Request, Response, Uri, Version};
 use hyper::body::Incoming;
 use tokio::time::Instant;
@@ -29,7 +30,8 @@ pub struct Target {
     pub port: u16,
     /// What goes into `Host`: the URI's host and explicit port, without any userinfo.
     pub host_header: String,
-    pub path_and_query: String,
+    /// Shares the request line's bytes rather than copying them.
+    pub path_and_query: PathAndQuery,
 }
 
 impl Target {
@@ -67,7 +69,7 @@ impl Target {
             host: normalize_host(raw_host),
             port: uri.port_u16().unwrap_or(80),
             host_header,
-            path_and_query: uri.path_and_query().map_or("/", |p| p.as_str()).to_string(),
+            path_and_query: path_and_query(uri),
         })
     }
 
@@ -87,7 +89,7 @@ impl Target {
             } else {
                 format!("{bare}:{port}")
             },
-            path_and_query: uri.path_and_query().map_or("/", |p| p.as_str()).to_string(),
+            path_and_query: path_and_query(uri),
         }
     }
 
@@ -101,8 +103,14 @@ impl Target {
     }
 
     pub fn path(&self) -> &str {
-        self.path_and_query.split('?').next().unwrap_or("/")
+        self.path_and_query.path()
     }
+}
+
+fn path_and_query(uri: &Uri) -> PathAndQuery {
+    uri.path_and_query()
+        .cloned()
+        .unwrap_or_else(|| PathAndQuery::from_static("/"))
 }
 
 pub async fn forward(app: &App, upstreams: &Affine, req: Request<Incoming>) -> Response<Body> {
@@ -210,7 +218,7 @@ fn to_upstream(req: Request<Incoming>, target: &Target) -> Result<Request<Body>,
         && parts
             .uri
             .path_and_query()
-            .is_some_and(|p| p.as_str() == target.path_and_query);
+            .is_some_and(|p| *p == target.path_and_query);
     if !unchanged {
         let scheme = if target.https { "https" } else { "http" };
         parts.uri = format!("{scheme}://{}{}", target.host_header, target.path_and_query)

@@ -7,8 +7,9 @@ use http::header::{self, HeaderName, HeaderValue};
 const FIXED: usize = 9;
 
 /// The fixed hop-by-hop fields, as typed names built at compile time: removing by `&str`
-/// would parse each name again on every request.
-const HOP_BY_HOP: [HeaderName; FIXED] = [
+/// would parse each name again on every request. A `static`, not a `const`: a `const`
+/// array would be built and dropped again at every use.
+static HOP_BY_HOP: [HeaderName; FIXED] = [
     header::CONNECTION,
     HeaderName::from_static("proxy-connection"),
     HeaderName::from_static("keep-alive"),
@@ -34,7 +35,11 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if !present.contains(&true) {
         return;
     }
-    if present[0] {
+    let plain = |v: &HeaderValue| {
+        let v = v.as_bytes();
+        v.eq_ignore_ascii_case(b"keep-alive") || v.eq_ignore_ascii_case(b"close")
+    };
+    if present[0] && !headers.get_all(header::CONNECTION).iter().all(plain) {
         // `Connection: keep-alive` or `close` names nothing beyond the fixed list: only
         // other tokens are parsed (and allocated).
         let named: Vec<HeaderName> = headers
