@@ -178,3 +178,82 @@ limits = [{ kind = "token_bucket", rate = 40, per = "1s", burst = 1 }]
     );
     drop(workers);
 }
+
+#[tokio::test]
+async fn parked_connections_stay_with_the_worker_that_opened_them() {
+    let up = Upstream::start().await;
+    let workers = Workers::start(2).unwrap();
+    let proxy = Proxy::on_workers("", &workers).await;
+    // Connections go to the worker with the fewest: the first to worker 0, the second,
+    // while the first is open, to worker 1.
+    let mut first = TcpStream::connect(proxy.addr).await.unwrap();
+    assert_eq!(get(&mut first, &up.url("/a"), false).await.status, 200);
+    let mut second = TcpStream::connect(proxy.addr).await.unwrap();
+    drop(first);
+    let app = proxy.app.clone();
+    let parked = || {
+        let app = app.clone();
+        async move { app.idle_upstream_connections() == 1 }
+    };
+    assert!(eventually(Duration::from_secs(5), parked).await);
+
+    // Worker 1 does not take worker 0's connection: its socket belongs to worker 0's
+    // event loop.
+    assert_eq!(get(&mut second, &up.url("/b"), false).await.status, 200);
+    assert_eq!(up.connections.load(Ordering::SeqCst), 2);
+    assert_eq!(proxy.app.idle_upstream_connections(), 1);
+
+    // The next client goes to worker 0 (no connections now) and takes it.
+    let mut third = TcpStream::connect(proxy.addr).await.unwrap();
+    assert_eq!(get(&mut third, &up.url("/c"), false).await.status, 200);
+    assert_eq!(up.connections.load(Ordering::SeqCst), 2);
+    assert_eq!(proxy.app.idle_upstream_connections(), 0);
+    drop((second, third));
+    drop(proxy);
+    drop(workers);
+}
+
+#[tokio::test]
+async fn a_name_whose_first_address_does_not_answer_falls_back_to_the_next() {
+    let up = Upstream::start().await;
+    let port = up.addr.port();
+    // 127.0.0.2 on the same port: a listener that never accepts, its queue filled, so
+    // further connects hang like packets dropped on the way.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket
+        .bind(std::net::SocketAddr::from(([127, 0, 0, 2], port)))
+        .unwrap();
+    let _blackhole = socket.listen(1).unwrap();
+    let mut queued = Vec::new();
+    loop {
+        let connect = TcpStream::connect(("127.0.0.2", port));
+        match tokio::time::timeout(Duration::from_millis(200), connect).await {
+            Ok(Ok(s)) => queued.push(s),
+            _ => break,
+        }
+        assert!(queued.len() < 64, "the listen queue never filled");
+    }
+
+    let lookup = support::StaticLookup(
+        [(
+            "dual.test".to_string(),
+            vec!["127.0.0.2".parse().unwrap(), "127.0.0.1".parse().unwrap()],
+        )]
+        .into(),
+    );
+    let proxy = Proxy::start_with("", Some(Arc::new(lookup))).await;
+    let start = tokio::time::Instant::now();
+    let resp = proxy
+        .client()
+        .get(format!("http://dual.test:{port}/hello"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(250) && took < Duration::from_secs(5),
+        "the second address was tried after the first hung for a moment: {took:?}"
+    );
+    assert_eq!(up.seen().len(), 1);
+}

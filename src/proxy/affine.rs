@@ -2,11 +2,11 @@
 //! task. A keep-alive client's next request goes out on the upstream connection its last
 //! one used: no pool lookup, no shared lock, no spawned task, and no hop to another task
 //! and back (the client connection's task polls its upstream connections itself, see
-//! [`Driven`]). That hop and the shared pool were two thirds of the proxy's CPU per
-//! request (docs/BENCHMARKS.md).
+//! [`Driven`]). With one event loop per core (`server::Workers`) a request then stays on
+//! one thread from the client's bytes to the upstream's and back.
 //!
-//! When the client leaves, its idle upstream connections go to a shared idle list
-//! ([`IdleConns`]) for the next client to adopt, so clients that open a connection per
+//! When the client leaves, its idle upstream connections go to an idle list
+//! ([`IdleConns`]) for the next client on the same worker to adopt, so clients that open a connection per
 //! request still reuse upstream connections. An upstream thus sees at most as many
 //! connections as clients have open to sluice, the way haproxy's default `http-reuse
 //! safe` ties server connections to client sessions.
@@ -16,6 +16,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -39,11 +40,15 @@ use crate::egress::{EgressError, Resolver};
 /// the common 60 s+ server keep-alive, so we rarely send on one the upstream is closing.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(50);
 
+/// How long a connect to one of a name's addresses may take before the next is tried.
+const NEXT_ADDRESS_AFTER: Duration = Duration::from_millis(300);
+
 /// Idle connections kept per upstream address in the shared list; more are closed.
 const MAX_IDLE_PER_ADDR: usize = 256;
 
-/// Host (as in the URL, without brackets) and port.
-type Addr = (Box<str>, u16);
+/// The worker whose event loop the connection's socket is registered with, host (as in
+/// the URL, without brackets) and port.
+type Addr = (usize, Box<str>, u16);
 type Driver = Pin<Box<dyn Future<Output = ()> + Send>>;
 type Sender = http1::SendRequest<Body>;
 
@@ -87,22 +92,26 @@ struct State {
 pub struct Affine {
     state: Arc<Mutex<State>>,
     shared: Arc<IdleConns>,
+    /// The worker this client connection runs on (see `server::Workers`).
+    worker: usize,
 }
 
-/// Upstream connections whose client has left, waiting for another client. Not polled
-/// while here: a connection the upstream closed in the meantime is found out when it is
-/// adopted (and a request it could not send is sent on a fresh connection).
+/// Upstream connections whose client has left, waiting for another client on the same
+/// worker: a socket stays registered with the event loop it was opened on, so a client on
+/// another worker would have every readiness event cross threads. Not polled while here:
+/// a connection the upstream closed in the meantime is found out when it is adopted (and
+/// a request it could not send is sent on a fresh connection).
 #[derive(Default)]
 pub struct IdleConns {
     by_addr: Mutex<HashMap<Addr, Vec<Conn>>>,
 }
 
 impl IdleConns {
-    fn take(&self, host: &str, port: u16, now: Instant) -> Option<Conn> {
+    fn take(&self, worker: usize, host: &str, port: u16, now: Instant) -> Option<Conn> {
         let mut map = lock(&self.by_addr);
         // Allocation-free lookup would need a borrowed key type; this runs once per client
         // connection and address, not per request.
-        let key = (Box::<str>::from(host), port);
+        let key = (worker, Box::<str>::from(host), port);
         let list = map.get_mut(&key)?;
         let conn = loop {
             let c = list.pop()?;
@@ -116,9 +125,11 @@ impl IdleConns {
         Some(conn)
     }
 
-    fn put(&self, conn: Conn) {
+    fn put(&self, worker: usize, conn: Conn) {
         let mut map = lock(&self.by_addr);
-        let list = map.entry((conn.host.clone(), conn.port)).or_default();
+        let list = map
+            .entry((worker, conn.host.clone(), conn.port))
+            .or_default();
         if list.len() < MAX_IDLE_PER_ADDR {
             list.push(conn);
         }
@@ -164,10 +175,11 @@ impl Lease {
 }
 
 impl Affine {
-    pub fn new(shared: Arc<IdleConns>) -> Affine {
+    pub fn new(shared: Arc<IdleConns>, worker: usize) -> Affine {
         Affine {
             state: Arc::default(),
             shared,
+            worker,
         }
     }
 
@@ -234,7 +246,7 @@ impl Affine {
                 return Some((s.id, sender));
             }
         }
-        let conn = self.shared.take(host, port, now)?;
+        let conn = self.shared.take(self.worker, host, port, now)?;
         Some(adopt(
             &mut st,
             conn.host,
@@ -256,8 +268,20 @@ impl Affine {
         })?;
         let mut last = None;
         let mut stream = None;
-        for addr in addrs {
-            match TcpStream::connect(addr).await {
+        let count = addrs.len();
+        for (i, addr) in addrs.into_iter().enumerate() {
+            // An address that does not answer (say an IPv6 route that drops packets) must
+            // not use up the whole attempt: the next one gets its turn after a moment, as
+            // in happy eyeballs (RFC 8305). The last one has the attempt's own timeout.
+            let attempt = TcpStream::connect(addr);
+            let result = if i + 1 < count {
+                tokio::time::timeout(NEXT_ADDRESS_AFTER, attempt)
+                    .await
+                    .unwrap_or_else(|_| Err(io::Error::from(io::ErrorKind::TimedOut)))
+            } else {
+                attempt.await
+            };
+            match result {
                 Ok(s) => {
                     stream = Some(s);
                     break;
@@ -272,7 +296,7 @@ impl Affine {
         };
         let _ = stream.set_nodelay(true);
         let (sender, conn) = http1::Builder::new()
-            .writev(false) // as on the client side (server.rs)
+            .writev(false) // as on the client-facing side (server.rs)
             .handshake(TokioIo::new(stream))
             .await
             .map_err(|e| AttemptError::Connect(Box::new(e)))?;
@@ -299,13 +323,16 @@ impl Affine {
             if let Some((sender, idle_since)) = s.sender
                 && !sender.is_closed()
             {
-                self.shared.put(Conn {
-                    host: s.host,
-                    port: s.port,
-                    sender,
-                    driver: s.driver,
-                    idle_since,
-                });
+                self.shared.put(
+                    self.worker,
+                    Conn {
+                        host: s.host,
+                        port: s.port,
+                        sender,
+                        driver: s.driver,
+                        idle_since,
+                    },
+                );
             }
         }
     }

@@ -313,9 +313,9 @@ struct Worker {
 }
 
 /// Counts a connection out of its worker however its task ends.
-struct Live(Arc<AtomicUsize>);
+struct Counted(Arc<AtomicUsize>);
 
-impl Drop for Live {
+impl Drop for Counted {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
     }
@@ -359,12 +359,13 @@ fn hand_out(
     lc: &Lifecycle,
     workers: &[Worker],
 ) {
-    let Some(worker) = workers
+    let Some((index, worker)) = workers
         .iter()
-        .min_by_key(|w| w.live.load(Ordering::Relaxed))
+        .enumerate()
+        .min_by_key(|(_, w)| w.live.load(Ordering::Relaxed))
     else {
         lc.tracker
-            .spawn(serve_connection(app.clone(), stream, peer, lc.clone()));
+            .spawn(serve_connection(app.clone(), stream, peer, lc.clone(), 0));
         return;
     };
     // Re-registered with the worker's event loop on arrival.
@@ -376,20 +377,27 @@ fn hand_out(
         }
     };
     worker.live.fetch_add(1, Ordering::Relaxed);
-    let live = Live(worker.live.clone());
+    let live = Counted(worker.live.clone());
     let (app, lc2) = (app.clone(), lc.clone());
     worker.handle.spawn(lc.tracker.track_future(async move {
         let _live = live;
         match TcpStream::from_std(stream) {
-            Ok(stream) => serve_connection(app, stream, peer, lc2).await,
+            Ok(stream) => serve_connection(app, stream, peer, lc2, index).await,
             Err(e) => tracing::warn!(%peer, error = %e, "a worker cannot take a connection"),
         }
     }));
 }
 
-async fn serve_connection(app: Arc<App>, stream: TcpStream, peer: SocketAddr, lc: Lifecycle) {
+/// `worker`: the index of the worker running it (0 without workers).
+async fn serve_connection(
+    app: Arc<App>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    lc: Lifecycle,
+    worker: usize,
+) {
     let handler_lc = lc.clone();
-    let affine = Affine::new(app.idle_conns.clone());
+    let affine = Affine::new(app.idle_conns.clone(), worker);
     let upstreams = affine.clone();
     let svc = service_fn(move |req: Request<Incoming>| {
         let app = app.clone();
