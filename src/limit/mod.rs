@@ -212,6 +212,8 @@ pub struct Cell {
     partition: Option<Partition>,
     state: Mutex<CellState>,
     notify: Notify,
+    /// Where the partition's driver runs; the caller's runtime when unset.
+    timers: Option<tokio::runtime::Handle>,
 }
 
 impl Cell {
@@ -267,7 +269,10 @@ impl Cell {
             self.notify.notify_one();
         } else {
             st.driver = true;
-            tokio::spawn(drive(self.clone()));
+            match &self.timers {
+                Some(rt) => drop(rt.spawn(drive(self.clone()))),
+                None => drop(tokio::spawn(drive(self.clone()))),
+            }
         }
     }
 }
@@ -397,6 +402,9 @@ pub struct Limiter {
     /// The live config's plans, by upstream index.
     current: RwLock<Plans>,
     cells: RwLock<HashMap<CellKey, Arc<Cell>>>,
+    /// The runtime partition drivers run on, when not the requests' own (see
+    /// [`Limiter::drive_on`]).
+    timers: std::sync::OnceLock<tokio::runtime::Handle>,
 }
 
 /// One config generation's plans, by upstream index.
@@ -417,6 +425,7 @@ impl Limiter {
             closed: std::sync::atomic::AtomicBool::new(false),
             current: RwLock::new(plans(config, metrics)),
             cells: RwLock::new(HashMap::new()),
+            timers: std::sync::OnceLock::new(),
         }
     }
 
@@ -454,6 +463,14 @@ impl Limiter {
         }
     }
 
+    /// Runs the partitions' drivers (the tasks that sleep until a queued request is
+    /// due) on `rt` from now on. With one event loop per worker, a driver on a busy
+    /// worker's loop wakes as late as that loop gets round to its timers; on a quiet
+    /// runtime it wakes on time and hands the permit across.
+    pub fn drive_on(&self, rt: tokio::runtime::Handle) {
+        let _ = self.timers.set(rt);
+    }
+
     fn cell(&self, plan: &Arc<Plan>, route: &Route) -> Arc<Cell> {
         let key = (plan.name.clone(), route.partition);
         if let Some(c) = self
@@ -486,6 +503,7 @@ impl Limiter {
                         retired: Vec::new(),
                     }),
                     notify: Notify::new(),
+                    timers: self.timers.get().cloned(),
                 })
             })
             .clone()

@@ -228,6 +228,9 @@ impl Server {
         );
 
         let accepting = CancellationToken::new();
+        if !workers.is_empty() {
+            app.limiter.drive_on(Handle::current());
+        }
         let workers = workers
             .into_iter()
             .map(|handle| Worker {
