@@ -168,7 +168,11 @@ limits = [{ kind = "token_bucket", rate = 40, per = "1s", burst = 1 }]
     let mut s = TcpStream::connect(proxy.addr).await.unwrap();
     let req = format!("GET {} HTTP/1.1\r\nHost: x\r\n\r\n", up.url("/slow/400"));
     s.write_all(req.as_bytes()).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let arrived = || {
+        let seen = up.seen.clone();
+        async move { seen.lock().unwrap().len() == 41 }
+    };
+    assert!(eventually(Duration::from_secs(5), arrived).await);
     proxy.shutdown();
     assert_eq!(read_response(&mut s).await.status, 200);
     proxy.task.take().unwrap().await.unwrap();

@@ -158,9 +158,7 @@ impl ResponseBody {
         }
         .boxed_unsync()
     }
-}
 
-impl ResponseBody {
     /// The whole body went through: the permit is free and the connection can carry the
     /// next request.
     fn finished(&mut self) {
