@@ -6,10 +6,11 @@
 //! one thread from the client's bytes to the upstream's and back.
 //!
 //! When the client leaves, its idle upstream connections go to an idle list
-//! ([`IdleConns`]) for the next client on the same worker to adopt, so clients that open a connection per
-//! request still reuse upstream connections. An upstream thus sees at most as many
-//! connections as clients have open to sluice, the way haproxy's default `http-reuse
-//! safe` ties server connections to client sessions.
+//! ([`IdleConns`]) for the next client on the same worker to adopt, so clients that open
+//! a connection per request still reuse upstream connections. An upstream thus sees at
+//! most as many connections as clients have open to sluice: server connections are
+//! private to the client's session, as with haproxy's `http-reuse never`, except that
+//! idle ones are passed on rather than closed when the session ends.
 //!
 //! TLS upstreams keep the shared pooled client ([`super::client`]): a handshake and an
 //! HTTP/2 connection are worth sharing between clients.
