@@ -261,3 +261,27 @@ async fn a_name_whose_first_address_does_not_answer_falls_back_to_the_next() {
     );
     assert_eq!(up.seen().len(), 1);
 }
+
+#[tokio::test]
+async fn responses_without_a_body_give_the_connection_back_too() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start("").await;
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    // None of these has a body, so the head is the whole response.
+    for (method, path, status) in [
+        ("GET", "/status/204", 204),
+        ("GET", "/status/304", 304),
+        ("HEAD", "/hello", 200),
+        ("GET", "/status/204", 204),
+    ] {
+        let req = format!("{method} {} HTTP/1.1\r\nHost: x\r\n\r\n", up.url(path));
+        s.write_all(req.as_bytes()).await.unwrap();
+        let resp = support::read_head(&mut s).await;
+        assert_eq!(resp.status, status, "{method} {path}");
+    }
+    assert_eq!(
+        up.connections.load(Ordering::SeqCst),
+        1,
+        "empty responses left the upstream connection reusable"
+    );
+}

@@ -186,12 +186,13 @@ impl Affine {
 
     /// Sends `req` (absolute-form `http://` URI) on one of this client's upstream
     /// connections, adopting an idle one or connecting when it has none. The lease goes
-    /// with the response body.
+    /// with the response body; a response without one (HEAD, 204, 304, length 0) gives
+    /// the connection back at once, since no one will read a body to its end.
     pub async fn send(
         &self,
         resolver: &Resolver,
         mut req: Request<Body>,
-    ) -> Result<(Response<Incoming>, Lease), AttemptError> {
+    ) -> Result<(Response<Incoming>, Option<Lease>), AttemptError> {
         let uri = req.uri();
         let host = uri
             .host()
@@ -219,7 +220,11 @@ impl Affine {
                         id,
                         sender: Some(sender),
                     };
-                    return Ok((resp, lease));
+                    if http_body::Body::is_end_stream(resp.body()) {
+                        lease.release();
+                        return Ok((resp, None));
+                    }
+                    return Ok((resp, Some(lease)));
                 }
                 Err(mut e) => match e.take_message() {
                     // Never written: the connection closed under us and nothing reached

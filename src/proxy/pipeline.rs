@@ -337,8 +337,7 @@ async fn attempt(
     let send = async {
         match upstreams {
             Some(own) if req.uri().scheme() == Some(&Scheme::HTTP) => {
-                let (resp, lease) = own.send(&app.resolver, req).await?;
-                Ok((resp, Some(lease)))
+                own.send(&app.resolver, req).await
             }
             _ => {
                 let client = app.client_for(config, route.map(|r| r.upstream));

@@ -591,6 +591,27 @@ pub async fn read_response(stream: &mut TcpStream) -> RawResponse {
     resp
 }
 
+/// Reads a response head only: for responses that carry no body (HEAD, 204, 304).
+pub async fn read_head(stream: &mut TcpStream) -> RawResponse {
+    let mut buf = Vec::new();
+    while !buf.ends_with(b"\r\n\r\n") {
+        let mut byte = [0u8; 1];
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut byte))
+            .await
+            .expect("response head in time")
+            .unwrap();
+        assert!(n > 0, "connection closed before a response head");
+        buf.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&buf).into_owned();
+    let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap();
+    RawResponse {
+        status,
+        head,
+        body: Vec::new(),
+    }
+}
+
 /// Sends raw bytes on a new connection and reads one response.
 pub async fn raw(addr: SocketAddr, request: &[u8]) -> RawResponse {
     let mut s = TcpStream::connect(addr).await.unwrap();
