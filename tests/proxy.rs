@@ -529,3 +529,49 @@ async fn shutdown_lets_in_flight_requests_finish() {
         "listener closed after shutdown"
     );
 }
+
+/// A head that never completes, and a keep-alive connection left idle, are both closed
+/// after the header read timeout (30 s), counted from when the connection started
+/// waiting for a head. Paused time: the runtime jumps ahead whenever everything waits.
+#[tokio::test(start_paused = true)]
+async fn slow_heads_and_idle_connections_are_closed_after_the_header_timeout() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start("").await;
+
+    let mut slow = TcpStream::connect(proxy.addr).await.unwrap();
+    let t0 = tokio::time::Instant::now();
+    slow.write_all(format!("GET {} HTTP/1.1\r\nHost:", up.url("/")).as_bytes())
+        .await
+        .unwrap();
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(60), slow.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "an unfinished head was never cut");
+    let waited = t0.elapsed();
+    assert!(
+        waited >= Duration::from_secs(30) && waited < Duration::from_secs(31),
+        "an unfinished head was cut after {waited:?}"
+    );
+
+    let mut idle = TcpStream::connect(proxy.addr).await.unwrap();
+    for i in 0..3 {
+        // Requests spaced 20 s apart keep the connection: each one restarts the clock.
+        let req = format!(
+            "GET {} HTTP/1.1\r\nHost: x\r\n\r\n",
+            up.url(&format!("/i{i}"))
+        );
+        idle.write_all(req.as_bytes()).await.unwrap();
+        assert_eq!(read_response(&mut idle).await.status, 200);
+        if i < 2 {
+            tokio::time::sleep(Duration::from_secs(20)).await;
+        }
+    }
+    let t1 = tokio::time::Instant::now();
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(60), idle.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "an idle connection was never closed");
+    let waited = t1.elapsed();
+    assert!(
+        waited >= Duration::from_secs(30) && waited < Duration::from_secs(31),
+        "an idle keep-alive connection was closed after {waited:?}"
+    );
+}

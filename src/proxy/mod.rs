@@ -1,7 +1,9 @@
-//! The proxy side: listener and connections ([`server`]), the two request kinds
-//! ([`forward`] for absolute-form, [`connect`] for tunnels), the [`pipeline`] every
-//! upstream request goes through, the pooled [`client`], and [`error`], the one place
-//! that turns failures into the responses sluice makes itself.
+//! The proxy side: listener, worker threads and connections ([`server`], with its
+//! per-connection header timer in `timer`), the two request kinds ([`forward`] for
+//! absolute-form, [`connect`] for tunnels), the [`pipeline`] every upstream request goes
+//! through, the upstream clients ([`affine`] for `http://`, the pooled [`client`] for
+//! TLS), and [`error`], the one place that turns failures into the responses sluice
+//! makes itself.
 
 pub mod affine;
 pub mod body;
@@ -12,6 +14,7 @@ pub mod forward;
 pub mod headers;
 pub mod pipeline;
 pub mod server;
+pub(crate) mod timer;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;

@@ -20,13 +20,14 @@ use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::affine::{Affine, Driven};
+use super::timer::ConnTimer;
 use super::{Body, connect, forward};
 use crate::admin;
 use crate::app::App;
@@ -34,6 +35,11 @@ use crate::app::App;
 /// Request heads larger than this (request line plus headers) are answered 431, close to
 /// Envoy's 60 KiB default.
 pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// A client has this long to send a request head once its connection is waiting for one:
+/// it bounds both a head sent byte by byte and a keep-alive connection left idle (hyper's
+/// default, named here because operators ask).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// More header fields than this are answered 431 too (Envoy's default is 100 as well).
 /// It is hyper's default, and left implicit on purpose: naming any limit makes hyper
@@ -412,7 +418,8 @@ async fn serve_connection(
         // One flat buffer per write: API responses are small, and copying a body chunk
         // costs less than hyper's bookkeeping for vectored writes (docs/BENCHMARKS.md).
         .writev(false)
-        .timer(TokioTimer::new())
+        .timer(ConnTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
         .max_header_size(MAX_HEAD_BYTES)
         .serve_connection(TokioIo::new(stream), svc)
         .with_upgrades();

@@ -1,0 +1,133 @@
+//! The timer hyper uses on a client connection: one tokio timer per connection instead of
+//! one per request.
+//!
+//! hyper asks for a new timer each time it starts reading a request head (the header read
+//! timeout, which is also what closes a keep-alive connection left idle). With tokio's
+//! timer that is a timer-wheel insertion and removal for every request, 3.4% of a proxied
+//! request's instructions (docs/BENCHMARKS.md). Here a connection keeps one tokio timer,
+//! armed no later than the earliest deadline still wanted. The deadlines hyper asks for
+//! only move later, so the wheel is touched about once per timeout period: when the timer
+//! fires early for a deadline that has since moved, it is set again.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::time::{Instant, Sleep};
+
+/// Serves one deadline at a time per connection (hyper's HTTP/1 server only asks for the
+/// header read); a second deadline polled concurrently would take over the wake-up.
+pub(crate) struct ConnTimer {
+    shared: Arc<Mutex<Shared>>,
+}
+
+struct Shared {
+    sleep: Pin<Box<Sleep>>,
+    /// What `sleep` is set to; `None` until the first deadline.
+    armed: Option<Instant>,
+}
+
+fn lock(m: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl ConnTimer {
+    /// Needs a tokio runtime (it creates an unarmed tokio timer).
+    pub(crate) fn new() -> ConnTimer {
+        // A far deadline that is never polled: registering happens at the first reset.
+        let idle = Box::pin(tokio::time::sleep(Duration::from_secs(86_400 * 365)));
+        ConnTimer {
+            shared: Arc::new(Mutex::new(Shared {
+                sleep: idle,
+                armed: None,
+            })),
+        }
+    }
+
+    fn deadline(&self, at: Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {
+        Box::pin(Deadline {
+            shared: self.shared.clone(),
+            at,
+        })
+    }
+}
+
+// hyper's `Timer` speaks `std::time::Instant`; everything here converts to tokio's at once
+// so that paused time in tests applies.
+#[allow(clippy::disallowed_types)]
+impl hyper::rt::Timer for ConnTimer {
+    fn sleep(&self, duration: Duration) -> Pin<Box<dyn hyper::rt::Sleep>> {
+        self.deadline(Instant::now() + duration)
+    }
+
+    fn sleep_until(&self, deadline: std::time::Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {
+        self.deadline(Instant::from_std(deadline))
+    }
+
+    fn now(&self) -> std::time::Instant {
+        Instant::now().into_std()
+    }
+}
+
+/// One deadline hyper asked for, served by the connection's timer.
+struct Deadline {
+    shared: Arc<Mutex<Shared>>,
+    at: Instant,
+}
+
+impl hyper::rt::Sleep for Deadline {}
+
+impl Future for Deadline {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let at = self.at;
+        let mut sh = lock(&self.shared);
+        // Set no later than `at` and not fired yet: it will wake us, no need for the clock.
+        if sh.armed.is_some_and(|armed| armed <= at) && sh.sleep.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        // Fired (perhaps for an earlier deadline that has since moved), set for later than
+        // `at`, or never set.
+        if Instant::now() >= at {
+            return Poll::Ready(());
+        }
+        sh.sleep.as_mut().reset(at);
+        sh.armed = Some(at);
+        if sh.sleep.as_mut().poll(cx).is_ready() {
+            // Fired between the clock read above and here: go round once more.
+            cx.waker().wake_by_ref();
+        }
+        Poll::Pending
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hyper::rt::Timer;
+
+    #[tokio::test(start_paused = true)]
+    async fn deadlines_fire_on_time_with_one_timer_moved_forward() {
+        let timer = ConnTimer::new();
+        let t0 = Instant::now();
+        let first = timer.sleep(Duration::from_secs(30));
+        // A later deadline asked for before the first one fires, as for the next request.
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        drop(first);
+        let second = timer.sleep(Duration::from_secs(30));
+        second.await;
+        assert_eq!(Instant::now() - t0, Duration::from_secs(40));
+
+        // An earlier deadline than the one armed moves the timer back.
+        let late = timer.sleep(Duration::from_secs(60));
+        let early = timer.sleep(Duration::from_secs(5));
+        let t1 = Instant::now();
+        early.await;
+        assert_eq!(Instant::now() - t1, Duration::from_secs(5));
+        late.await;
+        assert_eq!(Instant::now() - t1, Duration::from_secs(60));
+    }
+}
