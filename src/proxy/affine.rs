@@ -2,7 +2,7 @@
 //! task. A keep-alive client's next request goes out on the upstream connection its last
 //! one used: no pool lookup, no shared lock, no spawned task, and no hop to another task
 //! and back (the client connection's task polls its upstream connections itself, see
-//! [`Driven`]). With one event loop per core (`server::Workers`) a request then stays on
+//! `Driven`). With one event loop per core (`server::Workers`) a request then stays on
 //! one thread from the client's bytes to the upstream's and back.
 //!
 //! When the client leaves, its idle upstream connections go to an idle list
