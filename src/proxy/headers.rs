@@ -21,6 +21,23 @@ static HOP_BY_HOP: [HeaderName; FIXED] = [
     header::PROXY_AUTHENTICATE,
 ];
 
+/// The position of a name in [`HOP_BY_HOP`]: a `match` on the string compiles to a switch on
+/// its length and one comparison, where comparing with each typed name took nine.
+fn fixed_index(name: &str) -> Option<usize> {
+    Some(match name {
+        "connection" => 0,
+        "proxy-connection" => 1,
+        "keep-alive" => 2,
+        "te" => 3,
+        "trailer" => 4,
+        "transfer-encoding" => 5,
+        "upgrade" => 6,
+        "proxy-authorization" => 7,
+        "proxy-authenticate" => 8,
+        _ => return None,
+    })
+}
+
 /// Removes the fixed hop-by-hop fields and every field that `Connection` names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // One pass over the few names present (cheap comparisons) finds which fixed ones are
@@ -28,7 +45,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // have none, most responses only `Connection`.
     let mut present = [false; FIXED];
     for k in headers.keys() {
-        if let Some(i) = HOP_BY_HOP.iter().position(|h| h == k) {
+        if let Some(i) = fixed_index(k.as_str()) {
             present[i] = true;
         }
     }
@@ -68,6 +85,14 @@ pub fn append_via(headers: &mut HeaderMap) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_match_agrees_with_the_table() {
+        for (i, name) in HOP_BY_HOP.iter().enumerate() {
+            assert_eq!(fixed_index(name.as_str()), Some(i), "{name}");
+        }
+        assert_eq!(fixed_index("x-connection"), None);
+    }
 
     #[test]
     fn strips_fixed_and_named_fields() {
