@@ -135,8 +135,9 @@ pub struct BodyStalled(Duration);
 /// An upstream response body on its way to the client. It holds the request's
 /// concurrency permit until the last frame (or until it is dropped), and fails the body
 /// if the upstream sends nothing for `idle`.
-pub struct ResponseBody {
-    inner: Body,
+/// Generic over the upstream's body so that it is boxed once, here, not twice.
+pub struct ResponseBody<B> {
+    inner: B,
     permit: Option<Permit>,
     /// The upstream connection, given back for the next request once the body is read.
     lease: Option<Lease>,
@@ -146,8 +147,12 @@ pub struct ResponseBody {
     timer: Option<Pin<Box<Sleep>>>,
 }
 
-impl ResponseBody {
-    pub fn wrap(inner: Body, permit: Option<Permit>, lease: Option<Lease>, idle: Duration) -> Body {
+impl<B> ResponseBody<B>
+where
+    B: HttpBody<Data = Bytes> + Unpin + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    pub fn wrap(inner: B, permit: Option<Permit>, lease: Option<Lease>, idle: Duration) -> Body {
         let permit = permit.filter(Permit::holds_concurrency);
         ResponseBody {
             inner,
@@ -169,7 +174,11 @@ impl ResponseBody {
     }
 }
 
-impl HttpBody for ResponseBody {
+impl<B> HttpBody for ResponseBody<B>
+where
+    B: HttpBody<Data = Bytes> + Unpin + Send + 'static,
+    B::Error: Into<BoxError>,
+{
     type Data = Bytes;
     type Error = BoxError;
 
@@ -197,7 +206,7 @@ impl HttpBody for ResponseBody {
             Poll::Ready(Some(Err(e))) => {
                 this.permit = None;
                 this.lease = None;
-                Poll::Ready(Some(Err(e)))
+                Poll::Ready(Some(Err(e.into())))
             }
             Poll::Pending => {
                 let idle = this.idle;

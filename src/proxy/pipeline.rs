@@ -356,7 +356,7 @@ async fn attempt(
         .upstream_responses
         .with_label_values(&[upstream, family, resp.status().as_str()])
         .inc();
-    Ok(resp.map(|b| ResponseBody::wrap(super::stream(b), permit, lease, timeout)))
+    Ok(resp.map(|b| ResponseBody::wrap(b, permit, lease, timeout)))
 }
 
 #[cfg(test)]
