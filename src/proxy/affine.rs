@@ -193,19 +193,18 @@ impl Affine {
         resolver: &Resolver,
         mut req: Request<Body>,
     ) -> Result<(Response<Incoming>, Option<Lease>), AttemptError> {
-        let uri = req.uri();
-        let host = uri
+        let origin = origin_form(req.uri());
+        let absolute = std::mem::replace(req.uri_mut(), origin);
+        let host = absolute
             .host()
             .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
             .filter(|h| !h.is_empty())
-            .ok_or_else(|| AttemptError::Connect("the request has no host".into()))?
-            .to_owned();
-        let port = uri.port_u16().unwrap_or(80);
-        *req.uri_mut() = origin_form(uri);
+            .ok_or_else(|| AttemptError::Connect("the request has no host".into()))?;
+        let port = absolute.port_u16().unwrap_or(80);
         loop {
-            let ((id, mut sender), reused) = match self.checkout(&host, port) {
+            let ((id, mut sender), reused) = match self.checkout(host, port) {
                 Some(conn) => (conn, true),
-                None => (self.connect(resolver, &host, port).await?, false),
+                None => (self.connect(resolver, host, port).await?, false),
             };
             if let Err(e) = sender.ready().await {
                 if reused {
