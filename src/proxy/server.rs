@@ -257,7 +257,9 @@ impl Server {
         app.start_draining();
         let delay = config.proxy.shutdown_delay;
         tracing::info!(shutdown_delay = ?delay, drain_timeout = ?config.proxy.drain_timeout, "shutdown: not ready any more");
-        tokio::time::sleep(delay).await;
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await; // still accepting meanwhile
+        }
         accepting.cancel();
         let _ = accept.await; // the listener is closed: new connections are refused
 
