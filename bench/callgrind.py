@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from common import SLUICE, Procs, wait_http
+from common import SLUICE, Procs, absolute_form_script, hello_nginx, passthrough_config, wait_http
 
 SECONDS = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 8
 TOP = "--top" in sys.argv or "--self" in sys.argv
@@ -60,39 +60,8 @@ def measure(name, script, pid):
 
 
 def main():
-    nginx_conf = os.path.join(work, "nginx.conf")
-    with open(nginx_conf, "w") as f:
-        f.write(f"""
-worker_processes 1;
-daemon off;
-pid {work}/nginx.pid;
-error_log {work}/error.log;
-events {{ worker_connections 1024; }}
-http {{
-  access_log off;
-  keepalive_requests 1000000;
-  server {{
-    listen 127.0.0.1:{NGINX_PORT};
-    listen 127.0.0.1:{NGINX_PORT_MATCHED};
-    location / {{ return 200 "hello\\n"; }}
-  }}
-}}
-""")
-    procs.start(["nginx", "-c", nginx_conf, "-p", work])
-    sluice_conf = os.path.join(work, "sluice.toml")
-    with open(sluice_conf, "w") as f:
-        f.write(f"""
-[proxy]
-listen = "127.0.0.1:{PROXY_PORT}"
-admin = "127.0.0.1:{ADMIN_PORT}"
-[[upstream]]
-name = "bench"
-hosts = ["127.0.0.1:{NGINX_PORT_MATCHED}"]
-limits = [{{ kind = "token_bucket", rate = 100000000, per = "1s", burst = 100000000 }}]
-  [[upstream.family]]
-  name = "all"
-  paths = ["/**"]
-""")
+    hello_nginx(procs, work, [NGINX_PORT, NGINX_PORT_MATCHED])
+    sluice_conf = passthrough_config(work, PROXY_PORT, ADMIN_PORT, NGINX_PORT_MATCHED)
     sluice = procs.start(
         ["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/cg.out",
          SLUICE, "run", "-c", sluice_conf],
@@ -108,10 +77,7 @@ limits = [{{ kind = "token_bucket", rate = 100000000, per = "1s", burst = 100000
     print("| target | requests counted | instructions per request |")
     print("| --- | --- | --- |")
     for name, port in [("unmatched host", NGINX_PORT), ("matched upstream + generous limit", NGINX_PORT_MATCHED)]:
-        script = os.path.join(work, f"{port}.lua")
-        with open(script, "w") as f:
-            f.write(f'wrk.path = "http://127.0.0.1:{port}/"\n')
-        measure(name, script, sluice.pid)
+        measure(name, absolute_form_script(work, port), sluice.pid)
 
 
 try:

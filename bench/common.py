@@ -93,3 +93,56 @@ def wrk(url, conns, seconds, script=None):
     if bad:
         raise SystemExit(f"{url}: {bad.group(1)} non-2xx responses\n{out}")
     return rps, lat["50"], lat["99"]
+
+
+def hello_nginx(procs, work, ports):
+    """Starts nginx (one worker, keep-alive without limit) answering `200 hello` on each
+    of `ports` on 127.0.0.1."""
+    conf = os.path.join(work, "nginx.conf")
+    listens = "".join(f"    listen 127.0.0.1:{p};\n" for p in ports)
+    with open(conf, "w") as f:
+        f.write(f"""
+worker_processes 1;
+daemon off;
+pid {work}/nginx.pid;
+error_log {work}/error.log;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  keepalive_requests 1000000;
+  server {{
+{listens}    location / {{ return 200 "hello\\n"; }}
+  }}
+}}
+""")
+    return procs.start(["nginx", "-c", conf, "-p", work])
+
+
+def passthrough_config(work, listen, admin, matched_port):
+    """A sluice config where 127.0.0.1:`matched_port` is an upstream whose one family pays
+    a token bucket generous enough never to make anyone wait: what is measured is the
+    cost of paying it. Any other host is unmatched and passes. Returns its path."""
+    path = os.path.join(work, "sluice.toml")
+    with open(path, "w") as f:
+        f.write(f"""
+[proxy]
+listen = "127.0.0.1:{listen}"
+admin = "127.0.0.1:{admin}"
+[[upstream]]
+name = "bench"
+hosts = ["127.0.0.1:{matched_port}"]
+limits = [{{ kind = "token_bucket", rate = 100000000, per = "1s", burst = 100000000 }}]
+  [[upstream.family]]
+  name = "all"
+  paths = ["/**"]
+""")
+    return path
+
+
+def absolute_form_script(work, port):
+    """A wrk script sending absolute-form request lines for 127.0.0.1:`port`, as a client
+    configured with HTTP_PROXY does. Returns its path."""
+    path = os.path.join(work, f"absolute-{port}.lua")
+    with open(path, "w") as f:
+        f.write(f'wrk.path = "http://127.0.0.1:{port}/"\n')
+    return path

@@ -10,7 +10,17 @@ import statistics
 import sys
 import tempfile
 
-from common import SLUICE, Procs, cpu_seconds, rss_kib, wait_http, wrk
+from common import (
+    SLUICE,
+    Procs,
+    absolute_form_script,
+    cpu_seconds,
+    hello_nginx,
+    passthrough_config,
+    rss_kib,
+    wait_http,
+    wrk,
+)
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 10
@@ -23,52 +33,17 @@ procs = Procs()
 
 
 def main():
-    nginx_conf = os.path.join(work, "nginx.conf")
-    with open(nginx_conf, "w") as f:
-        f.write(f"""
-worker_processes 1;
-daemon off;
-pid {work}/nginx.pid;
-error_log {work}/error.log;
-events {{ worker_connections 1024; }}
-http {{
-  access_log off;
-  keepalive_requests 1000000;
-  server {{
-    listen 127.0.0.1:{NGINX_PORT};
-    listen 127.0.0.1:{NGINX_PORT_MATCHED};
-    location / {{ return 200 "hello\\n"; }}
-  }}
-}}
-""")
-    procs.start(["nginx", "-c", nginx_conf, "-p", work])
-    sluice_conf = os.path.join(work, "sluice.toml")
-    with open(sluice_conf, "w") as f:
-        f.write(f"""
-[proxy]
-listen = "127.0.0.1:{PROXY_PORT}"
-admin = "127.0.0.1:{ADMIN_PORT}"
-[[upstream]]
-name = "bench"
-hosts = ["127.0.0.1:{NGINX_PORT_MATCHED}"]
-# Generous enough never to make anyone wait: what is measured is the cost of paying it.
-limits = [{{ kind = "token_bucket", rate = 100000000, per = "1s", burst = 100000000 }}]
-  [[upstream.family]]
-  name = "all"
-  paths = ["/**"]
-""")
+    hello_nginx(procs, work, [NGINX_PORT, NGINX_PORT_MATCHED])
+    sluice_conf = passthrough_config(work, PROXY_PORT, ADMIN_PORT, NGINX_PORT_MATCHED)
     sluice = procs.start([SLUICE, "run", "-c", sluice_conf], env={**os.environ, "RUST_LOG": "warn"})
     wait_http(f"http://127.0.0.1:{NGINX_PORT_MATCHED}/")
     wait_http(f"http://127.0.0.1:{ADMIN_PORT}/readyz")
     procs.check_alive()
 
-    scripts = {}
-    for name, port in [("unmatched", NGINX_PORT), ("matched", NGINX_PORT_MATCHED)]:
-        path = os.path.join(work, f"{name}.lua")
-        with open(path, "w") as f:
-            # Absolute-form request line, as a client configured with HTTP_PROXY sends it.
-            f.write(f'wrk.path = "http://127.0.0.1:{port}/"\n')
-        scripts[name] = path
+    scripts = {
+        "unmatched": absolute_form_script(work, NGINX_PORT),
+        "matched": absolute_form_script(work, NGINX_PORT_MATCHED),
+    }
 
     targets = [
         ("direct", f"http://127.0.0.1:{NGINX_PORT}/", None),

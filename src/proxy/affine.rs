@@ -161,16 +161,15 @@ impl IdleConns {
 pub struct Lease {
     affine: Affine,
     id: u64,
-    sender: Option<Sender>,
+    sender: Sender,
 }
 
 impl Lease {
-    pub fn release(mut self) {
-        if let Some(sender) = self.sender.take() {
-            let mut st = lock(&self.affine.state);
-            if let Some(slot) = st.slots.iter_mut().find(|s| s.id == self.id) {
-                slot.sender = Some((sender, Instant::now()));
-            }
+    pub fn release(self) {
+        let Lease { affine, id, sender } = self;
+        let mut st = lock(&affine.state);
+        if let Some(slot) = st.slots.iter_mut().find(|s| s.id == id) {
+            slot.sender = Some((sender, Instant::now()));
         }
     }
 }
@@ -217,7 +216,7 @@ impl Affine {
                     let lease = Lease {
                         affine: self.clone(),
                         id,
-                        sender: Some(sender),
+                        sender,
                     };
                     if http_body::Body::is_end_stream(resp.body()) {
                         lease.release();
