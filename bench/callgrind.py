@@ -46,7 +46,7 @@ def measure(name, script, pid):
     subprocess.run(["callgrind_control", "-d", str(pid)], check=True, capture_output=True)
     time.sleep(1)
     dumps = sorted(glob.glob(os.path.join(work, "cg.out.*")))
-    annotate = ["callgrind_annotate", f"--inclusive={'no' if SELF else 'yes'}", dumps[-1]]
+    annotate = ["callgrind_annotate", "--auto=no", f"--inclusive={'no' if SELF else 'yes'}", dumps[-1]]
     out = subprocess.run(annotate, capture_output=True, text=True, check=True).stdout
     if os.environ.get("KEEP"):
         shutil.copy(dumps[-1], os.environ["KEEP"] + "." + name.split()[0])
