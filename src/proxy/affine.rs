@@ -187,49 +187,56 @@ impl Affine {
     /// connections, adopting an idle one or connecting when it has none. The lease goes
     /// with the response body; a response without one (HEAD, 204, 304, length 0) gives
     /// the connection back at once, since no one will read a body to its end.
-    pub async fn send(
-        &self,
-        resolver: &Resolver,
+    ///
+    /// Not an `async fn`, which would keep a second copy of the request (see
+    /// `forward::forward`).
+    pub fn send<'a>(
+        &'a self,
+        resolver: &'a Resolver,
         mut req: Request<Body>,
-    ) -> Result<(Response<Incoming>, Option<Lease>), AttemptError> {
+    ) -> impl Future<Output = Result<(Response<Incoming>, Option<Lease>), AttemptError>> + 'a {
         let origin = origin_form(req.uri());
         let absolute = std::mem::replace(req.uri_mut(), origin);
-        let host = absolute
-            .host()
-            .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
-            .filter(|h| !h.is_empty())
-            .ok_or_else(|| AttemptError::Connect("the request has no host".into()))?;
-        let port = absolute.port_u16().unwrap_or(80);
-        loop {
-            let ((id, mut sender), reused) = match self.checkout(host, port) {
-                Some(conn) => (conn, true),
-                None => (self.connect(resolver, host, port).await?, false),
-            };
-            if let Err(e) = sender.ready().await {
-                if reused {
-                    continue; // closed while idle: the next one, or a new one
-                }
-                return Err(AttemptError::Reset(Box::new(e)));
-            }
-            match sender.try_send_request(req).await {
-                Ok(resp) => {
-                    let lease = Lease {
-                        affine: self.clone(),
-                        id,
-                        sender,
-                    };
-                    if http_body::Body::is_end_stream(resp.body()) {
-                        lease.release();
-                        return Ok((resp, None));
+        async move {
+            let host = absolute
+                .host()
+                .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
+                .filter(|h| !h.is_empty())
+                .ok_or_else(|| AttemptError::Connect("the request has no host".into()))?;
+            let port = absolute.port_u16().unwrap_or(80);
+            loop {
+                let ((id, mut sender), reused) = match self.checkout(host, port) {
+                    Some(conn) => (conn, true),
+                    // Boxed: connecting is rare next to sending on a kept connection, and
+                    // its future would otherwise size every request's.
+                    None => (Box::pin(self.connect(resolver, host, port)).await?, false),
+                };
+                if let Err(e) = sender.ready().await {
+                    if reused {
+                        continue; // closed while idle: the next one, or a new one
                     }
-                    return Ok((resp, Some(lease)));
+                    return Err(AttemptError::Reset(Box::new(e)));
                 }
-                Err(mut e) => match e.take_message() {
-                    // Never written: the connection closed under us and nothing reached
-                    // the upstream, so it goes on another connection whatever the method.
-                    Some(unsent) if reused => req = unsent,
-                    _ => return Err(AttemptError::Reset(Box::new(e.into_error()))),
-                },
+                match sender.try_send_request(req).await {
+                    Ok(resp) => {
+                        let lease = Lease {
+                            affine: self.clone(),
+                            id,
+                            sender,
+                        };
+                        if http_body::Body::is_end_stream(resp.body()) {
+                            lease.release();
+                            return Ok((resp, None));
+                        }
+                        return Ok((resp, Some(lease)));
+                    }
+                    Err(mut e) => match e.take_message() {
+                        // Never written: the connection closed under us and nothing reached
+                        // the upstream, so it goes on another connection whatever the method.
+                        Some(unsent) if reused => req = unsent,
+                        _ => return Err(AttemptError::Reset(Box::new(e.into_error()))),
+                    },
+                }
             }
         }
     }

@@ -11,6 +11,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
+use super::affine::Lease;
 use super::error::{ProxyError, chain, find_cause};
 use super::{Body, BoxError};
 use crate::config::RetryOn;
@@ -45,8 +46,13 @@ impl UpstreamClient {
         UpstreamClient { inner }
     }
 
-    pub async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, AttemptError> {
-        self.inner.request(req).await.map_err(|e| {
+    /// The response, with no lease: the pool keeps its connections (compare
+    /// `Affine::send`).
+    pub async fn send(
+        &self,
+        req: Request<Body>,
+    ) -> Result<(Response<Incoming>, Option<Lease>), AttemptError> {
+        let resp = self.inner.request(req).await.map_err(|e| {
             if let Some(EgressError::Denied { addr }) = find_cause::<EgressError>(&e) {
                 AttemptError::Denied(EgressError::Denied { addr: *addr })
             } else if find_cause::<rustls::Error>(&e).is_some() {
@@ -56,7 +62,8 @@ impl UpstreamClient {
             } else {
                 AttemptError::Reset(Box::new(e))
             }
-        })
+        })?;
+        Ok((resp, None))
     }
 }
 

@@ -2,6 +2,7 @@
 //! apply the egress rules, rewrite it for the upstream (hop-by-hop fields out, `Host` set
 //! to the target), hand it to the pipeline, and relay the answer with its body streamed.
 
+use std::future::Future;
 use std::net::IpAddr;
 
 use http::header::{self, HeaderValue};
@@ -9,6 +10,7 @@ use http::uri::PathAndQuery;
 use http::{Method, Request, Response, Uri, Version};
 use hyper::body::Incoming;
 use tokio::time::Instant;
+use tokio_util::either::Either;
 
 use super::affine::Affine;
 use super::error::ProxyError;
@@ -113,76 +115,105 @@ fn path_and_query(uri: &Uri) -> PathAndQuery {
         .unwrap_or_else(|| PathAndQuery::from_static("/"))
 }
 
-pub async fn forward(app: &App, upstreams: &Affine, req: Request<Incoming>) -> Response<Body> {
+/// The plain functions here return `async move` blocks rather than being `async fn`s: an
+/// `async fn` stores a second copy of each argument it moves on, and a request's future is
+/// copied whole at every level that builds it (docs/BENCHMARKS.md).
+pub fn forward<'a>(
+    app: &'a App,
+    upstreams: &'a Affine,
+    req: Request<Incoming>,
+) -> impl Future<Output = Response<Body>> + 'a {
     let start = Instant::now();
     match Target::from_uri(req.uri()) {
-        Ok(target) => route_and_send(app, Some(upstreams), req, target, start).await,
+        Ok(target) => Either::Left(route_and_send(app, Some(upstreams), req, target, start)),
         Err(e) => {
             let config = app.config();
-            let method = req.method().clone();
-            finish(app, &config, None, &method, "-", "-", start, Err(e))
+            let resp = finish(app, &config, None, req.method(), "-", "-", start, Err(e));
+            Either::Right(std::future::ready(resp))
         }
     }
 }
 
 /// A request inside an intercepted tunnel to `host:port`: routed and limited exactly like
 /// plain HTTP, sent on over verified TLS.
-pub async fn intercepted(
-    app: &App,
+pub fn intercepted<'a>(
+    app: &'a App,
     req: Request<Incoming>,
     host: &str,
     port: u16,
-) -> Response<Body> {
+) -> impl Future<Output = Response<Body>> + 'a {
     let start = Instant::now();
     let target = Target::in_tunnel(host, port, req.uri());
-    route_and_send(app, None, req, target, start).await
+    route_and_send(app, None, req, target, start)
 }
 
 /// `upstreams`: the client connection's own plain-HTTP upstream connections, when it has
 /// them (not inside an intercepted tunnel, whose upstream is reached over TLS).
-async fn route_and_send(
-    app: &App,
-    upstreams: Option<&Affine>,
+#[allow(clippy::manual_async_fn, reason = "see above: arguments stored once")]
+fn route_and_send<'a>(
+    app: &'a App,
+    upstreams: Option<&'a Affine>,
     req: Request<Incoming>,
     mut target: Target,
     start: Instant,
-) -> Response<Body> {
-    let config = app.config();
-    let method = req.method().clone();
-    let route = config.route(
-        &target.host,
-        target.port,
-        &method,
-        target.path(),
-        req.headers(),
-    );
-    if let Some(r) = &route
-        && !target.https
-        && config.upstreams[r.upstream].scheme == Scheme::Https
-    {
-        target.originate_tls(req.uri().port_u16().is_some());
+) -> impl Future<Output = Response<Body>> + 'a {
+    async move {
+        let config = app.config();
+        let method = req.method().clone();
+        let route = config.route(
+            &target.host,
+            target.port,
+            &method,
+            target.path(),
+            req.headers(),
+        );
+        if let Some(r) = &route
+            && !target.https
+            && config.upstreams[r.upstream].scheme == Scheme::Https
+        {
+            target.originate_tls(req.uri().port_u16().is_some());
+        }
+        // Not a `match` around the await: its scrutinee (the request, 240 bytes) would
+        // stay in the future while the upstream answers.
+        let req = match admit(&config, route.as_ref(), &target, req) {
+            Ok(req) => req,
+            Err(e) => {
+                let route = route.as_ref();
+                return finish(
+                    app,
+                    &config,
+                    route,
+                    &method,
+                    &target.host,
+                    target.path(),
+                    start,
+                    Err(e),
+                );
+            }
+        };
+        let result = pipeline::run(app, &config, upstreams, route.as_ref(), req)
+            .await
+            .map(from_upstream);
+        finish(
+            app,
+            &config,
+            route.as_ref(),
+            &method,
+            &target.host,
+            target.path(),
+            start,
+            result,
+        )
     }
-    let result = send(app, &config, upstreams, route.as_ref(), &target, req).await;
-    finish(
-        app,
-        &config,
-        route.as_ref(),
-        &method,
-        &target.host,
-        target.path(),
-        start,
-        result,
-    )
 }
 
-async fn send(
-    app: &App,
+/// The egress rules, then the request as the upstream will see it.
+fn admit(
     config: &Live,
-    upstreams: Option<&Affine>,
     route: Option<&Route>,
     target: &Target,
     req: Request<Incoming>,
-) -> Result<Response<Body>, ProxyError> {
+) -> Result<Request<Body>, ProxyError> {
     if route.is_none() && config.proxy.unmatched == Unmatched::Deny {
         return Err(ProxyError::UnmatchedDenied);
     }
@@ -192,9 +223,7 @@ async fn send(
     {
         return Err(ProxyError::Egress(EgressError::Denied { addr: ip }));
     }
-    let req = to_upstream(req, target)?;
-    let resp = pipeline::run(app, config, upstreams, route, req).await?;
-    Ok(from_upstream(resp))
+    to_upstream(req, target)
 }
 
 fn to_upstream(req: Request<Incoming>, target: &Target) -> Result<Request<Body>, ProxyError> {

@@ -13,12 +13,14 @@
 //! Retries sit outside the limiter, so every attempt pays the limits again; the breaker
 //! sits inside the retry loop, so a retry never reaches an upstream declared dead.
 
+use std::future::Future;
 use std::time::{Duration, SystemTime};
 
 use http::header::HeaderValue;
 use http::uri::Scheme;
 use http::{HeaderMap, Method, Request, Response, Uri, Version};
 use tokio::time::Instant;
+use tokio_util::either::Either;
 
 use super::Body;
 use super::affine::Affine;
@@ -38,36 +40,42 @@ use crate::route::Route;
 const MAX_PAUSE: Duration = Duration::from_secs(3600);
 
 /// Sends `req` (already stripped and addressed to the upstream) under the route's policy.
-pub async fn run(
-    app: &App,
-    config: &Live,
-    upstreams: Option<&Affine>,
-    route: Option<&Route>,
+///
+/// The functions here return `async move` blocks rather than being `async fn`s, which
+/// would keep a second copy of the request (see `forward::forward`).
+#[allow(clippy::manual_async_fn, reason = "see above: arguments stored once")]
+pub fn run<'a>(
+    app: &'a App,
+    config: &'a Live,
+    upstreams: Option<&'a Affine>,
+    route: Option<&'a Route>,
     req: Request<Body>,
-) -> Result<Response<Body>, ProxyError> {
-    let Some(route) = route else {
-        // Unmatched hosts pass through with [defaults] timeouts: no limits, retries or breaker.
-        let p = &config.defaults;
-        let once = async {
-            Ok(attempt(app, config, upstreams, None, p.attempt_timeout, req, None).await?)
+) -> impl Future<Output = Result<Response<Body>, ProxyError>> + 'a {
+    async move {
+        let Some(route) = route else {
+            // Unmatched hosts pass through with [defaults] timeouts: no limits, retries or
+            // breaker.
+            let p = &config.defaults;
+            let once = attempt(app, config, upstreams, None, p.attempt_timeout, req, None);
+            if p.attempt_timeout <= p.total_timeout {
+                // The single attempt's own timer always fires first: a second one would
+                // only cost a timer-wheel insert and removal on every request.
+                return Ok(once.await?);
+            }
+            return match tokio::time::timeout(p.total_timeout, once).await {
+                Ok(result) => Ok(result?),
+                Err(_) => Err(ProxyError::TotalTimeout(p.total_timeout)),
+            };
         };
-        if p.attempt_timeout <= p.total_timeout {
-            // The single attempt's own timer always fires first: a second one would only
-            // cost a timer-wheel insert and removal on every request.
-            return once.await;
-        }
-        return tokio::time::timeout(p.total_timeout, once)
-            .await
-            .unwrap_or(Err(ProxyError::TotalTimeout(p.total_timeout)));
-    };
-    let policy = config.policy(route);
-    let deadline = Instant::now() + policy.total_timeout;
-    tokio::time::timeout_at(
-        deadline,
-        retry_loop(app, config, upstreams, route, policy, req, deadline),
-    )
-    .await
-    .unwrap_or(Err(ProxyError::TotalTimeout(policy.total_timeout)))
+        let policy = config.policy(route);
+        let deadline = Instant::now() + policy.total_timeout;
+        tokio::time::timeout_at(
+            deadline,
+            retry_loop(app, config, upstreams, route, policy, req, deadline),
+        )
+        .await
+        .unwrap_or(Err(ProxyError::TotalTimeout(policy.total_timeout)))
+    }
 }
 
 /// What an attempt needs of the request, kept so that it can be rebuilt for a retry.
@@ -89,28 +97,16 @@ impl Head {
     }
 }
 
-async fn retry_loop(
-    app: &App,
-    config: &Live,
-    upstreams: Option<&Affine>,
-    route: &Route,
-    policy: &Policy,
+fn retry_loop<'a>(
+    app: &'a App,
+    config: &'a Live,
+    upstreams: Option<&'a Affine>,
+    route: &'a Route,
+    policy: &'a Policy,
     req: Request<Body>,
     deadline: Instant,
-) -> Result<Response<Body>, ProxyError> {
-    let upstream = &config.upstreams[route.upstream];
-    let (up_label, fam_label) = config.labels(Some(route));
-    let retry = &policy.retry;
-    let shared = &config.policies.upstreams[route.upstream];
-    let plan = &config.plans[route.upstream];
-    let circuit = shared.circuit(route.family);
-    let retry_metric = |reason: &str| {
-        app.metrics
-            .retries
-            .with_label_values(&[up_label, fam_label, reason])
-            .inc()
-    };
-
+) -> impl Future<Output = Result<Response<Body>, ProxyError>> + 'a {
+    // Taken apart before the future is built, so that it holds the parts only once.
     let (parts, body) = req.into_parts();
     let mut head = Head {
         method: parts.method,
@@ -118,152 +114,172 @@ async fn retry_loop(
         version: parts.version,
         headers: parts.headers,
     };
-    if upstream.idempotency_generate
-        && head.method == Method::POST
-        && !head.headers.contains_key(&retry.idempotency_header)
-    {
-        head.headers
-            .insert(retry.idempotency_header.clone(), idempotency_key());
-    }
-    let safe = is_idempotent(&head.method) || head.headers.contains_key(&retry.idempotency_header);
-    let mut body = if safe && retry.max_attempts > 1 {
-        RequestBody::buffer(body, config.proxy.max_replay_body)
-            .await
-            .map_err(|e| ProxyError::BadRequest(format!("reading the request body failed: {e}")))?
-    } else {
-        RequestBody::Once(Some(body))
-    };
-    shared.budget().record_request(Instant::now());
+    async move {
+        let upstream = &config.upstreams[route.upstream];
+        let (up_label, fam_label) = config.labels(Some(route));
+        let retry = &policy.retry;
+        let shared = &config.policies.upstreams[route.upstream];
+        let plan = &config.plans[route.upstream];
+        let circuit = shared.circuit(route.family);
+        let retry_metric = |reason: &str| {
+            app.metrics
+                .retries
+                .with_label_values(&[up_label, fam_label, reason])
+                .inc()
+        };
 
-    let mut prev_delay = retry.backoff.base;
-    let mut attempt_no = 1u32;
-    loop {
-        let probe = match circuit.with(|b| b.admit(Instant::now())) {
-            Admit::Yes => false,
-            Admit::Probe => true,
-            Admit::No { retry_after } => return Err(ProxyError::BreakerOpen { retry_after }),
+        if upstream.idempotency_generate
+            && head.method == Method::POST
+            && !head.headers.contains_key(&retry.idempotency_header)
+        {
+            head.headers
+                .insert(retry.idempotency_header.clone(), idempotency_key());
+        }
+        let safe =
+            is_idempotent(&head.method) || head.headers.contains_key(&retry.idempotency_header);
+        let mut body = if safe && retry.max_attempts > 1 {
+            RequestBody::buffer(body, config.proxy.max_replay_body)
+                .await
+                .map_err(|e| {
+                    ProxyError::BadRequest(format!("reading the request body failed: {e}"))
+                })?
+        } else {
+            RequestBody::Once(Some(body))
         };
-        let mut probe_guard = ProbeGuard {
-            circuit,
-            armed: probe,
-        };
-        let permit = app.limiter.acquire(plan, route).await?;
-        let Some(attempt_body) = body.for_attempt() else {
-            return Err(ProxyError::BadRequest("request body already sent".into()));
-        };
-        let result = attempt(
-            app,
-            config,
-            upstreams,
-            Some(route),
-            policy.attempt_timeout,
-            head.request(attempt_body),
-            permit,
-        )
-        .await;
-        let now = Instant::now();
-        let may_retry = body.replayable() && attempt_no < retry.max_attempts;
+        shared.budget().record_request(Instant::now());
 
-        let (wants_retry, hint, outcome) = match result {
-            Ok(resp) => {
-                let status = resp.status().as_u16();
-                circuit.with(|b| b.record(status >= 500, probe, now));
-                probe_guard.armed = false;
-                let (resp, action) = if classify::needs_body(&upstream.classify, status) {
-                    let (parts, body) = resp.into_parts();
-                    match peek(body, classify::BODY_LIMIT).await {
-                        Ok((prefix, body)) => (
-                            Response::from_parts(parts, body),
-                            classify::classify(&upstream.classify, status, Some(&prefix)),
-                        ),
-                        Err(e) => return Err(ProxyError::UpstreamUnreachable(e)),
-                    }
-                } else {
-                    (resp, classify::classify(&upstream.classify, status, None))
-                };
-                // Only responses that may be retried or cooled down are read for hints.
-                let hint = (status == 429 || status >= 500 || action.is_some())
-                    .then(|| hints::server_hint(resp.headers(), SystemTime::now()))
-                    .flatten();
-                if let Some(action) = action
-                    && status == 429
-                {
-                    let name = match action {
-                        Action::Retry => "retry",
-                        Action::Cooldown => "cooldown",
-                        Action::Fail => "fail",
-                    };
-                    app.metrics
-                        .upstream_429
-                        .with_label_values(&[up_label, fam_label, name])
-                        .inc();
-                }
-                if action == Some(Action::Cooldown) {
-                    let pause = hint
-                        .map_or_else(|| backoff_delay(policy, attempt_no, prev_delay), |h| h.wait);
-                    let whole_family = upstream.cooldown == CooldownScope::Family;
-                    app.limiter
-                        .pause(plan, route, whole_family, now + pause.min(MAX_PAUSE));
-                    tracing::info!(
-                        upstream = up_label,
-                        family = fam_label,
-                        pause_ms = pause.as_millis() as u64,
-                        scope = if whole_family { "family" } else { "upstream" },
-                        "429: cooling the bucket down"
-                    );
-                }
-                (
-                    wants_retry(Some(status), None, action, &retry.on),
-                    hint,
-                    Ok(resp),
-                )
-            }
-            Err(e) => {
-                if matches!(e, AttemptError::Denied(_)) {
+        let mut prev_delay = retry.backoff.base;
+        let mut attempt_no = 1u32;
+        loop {
+            let probe = match circuit.with(|b| b.admit(Instant::now())) {
+                Admit::Yes => false,
+                Admit::Probe => true,
+                Admit::No { retry_after } => return Err(ProxyError::BreakerOpen { retry_after }),
+            };
+            let mut probe_guard = ProbeGuard {
+                circuit,
+                armed: probe,
+            };
+            let permit = app.limiter.acquire(plan, route).await?;
+            let Some(attempt_body) = body.for_attempt() else {
+                return Err(ProxyError::BadRequest("request body already sent".into()));
+            };
+            let result = attempt(
+                app,
+                config,
+                upstreams,
+                Some(route),
+                policy.attempt_timeout,
+                head.request(attempt_body),
+                permit,
+            )
+            .await;
+            let now = Instant::now();
+            let may_retry = body.replayable() && attempt_no < retry.max_attempts;
+
+            let (wants_retry, hint, outcome) = match result {
+                Ok(resp) => {
+                    let status = resp.status().as_u16();
+                    circuit.with(|b| b.record(status >= 500, probe, now));
                     probe_guard.armed = false;
-                    circuit.with(|b| b.abandon_probe());
-                    return Err(e.into());
+                    let (resp, action) = if classify::needs_body(&upstream.classify, status) {
+                        let (parts, body) = resp.into_parts();
+                        match peek(body, classify::BODY_LIMIT).await {
+                            Ok((prefix, body)) => (
+                                Response::from_parts(parts, body),
+                                classify::classify(&upstream.classify, status, Some(&prefix)),
+                            ),
+                            Err(e) => return Err(ProxyError::UpstreamUnreachable(e)),
+                        }
+                    } else {
+                        (resp, classify::classify(&upstream.classify, status, None))
+                    };
+                    // Only responses that may be retried or cooled down are read for hints.
+                    let hint = (status == 429 || status >= 500 || action.is_some())
+                        .then(|| hints::server_hint(resp.headers(), SystemTime::now()))
+                        .flatten();
+                    if let Some(action) = action
+                        && status == 429
+                    {
+                        let name = match action {
+                            Action::Retry => "retry",
+                            Action::Cooldown => "cooldown",
+                            Action::Fail => "fail",
+                        };
+                        app.metrics
+                            .upstream_429
+                            .with_label_values(&[up_label, fam_label, name])
+                            .inc();
+                    }
+                    if action == Some(Action::Cooldown) {
+                        let pause = hint.map_or_else(
+                            || backoff_delay(policy, attempt_no, prev_delay),
+                            |h| h.wait,
+                        );
+                        let whole_family = upstream.cooldown == CooldownScope::Family;
+                        app.limiter
+                            .pause(plan, route, whole_family, now + pause.min(MAX_PAUSE));
+                        tracing::info!(
+                            upstream = up_label,
+                            family = fam_label,
+                            pause_ms = pause.as_millis() as u64,
+                            scope = if whole_family { "family" } else { "upstream" },
+                            "429: cooling the bucket down"
+                        );
+                    }
+                    (
+                        wants_retry(Some(status), None, action, &retry.on),
+                        hint,
+                        Ok(resp),
+                    )
                 }
-                circuit.with(|b| b.record(true, probe, now));
-                probe_guard.armed = false;
-                (
-                    wants_retry(None, e.retry_on(), None, &retry.on),
-                    None,
-                    Err(e),
-                )
-            }
-        };
+                Err(e) => {
+                    if matches!(e, AttemptError::Denied(_)) {
+                        probe_guard.armed = false;
+                        circuit.with(|b| b.abandon_probe());
+                        return Err(e.into());
+                    }
+                    circuit.with(|b| b.record(true, probe, now));
+                    probe_guard.armed = false;
+                    (
+                        wants_retry(None, e.retry_on(), None, &retry.on),
+                        None,
+                        Err(e),
+                    )
+                }
+            };
 
-        let reason = match &outcome {
-            Ok(resp) => resp.status().as_str().to_string(),
-            Err(e) => e.label().to_string(),
-        };
-        if !(wants_retry && may_retry) {
-            return finish(outcome, attempt_no);
-        }
-        let (delay, why) = match hint {
-            Some(h) => (h.wait, h.source),
-            None => (backoff_delay(policy, attempt_no, prev_delay), "backoff"),
-        };
-        if hint.is_some_and(|h| h.wait > retry.max_retry_after) || now + delay >= deadline {
-            tracing::info!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
+            let reason = match &outcome {
+                Ok(resp) => resp.status().as_str().to_string(),
+                Err(e) => e.label().to_string(),
+            };
+            if !(wants_retry && may_retry) {
+                return finish(outcome, attempt_no);
+            }
+            let (delay, why) = match hint {
+                Some(h) => (h.wait, h.source),
+                None => (backoff_delay(policy, attempt_no, prev_delay), "backoff"),
+            };
+            if hint.is_some_and(|h| h.wait > retry.max_retry_after) || now + delay >= deadline {
+                tracing::info!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
                 wait_ms = delay.as_millis() as u64, why, "not retrying: the wait is longer than allowed");
-            return finish(outcome, attempt_no);
-        }
-        if !shared.budget().try_retry(now) {
-            retry_metric("budget_exhausted");
-            tracing::warn!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
+                return finish(outcome, attempt_no);
+            }
+            if !shared.budget().try_retry(now) {
+                retry_metric("budget_exhausted");
+                tracing::warn!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
                 "not retrying: the retry budget is exhausted");
-            return finish(outcome, attempt_no);
-        }
-        retry_metric(&reason);
-        tracing::info!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
+                return finish(outcome, attempt_no);
+            }
+            retry_metric(&reason);
+            tracing::info!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
             delay_ms = delay.as_millis() as u64, why, "retrying");
-        // The response (and its concurrency permit) goes before we wait.
-        drop(outcome);
-        tokio::time::sleep(delay).await;
-        prev_delay = delay;
-        attempt_no += 1;
+            // The response (and its concurrency permit) goes before we wait.
+            drop(outcome);
+            tokio::time::sleep(delay).await;
+            prev_delay = delay;
+            attempt_no += 1;
+        }
     }
 }
 
@@ -323,40 +339,38 @@ impl Drop for ProbeGuard<'_> {
 
 /// One upstream attempt: response headers within `timeout`, then a body that may not
 /// stall for longer than `timeout` between chunks. Measured per attempt.
-async fn attempt(
-    app: &App,
-    config: &Live,
-    upstreams: Option<&Affine>,
-    route: Option<&Route>,
+#[allow(clippy::manual_async_fn, reason = "see above: arguments stored once")]
+fn attempt<'a>(
+    app: &'a App,
+    config: &'a Live,
+    upstreams: Option<&'a Affine>,
+    route: Option<&'a Route>,
     timeout: Duration,
     req: Request<Body>,
     permit: Option<Permit>,
-) -> Result<Response<Body>, AttemptError> {
-    let (upstream, family) = config.labels(route);
-    let start = Instant::now();
-    let send = async {
-        match upstreams {
+) -> impl Future<Output = Result<Response<Body>, AttemptError>> + 'a {
+    async move {
+        let (upstream, family) = config.labels(route);
+        let start = Instant::now();
+        let send = match upstreams {
             Some(own) if req.uri().scheme() == Some(&Scheme::HTTP) => {
-                own.send(&app.resolver, req).await
+                Either::Left(own.send(&app.resolver, req))
             }
-            _ => {
-                let client = app.client_for(config, route.map(|r| r.upstream));
-                Ok((client.send(req).await?, None))
-            }
-        }
-    };
-    let (resp, lease) = tokio::time::timeout(timeout, send)
-        .await
-        .map_err(|_| AttemptError::Timeout(timeout))??;
-    app.metrics
-        .upstream_duration
-        .with_label_values(&[upstream, family])
-        .observe(start.elapsed().as_secs_f64());
-    app.metrics
-        .upstream_responses
-        .with_label_values(&[upstream, family, resp.status().as_str()])
-        .inc();
-    Ok(resp.map(|b| ResponseBody::wrap(b, permit, lease, timeout)))
+            _ => Either::Right(app.client_for(config, route.map(|r| r.upstream)).send(req)),
+        };
+        let (resp, lease) = tokio::time::timeout(timeout, send)
+            .await
+            .map_err(|_| AttemptError::Timeout(timeout))??;
+        app.metrics
+            .upstream_duration
+            .with_label_values(&[upstream, family])
+            .observe(start.elapsed().as_secs_f64());
+        app.metrics
+            .upstream_responses
+            .with_label_values(&[upstream, family, resp.status().as_str()])
+            .inc();
+        Ok(resp.map(|b| ResponseBody::wrap(b, permit, lease, timeout)))
+    }
 }
 
 #[cfg(test)]

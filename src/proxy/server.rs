@@ -411,10 +411,13 @@ async fn serve_connection(
     let affine = Affine::new(app.idle_conns.clone(), worker);
     let upstreams = affine.clone();
     let svc = service_fn(move |req: Request<Incoming>| {
-        let app = app.clone();
-        let lc = handler_lc.clone();
-        let upstreams = upstreams.clone();
-        async move { Ok::<_, Infallible>(handle(&app, &lc, &upstreams, req, peer).await) }
+        handle(
+            app.clone(),
+            handler_lc.clone(),
+            upstreams.clone(),
+            req,
+            peer,
+        )
     });
     let conn = http1::Builder::new()
         // One flat buffer per write: API responses are small, and copying a body chunk
@@ -431,16 +434,24 @@ async fn serve_connection(
     }
 }
 
-async fn handle(
-    app: &Arc<App>,
-    lc: &Lifecycle,
-    upstreams: &Affine,
+/// A request's whole life. A plain function returning an `async move` block, not an
+/// `async fn`: an `async fn` keeps a second copy of every argument it moves on (the request,
+/// 264 bytes), and each copy is paid again at every level that holds this future.
+#[allow(clippy::manual_async_fn, reason = "see above: arguments stored once")]
+fn handle(
+    app: Arc<App>,
+    lc: Lifecycle,
+    upstreams: Affine,
     req: Request<Incoming>,
     peer: SocketAddr,
-) -> Response<Body> {
-    if req.method() == Method::CONNECT {
-        connect::tunnel(app, lc, req, peer).await
-    } else {
-        forward::forward(app, upstreams, req).await
+) -> impl Future<Output = Result<Response<Body>, Infallible>> {
+    async move {
+        Ok(if req.method() == Method::CONNECT {
+            // Boxed: a tunnel is set up once per connection, and its larger future would
+            // otherwise size every plain request's future.
+            Box::pin(connect::tunnel(&app, &lc, req, peer)).await
+        } else {
+            forward::forward(&app, &upstreams, req).await
+        })
     }
 }
