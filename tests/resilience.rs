@@ -295,6 +295,27 @@ async fn a_hung_attempt_times_out_and_is_retried() {
     assert_eq!(resp.headers()["sluice-reason"], "upstream_timeout");
 }
 
+/// A client connection times its attempts with one timer moved from request to request:
+/// a shorter attempt timeout after a longer one still ends on time, on the same
+/// connection.
+#[tokio::test]
+async fn a_shorter_attempt_timeout_after_a_longer_one_ends_on_time() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&config(
+        "attempt_timeout = \"60s\"\nretry = { max_attempts = 1 }\n\
+         [[upstream.family]]\nname = \"short\"\npaths = [\"/seq/short/**\"]\nattempt_timeout = \"300ms\"\n",
+    ))
+    .await;
+    let client = proxy.client();
+    let resp = client.get(up.url("/slow/50")).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let t0 = Instant::now();
+    let resp = client.get(up.url("/seq/short/hang")).send().await.unwrap();
+    assert_eq!(resp.status(), 504);
+    assert_eq!(resp.headers()["sluice-reason"], "upstream_timeout");
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+}
+
 #[tokio::test]
 async fn total_timeout_covers_the_queue_wait() {
     let up = Upstream::start().await;

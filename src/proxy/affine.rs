@@ -35,6 +35,7 @@ use tokio::time::Instant;
 use super::Body;
 use super::client::AttemptError;
 use super::server::Graceful;
+use super::timer::{ConnTimer, Deadline};
 use crate::egress::{EgressError, Resolver};
 
 /// An idle upstream connection older than this is closed rather than reused: shorter than
@@ -95,6 +96,8 @@ pub struct Affine {
     shared: Arc<IdleConns>,
     /// The worker this client connection runs on (see `server::Workers`).
     worker: usize,
+    /// Times this client connection's upstream attempts, which take turns.
+    attempts: ConnTimer,
 }
 
 /// Upstream connections whose client has left, waiting for another client on the same
@@ -175,12 +178,19 @@ impl Lease {
 }
 
 impl Affine {
+    /// Needs a tokio runtime (for its timer).
     pub fn new(shared: Arc<IdleConns>, worker: usize) -> Affine {
         Affine {
             state: Arc::default(),
             shared,
             worker,
+            attempts: ConnTimer::new(),
         }
+    }
+
+    /// An upstream attempt's deadline, on this client connection's own timer.
+    pub(crate) fn attempt_deadline(&self, at: Instant) -> Deadline {
+        self.attempts.at(at)
     }
 
     /// Sends `req` (absolute-form `http://` URI) on one of this client's upstream

@@ -13,7 +13,9 @@
 //! Retries sit outside the limiter, so every attempt pays the limits again; the breaker
 //! sits inside the retry loop, so a retry never reaches an upstream declared dead.
 
-use std::future::Future;
+use std::future::{Future, poll_fn};
+use std::pin::{Pin, pin};
+use std::task::Poll;
 use std::time::{Duration, SystemTime};
 
 use http::header::HeaderValue;
@@ -27,6 +29,7 @@ use super::affine::Affine;
 use super::body::{RequestBody, ResponseBody, peek};
 use super::client::AttemptError;
 use super::error::ProxyError;
+use super::timer::ConnTimer;
 use crate::app::App;
 use crate::app::Live;
 use crate::config::{Action, CooldownScope, Policy};
@@ -352,15 +355,28 @@ fn attempt<'a>(
     async move {
         let (upstream, family) = config.labels(route);
         let start = Instant::now();
-        let send = match upstreams {
+        // The client connection's own timer (see timer.rs); a request inside an
+        // intercepted tunnel has a timer of its own.
+        let own_timer;
+        let mut deadline = match upstreams {
+            Some(own) => own.attempt_deadline(start + timeout),
+            None => {
+                own_timer = ConnTimer::new();
+                own_timer.at(start + timeout)
+            }
+        };
+        let mut send = pin!(match upstreams {
             Some(own) if req.uri().scheme() == Some(&Scheme::HTTP) => {
                 Either::Left(own.send(&app.resolver, req))
             }
             _ => Either::Right(app.client_for(config, route.map(|r| r.upstream)).send(req)),
-        };
-        let (resp, lease) = tokio::time::timeout(timeout, send)
-            .await
-            .map_err(|_| AttemptError::Timeout(timeout))??;
+        });
+        let sent = poll_fn(|cx| match send.as_mut().poll(cx) {
+            Poll::Ready(sent) => Poll::Ready(Some(sent)),
+            Poll::Pending => Pin::new(&mut deadline).poll(cx).map(|()| None),
+        })
+        .await;
+        let (resp, lease) = sent.ok_or(AttemptError::Timeout(timeout))??;
         app.metrics
             .upstream_duration
             .with_label_values(&[upstream, family])

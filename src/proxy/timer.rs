@@ -1,24 +1,27 @@
-//! The timer hyper uses on a client connection: one tokio timer per connection instead of
-//! one per request.
+//! Per-connection timers for deadlines that recur with every request: one tokio timer per
+//! connection instead of one per request.
 //!
 //! hyper asks for a new timer each time it starts reading a request head (the header read
-//! timeout, which is also what closes a keep-alive connection left idle). With tokio's
-//! timer that is a timer-wheel insertion and removal for every request, 3.4% of a proxied
-//! request's instructions (docs/BENCHMARKS.md). Here a connection keeps one tokio timer,
-//! armed no later than the earliest deadline still wanted. The deadlines hyper asks for
-//! only move later, so the wheel is touched about once per timeout period: when the timer
-//! fires early for a deadline that has since moved, it is set again.
+//! timeout, which is also what closes a keep-alive connection left idle), and each upstream
+//! attempt has its timeout. With tokio's timer each is a timer-wheel insertion and removal
+//! for every request, 3.4% and 2.3% of a proxied request's instructions
+//! (docs/BENCHMARKS.md). Here a connection keeps one tokio timer per purpose, armed no later
+//! than the earliest deadline still wanted. Successive deadlines only move later, so the
+//! wheel is touched about once per timeout period: when the timer fires early for a
+//! deadline that has since moved, it is set again.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use tokio::time::{Instant, Sleep};
 
-/// Serves one deadline at a time per connection (hyper's HTTP/1 server only asks for the
-/// header read); a second deadline polled concurrently would take over the wake-up.
+/// Serves one deadline at a time (hyper's HTTP/1 server only asks for the header read, and
+/// a connection's requests take turns); a second deadline polled concurrently would take
+/// over the wake-up.
+#[derive(Clone)]
 pub(crate) struct ConnTimer {
     shared: Arc<Mutex<Shared>>,
 }
@@ -27,6 +30,9 @@ struct Shared {
     sleep: Pin<Box<Sleep>>,
     /// What `sleep` is set to; `None` until the first deadline.
     armed: Option<Instant>,
+    /// The waker `sleep` will wake, so that polling again with the same one (a connection
+    /// task is polled several times per request) skips tokio's registration.
+    waker: Option<Waker>,
 }
 
 fn lock(m: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
@@ -42,15 +48,17 @@ impl ConnTimer {
             shared: Arc::new(Mutex::new(Shared {
                 sleep: idle,
                 armed: None,
+                waker: None,
             })),
         }
     }
 
-    fn deadline(&self, at: Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {
-        Box::pin(Deadline {
+    /// Completes at `at`.
+    pub(crate) fn at(&self, at: Instant) -> Deadline {
+        Deadline {
             shared: self.shared.clone(),
             at,
-        })
+        }
     }
 }
 
@@ -59,11 +67,11 @@ impl ConnTimer {
 #[allow(clippy::disallowed_types)]
 impl hyper::rt::Timer for ConnTimer {
     fn sleep(&self, duration: Duration) -> Pin<Box<dyn hyper::rt::Sleep>> {
-        self.deadline(Instant::now() + duration)
+        Box::pin(self.at(Instant::now() + duration))
     }
 
     fn sleep_until(&self, deadline: std::time::Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {
-        self.deadline(Instant::from_std(deadline))
+        Box::pin(self.at(Instant::from_std(deadline)))
     }
 
     fn now(&self) -> std::time::Instant {
@@ -71,8 +79,8 @@ impl hyper::rt::Timer for ConnTimer {
     }
 }
 
-/// One deadline hyper asked for, served by the connection's timer.
-struct Deadline {
+/// One deadline, served by the connection's timer.
+pub(crate) struct Deadline {
     shared: Arc<Mutex<Shared>>,
     at: Instant,
 }
@@ -84,10 +92,17 @@ impl Future for Deadline {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let at = self.at;
-        let mut sh = lock(&self.shared);
+        let sh = &mut *lock(&self.shared);
         // Set no later than `at` and not fired yet: it will wake us, no need for the clock.
-        if sh.armed.is_some_and(|armed| armed <= at) && sh.sleep.as_mut().poll(cx).is_pending() {
-            return Poll::Pending;
+        if sh.armed.is_some_and(|armed| armed <= at) {
+            if !sh.sleep.is_elapsed() && sh.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker()))
+            {
+                return Poll::Pending;
+            }
+            if sh.sleep.as_mut().poll(cx).is_pending() {
+                sh.waker = Some(cx.waker().clone());
+                return Poll::Pending;
+            }
         }
         // Fired (perhaps for an earlier deadline that has since moved), set for later than
         // `at`, or never set.
@@ -99,6 +114,8 @@ impl Future for Deadline {
         if sh.sleep.as_mut().poll(cx).is_ready() {
             // Fired between the clock read above and here: go round once more.
             cx.waker().wake_by_ref();
+        } else {
+            sh.waker = Some(cx.waker().clone());
         }
         Poll::Pending
     }
