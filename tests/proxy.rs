@@ -239,6 +239,28 @@ async fn user_info_in_the_url_is_not_forwarded() {
     assert_eq!(seen.header("host"), Some(up.addr.to_string().as_str()));
 }
 
+/// `Host` is the URL's authority: a client's own value that disagrees, or a second `Host`
+/// beside the right one, is replaced, never forwarded as it came.
+#[tokio::test]
+async fn host_is_the_urls_whatever_the_client_sent() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start("").await;
+    for extra in [
+        "Host: elsewhere.example\r\n".to_string(),
+        format!("Host: {}\r\nHost: elsewhere.example\r\n", up.addr),
+        format!("Host: elsewhere.example\r\nHost: {}\r\n", up.addr),
+        String::new(),
+    ] {
+        let req = format!("GET http://{}/h HTTP/1.1\r\n{extra}\r\n", up.addr);
+        let resp = raw(proxy.addr, req.as_bytes()).await;
+        assert_eq!(resp.status, 200, "{extra:?}");
+        let seen = up.seen().pop().unwrap();
+        let hosts: Vec<_> = seen.headers.iter().filter(|(k, _)| k == "host").collect();
+        assert_eq!(hosts.len(), 1, "{extra:?}: {seen:?}");
+        assert_eq!(hosts[0].1, up.addr.to_string(), "{extra:?}");
+    }
+}
+
 #[tokio::test]
 async fn malformed_and_oversized_requests_are_refused_and_the_proxy_stays_up() {
     let up = Upstream::start().await;

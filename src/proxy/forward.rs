@@ -229,12 +229,28 @@ fn admit(
 fn to_upstream(req: Request<Incoming>, target: &Target) -> Result<Request<Body>, ProxyError> {
     let (mut parts, body) = req.into_parts();
     strip_hop_by_hop(&mut parts.headers);
-    // hyper has already answered `100 Continue` to the client when we started reading the
-    // body; passing the expectation on would make the upstream wait for a second one.
-    parts.headers.remove(header::EXPECT);
-    let host = HeaderValue::from_str(&target.host_header)
-        .map_err(|_| ProxyError::BadRequest("the URL's host is not a valid Host value".into()))?;
-    parts.headers.insert(header::HOST, host);
+    // One look at the names rather than a hashed lookup for each: a client sends `Host`
+    // as the URL has it (as curl and HTTP_PROXY clients do), and rarely `Expect`.
+    let (mut hosts, mut host_as_url, mut expect) = (0, false, false);
+    for (name, value) in &parts.headers {
+        if name == header::HOST {
+            hosts += 1;
+            host_as_url = value.as_bytes() == target.host_header.as_bytes();
+        } else if name == header::EXPECT {
+            expect = true;
+        }
+    }
+    if expect {
+        // hyper has already answered `100 Continue` to the client when we started reading
+        // the body; passing the expectation on would make the upstream wait for another.
+        parts.headers.remove(header::EXPECT);
+    }
+    if !(hosts == 1 && host_as_url) {
+        let host = HeaderValue::from_str(&target.host_header).map_err(|_| {
+            ProxyError::BadRequest("the URL's host is not a valid Host value".into())
+        })?;
+        parts.headers.insert(header::HOST, host);
+    }
     append_via(&mut parts.headers);
     // A plain absolute-form request already names exactly what is forwarded; only TLS
     // origination, requests inside a tunnel and URLs with user info need a new URI.
