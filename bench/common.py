@@ -141,8 +141,10 @@ limits = [{{ kind = "token_bucket", rate = 100000000, per = "1s", burst = 100000
 
 def absolute_form_script(work, port):
     """A wrk script sending absolute-form request lines for 127.0.0.1:`port`, as a client
-    configured with HTTP_PROXY does. Returns its path."""
+    configured with HTTP_PROXY does: with `Host` naming the target, as RFC 9112 §3.2 has a
+    client send it (wrk alone would name the proxy). Returns its path."""
     path = os.path.join(work, f"absolute-{port}.lua")
     with open(path, "w") as f:
         f.write(f'wrk.path = "http://127.0.0.1:{port}/"\n')
+        f.write(f'wrk.headers["Host"] = "127.0.0.1:{port}"\n')
     return path

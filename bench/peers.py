@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 
-from common import SLUICE, Procs, cpu_split, rss_kib, wait_http, wrk
+from common import SLUICE, Procs, absolute_form_script, cpu_split, rss_kib, wait_http, wrk
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 10
@@ -106,7 +106,7 @@ PidFile "{work}/tinyproxy.pid"
     wait_http(f"http://127.0.0.1:{PORTS['nginx']}/")
     time.sleep(2)  # squid and tinyproxy take a moment to listen
     procs.check_alive()
-    forward = write("forward.lua", f'wrk.path = "http://127.0.0.1:{UP}/"\n')
+    forward = absolute_form_script(work, UP)
 
     targets = [
         ("direct", f"http://127.0.0.1:{UP}/", None, None),

@@ -81,7 +81,7 @@ limits = [{{ kind = "token_bucket", rate = {SLUICE_RATE}, per = "1s", burst = {B
     time.sleep(1)  # let nginx's bucket drain the probe
     script = os.path.join(work, "proxy.lua")
     with open(script, "w") as f:
-        f.write(f'wrk.path = "{url}"\n')
+        f.write(f'wrk.path = "{url}"\nwrk.headers["Host"] = "127.0.0.1:{NGINX_PORT}"\n')
 
     nginx = procs.started[0]
     log = os.path.join(work, "access.log")
