@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # User-space instructions per proxied request under callgrind: the precise way to compare
 # two builds on a noisy machine. Installs valgrind from Debian's packages when missing.
-# Usage: bench/callgrind.sh [seconds=8] [--top]
+# Usage: bench/callgrind.sh [seconds=8] [--top|--self]
+# SLUICE_BIN=<path> measures another build (an older commit's, for a before/after figure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/prepare.sh

@@ -9,7 +9,8 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SLUICE = os.path.join(ROOT, "target", "release", "sluice")
+# SLUICE_BIN=<another build> measures that build instead, e.g. an older commit's.
+SLUICE = os.environ.get("SLUICE_BIN") or os.path.join(ROOT, "target", "release", "sluice")
 
 
 class Procs:
