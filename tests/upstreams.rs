@@ -186,13 +186,19 @@ limits = [{ kind = "token_bucket", rate = 40, per = "1s", burst = 1 }]
 #[tokio::test]
 async fn parked_connections_stay_with_the_worker_that_opened_them() {
     let up = Upstream::start().await;
+    let elsewhere = Upstream::start().await;
     let workers = Workers::start(2).unwrap();
     let proxy = Proxy::on_workers("", &workers).await;
     // Connections go to the worker with the fewest: the first to worker 0, the second,
-    // while the first is open, to worker 1.
+    // while the first is open, to worker 1. The second's answer from another upstream
+    // shows it was taken while the first was open.
     let mut first = TcpStream::connect(proxy.addr).await.unwrap();
     assert_eq!(get(&mut first, &up.url("/a"), false).await.status, 200);
     let mut second = TcpStream::connect(proxy.addr).await.unwrap();
+    assert_eq!(
+        get(&mut second, &elsewhere.url("/"), false).await.status,
+        200
+    );
     drop(first);
     let app = proxy.app.clone();
     let parked = || {
