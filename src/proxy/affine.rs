@@ -87,6 +87,9 @@ struct Slot {
 struct State {
     slots: Vec<Slot>,
     next_id: u64,
+    /// Wakes the side of the `Driven` task that polls the upstream connections: a newly
+    /// adopted connection has to be polled once before anything wakes it.
+    waker: Option<Waker>,
 }
 
 /// The upstream connections of one client connection.
@@ -376,6 +379,9 @@ fn adopt(
         sender: None,
         driver,
     });
+    if let Some(w) = &st.waker {
+        w.wake_by_ref();
+    }
     (id, sender)
 }
 
@@ -396,11 +402,18 @@ fn origin_form(uri: &Uri) -> Uri {
 /// head, body wanted, body sent). Going through the scheduler for each would cost a task
 /// poll apiece, so while this future is being polled a wake only marks it to go round
 /// again; only a wake from outside (a socket, a timer, another task) reaches the task.
+///
+/// Each side has its own waker, and a round polls only the sides woken since their last
+/// poll: a side not woken has nothing to do, and polling it anyway cost each of its
+/// sockets a readiness check (17 per request, a tenth of the instructions, before).
 pub(crate) struct Driven<C> {
     conn: Pin<Box<C>>,
     affine: Affine,
     wake: Arc<Rewake>,
-    waker: Waker,
+    /// For the client connection and everything its requests wait on.
+    client: Waker,
+    /// For the upstream connections.
+    upstream: Waker,
 }
 
 /// Going round again within one poll is bounded, so one busy connection cannot keep a
@@ -411,22 +424,27 @@ const IDLE: u8 = 0;
 const POLLING: u8 = 1;
 const WOKEN: u8 = 2;
 
-/// The waker the connection's futures see: marks the poll in progress to go round again,
-/// or wakes the task when none is.
+/// Sides of a `Driven`, as bits of `Rewake::dirty`.
+const CLIENT: u8 = 1;
+const UPSTREAM: u8 = 2;
+
+/// What the two sides' wakers share: which sides were woken, and whether the task is
+/// being polled (a wake then only marks the side) or must be woken.
 struct Rewake {
     state: AtomicU8,
+    dirty: AtomicU8,
     task: Mutex<Option<Waker>>,
 }
 
-impl Wake for Rewake {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref()
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
+impl Rewake {
+    fn wake(&self, side: u8) {
+        // SeqCst here and in `Driven::poll`: the side is marked before the state is read,
+        // and the poll clears the state before it reads the marks, so that one of the two
+        // always sees the other.
+        self.dirty.fetch_or(side, Ordering::SeqCst);
         match self
             .state
-            .compare_exchange(POLLING, WOKEN, Ordering::AcqRel, Ordering::Acquire)
+            .compare_exchange(POLLING, WOKEN, Ordering::SeqCst, Ordering::SeqCst)
         {
             Ok(_) | Err(WOKEN) => {}
             Err(_) => {
@@ -436,19 +454,51 @@ impl Wake for Rewake {
             }
         }
     }
+
+    /// Whether `side` was woken, clearing the mark.
+    fn take(&self, side: u8) -> bool {
+        self.dirty.fetch_and(!side, Ordering::SeqCst) & side != 0
+    }
+}
+
+/// One side's waker.
+struct Side {
+    shared: Arc<Rewake>,
+    bit: u8,
+}
+
+impl Wake for Side {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref()
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.shared.wake(self.bit)
+    }
 }
 
 impl<C> Driven<C> {
     pub(crate) fn new(conn: C, affine: Affine) -> Driven<C> {
         let wake = Arc::new(Rewake {
             state: AtomicU8::new(IDLE),
+            // Both are polled first.
+            dirty: AtomicU8::new(CLIENT | UPSTREAM),
             task: Mutex::new(None),
         });
+        let side = |bit| {
+            Waker::from(Arc::new(Side {
+                shared: wake.clone(),
+                bit,
+            }))
+        };
+        let (client, upstream) = (side(CLIENT), side(UPSTREAM));
+        lock(&affine.state).waker = Some(upstream.clone());
         Driven {
             conn: Box::pin(conn),
             affine,
-            waker: Waker::from(wake.clone()),
             wake,
+            client,
+            upstream,
         }
     }
 }
@@ -464,27 +514,31 @@ impl<C: Future> Future for Driven<C> {
                 *task = Some(cx.waker().clone());
             }
         }
-        let mut own = Context::from_waker(&this.waker);
+        let wake = &*this.wake;
         for _ in 0..MAX_ROUNDS {
-            this.wake.state.store(POLLING, Ordering::Release);
-            // The client side first: a request it sends is written by the drive just
-            // after, in the same round.
-            if let Poll::Ready(out) = this.conn.as_mut().poll(&mut own) {
-                this.wake.state.store(IDLE, Ordering::Release);
+            wake.state.store(POLLING, Ordering::SeqCst);
+            // The client side first: a request it sends is written by the upstream side
+            // just after, in the same round.
+            if wake.take(CLIENT)
+                && let Poll::Ready(out) = this
+                    .conn
+                    .as_mut()
+                    .poll(&mut Context::from_waker(&this.client))
+            {
+                wake.state.store(IDLE, Ordering::SeqCst);
                 this.affine.hand_over();
                 return Poll::Ready(out);
             }
-            this.affine.drive(&mut own);
-            if this
-                .wake
-                .state
-                .compare_exchange(POLLING, IDLE, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            {
+            if wake.take(UPSTREAM) {
+                this.affine.drive(&mut Context::from_waker(&this.upstream));
+            }
+            wake.state.store(IDLE, Ordering::SeqCst);
+            // A wake from here on sees IDLE and wakes the task; one before this left its
+            // mark, and this round's own wakes did too: go round for them.
+            if wake.dirty.load(Ordering::SeqCst) == 0 {
                 return Poll::Pending;
             }
         }
-        this.wake.state.store(IDLE, Ordering::Release);
         cx.waker().wake_by_ref();
         Poll::Pending
     }
@@ -492,6 +546,9 @@ impl<C: Future> Future for Driven<C> {
 
 impl<C: Graceful> Graceful for Driven<C> {
     fn graceful_shutdown(self: Pin<&mut Self>) {
-        self.get_mut().conn.as_mut().graceful_shutdown()
+        let this = self.get_mut();
+        this.conn.as_mut().graceful_shutdown();
+        // Nothing woke the client connection, but it has to be polled to act on this.
+        this.wake.dirty.fetch_or(CLIENT, Ordering::SeqCst);
     }
 }
