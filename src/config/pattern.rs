@@ -159,11 +159,11 @@ impl PathGlob {
     }
 
     /// Matches a request path (no query). Backtracks only over `**`, so the cost is
-    /// O(segments × pattern) in the worst case and patterns are short.
+    /// O(segments × pattern) in the worst case and patterns are short. Walks the path's
+    /// segments without collecting them: this runs for every family on every request.
     pub fn matches(&self, path: &str) -> bool {
         let path = path.strip_prefix('/').unwrap_or(path);
-        let parts: Vec<&str> = path.split('/').collect();
-        match_segments(&self.segments, &parts)
+        match_segments(&self.segments, path.split('/'))
     }
 
     pub fn as_str(&self) -> &str {
@@ -171,24 +171,39 @@ impl PathGlob {
     }
 }
 
-fn match_segments(pat: &[Segment], parts: &[&str]) -> bool {
+/// `parts` always yields at least one segment (`""` for an empty path).
+fn match_segments(pat: &[Segment], mut parts: std::str::Split<'_, char>) -> bool {
     match pat.split_first() {
-        None => parts.is_empty() || parts == [""],
+        None => {
+            // The path is used up, or only a trailing `/` is left.
+            let mut rest = parts.clone();
+            match rest.next() {
+                None => true,
+                Some(last) => last.is_empty() && rest.next().is_none(),
+            }
+        }
         Some((Segment::Any, rest)) => {
             if rest.is_empty() {
                 return true;
             }
-            (0..=parts.len()).any(|skip| match_segments(rest, &parts[skip..]))
+            loop {
+                if match_segments(rest, parts.clone()) {
+                    return true;
+                }
+                if parts.next().is_none() {
+                    return false;
+                }
+            }
         }
-        Some((seg, rest)) => match parts.split_first() {
+        Some((seg, rest)) => match parts.next() {
             None => false,
-            Some((part, more)) => {
+            Some(part) => {
                 let ok = match seg {
                     Segment::One => !part.is_empty(),
                     Segment::Literal(l) => l == part,
                     Segment::Any => unreachable!("handled above"),
                 };
-                ok && match_segments(rest, more)
+                ok && match_segments(rest, parts)
             }
         },
     }
@@ -250,6 +265,40 @@ mod tests {
         assert!(glob("/").matches("/"));
         assert!(!glob("/").matches("/a"));
         assert!(glob("/a/*/c").matches("/a/b/c"));
+    }
+
+    /// The matcher as it was, over a collected path: the walk over the segments must agree.
+    fn reference(pat: &[Segment], parts: &[&str]) -> bool {
+        match pat.split_first() {
+            None => parts.is_empty() || parts == [""],
+            Some((Segment::Any, rest)) => {
+                rest.is_empty() || (0..=parts.len()).any(|skip| reference(rest, &parts[skip..]))
+            }
+            Some((seg, rest)) => match parts.split_first() {
+                None => false,
+                Some((part, more)) => {
+                    let ok = match seg {
+                        Segment::One => !part.is_empty(),
+                        Segment::Literal(l) => l == part,
+                        Segment::Any => unreachable!(),
+                    };
+                    ok && reference(rest, more)
+                }
+            },
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_walk_agrees_with_the_collected_matcher(
+            pattern in "(/(a|b|\\*|\\*\\*)){1,5}",
+            path in "(/(a|b|c|)){0,6}",
+        ) {
+            let g = glob(&pattern);
+            let trimmed = path.strip_prefix('/').unwrap_or(&path);
+            let parts: Vec<&str> = trimmed.split('/').collect();
+            proptest::prop_assert_eq!(g.matches(&path), reference(&g.segments, &parts), "{} {}", pattern, path);
+        }
     }
 
     #[test]
