@@ -1,6 +1,6 @@
 //! Shutdown with a full queue: in-flight and queued requests carry on during the drain;
 //! whatever is still queued when it ends gets 503 `shutting_down`; no client sees a
-//! reset connection.
+//! reset connection. Idle connections close when the drain starts.
 
 mod support;
 
@@ -60,6 +60,34 @@ async fn fifty_queued_clients_all_get_a_complete_response_when_the_drain_runs_ou
         "the ones still queued at the end were refused ({refused})"
     );
     tokio::time::timeout(Duration::from_secs(5), proxy.task.take().unwrap())
+        .await
+        .expect("the server stops")
+        .unwrap();
+}
+
+/// An idle keep-alive connection is closed as soon as the drain starts, not when the
+/// drain time runs out: the connection's task has to look at it although its socket is
+/// quiet.
+#[tokio::test]
+async fn an_idle_keep_alive_connection_is_closed_when_the_drain_starts() {
+    let up = Upstream::start().await;
+    let mut proxy = Proxy::start("drain_timeout = \"30s\"\n").await;
+    let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let req = format!("GET {} HTTP/1.1\r\nHost: x\r\n\r\n", up.url("/"));
+    tokio::io::AsyncWriteExt::write_all(&mut conn, req.as_bytes())
+        .await
+        .unwrap();
+    assert_eq!(read_response(&mut conn).await.status, 200);
+    proxy.shutdown();
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::io::AsyncReadExt::read(&mut conn, &mut buf),
+    )
+    .await
+    .expect("closed within the drain, not at its end");
+    assert_eq!(read.unwrap(), 0, "closed, with nothing more sent");
+    tokio::time::timeout(Duration::from_secs(10), proxy.task.take().unwrap())
         .await
         .expect("the server stops")
         .unwrap();
