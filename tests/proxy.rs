@@ -82,6 +82,30 @@ async fn large_post_body_round_trips() {
     assert_eq!(up.seen()[0].header("content-length"), Some("8388608"));
 }
 
+/// A request that says its body is empty goes on saying so, with nothing after its head.
+#[tokio::test]
+async fn an_empty_post_goes_on_with_content_length_zero() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start("").await;
+    let resp = raw(
+        proxy.addr,
+        format!(
+            "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            up.url("/echo"),
+            up.addr
+        )
+        .as_bytes(),
+    )
+    .await;
+    assert_eq!(resp.status, 200);
+    assert!(resp.body.is_empty(), "{:?}", resp.body);
+    let seen = &up.seen()[0];
+    assert_eq!(
+        (seen.method.as_str(), seen.header("content-length")),
+        ("POST", Some("0"))
+    );
+}
+
 #[tokio::test]
 async fn chunked_bodies_pass_both_ways() {
     let up = Upstream::start().await;

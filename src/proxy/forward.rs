@@ -15,7 +15,7 @@ use tokio_util::either::Either;
 use super::affine::Affine;
 use super::error::ProxyError;
 use super::headers::{append_via, strip_hop_by_hop};
-use super::{Body, pipeline, stream};
+use super::{Body, empty, pipeline, stream};
 use crate::app::App;
 use crate::app::Live;
 use crate::config::{Config, Scheme, Unmatched};
@@ -271,7 +271,13 @@ fn to_upstream(req: Request<Incoming>, target: &Target) -> Result<Request<Body>,
             .map_err(|_| ProxyError::BadRequest("the URL cannot be forwarded".into()))?;
     }
     parts.version = Version::HTTP_11;
-    Ok(Request::from_parts(parts, stream(body)))
+    // Most requests have no body; an empty one is boxed without an allocation.
+    let body = if http_body::Body::is_end_stream(&body) {
+        empty()
+    } else {
+        stream(body)
+    };
+    Ok(Request::from_parts(parts, body))
 }
 
 fn from_upstream(resp: Response<Body>) -> Response<Body> {

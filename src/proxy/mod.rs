@@ -1,5 +1,5 @@
 //! The proxy side: listener, worker threads and connections ([`server`], with its
-//! per-connection header timer in `timer`), the two request kinds ([`forward`] for
+//! per-connection timers in `timer`), the two request kinds ([`forward`] for
 //! absolute-form, [`connect`] for tunnels), the [`pipeline`] every upstream request goes
 //! through, the upstream clients ([`affine`] for `http://`, the pooled [`client`] for
 //! TLS), and [`error`], the one place that turns failures into the responses sluice
