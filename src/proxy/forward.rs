@@ -173,37 +173,18 @@ fn route_and_send<'a>(
         {
             target.originate_tls(req.uri().port_u16().is_some());
         }
+        let done = |result| {
+            let (route, host, path) = (route.as_ref(), &target.host, target.path());
+            finish(app, &config, route, &method, host, path, start, result)
+        };
         // Not a `match` around the await: its scrutinee (the request, 240 bytes) would
         // stay in the future while the upstream answers.
         let req = match admit(&config, route.as_ref(), &target, req) {
             Ok(req) => req,
-            Err(e) => {
-                let route = route.as_ref();
-                return finish(
-                    app,
-                    &config,
-                    route,
-                    &method,
-                    &target.host,
-                    target.path(),
-                    start,
-                    Err(e),
-                );
-            }
+            Err(e) => return done(Err(e)),
         };
-        let result = pipeline::run(app, &config, upstreams, route.as_ref(), req)
-            .await
-            .map(from_upstream);
-        finish(
-            app,
-            &config,
-            route.as_ref(),
-            &method,
-            &target.host,
-            target.path(),
-            start,
-            result,
-        )
+        let result = pipeline::run(app, &config, upstreams, route.as_ref(), req).await;
+        done(result.map(from_upstream))
     }
 }
 
