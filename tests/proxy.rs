@@ -153,12 +153,7 @@ async fn keep_alive_on_both_sides() {
     let proxy = Proxy::start("").await;
     let mut s = TcpStream::connect(proxy.addr).await.unwrap();
     for i in 0..5 {
-        let req = format!(
-            "GET {} HTTP/1.1\r\nHost: x\r\n\r\n",
-            up.url(&format!("/n{i}"))
-        );
-        s.write_all(req.as_bytes()).await.unwrap();
-        let resp = read_response(&mut s).await;
+        let resp = get(&mut s, &up.url(&format!("/n{i}")), false).await;
         assert_eq!(resp.status, 200);
         assert_eq!(resp.body, b"hello");
     }
@@ -601,12 +596,8 @@ async fn slow_heads_and_idle_connections_are_closed_after_the_header_timeout() {
     let mut idle = TcpStream::connect(proxy.addr).await.unwrap();
     for i in 0..3 {
         // Requests spaced 20 s apart keep the connection: each one restarts the clock.
-        let req = format!(
-            "GET {} HTTP/1.1\r\nHost: x\r\n\r\n",
-            up.url(&format!("/i{i}"))
-        );
-        idle.write_all(req.as_bytes()).await.unwrap();
-        assert_eq!(read_response(&mut idle).await.status, 200);
+        let resp = get(&mut idle, &up.url(&format!("/i{i}")), false).await;
+        assert_eq!(resp.status, 200);
         if i < 2 {
             tokio::time::sleep(Duration::from_secs(20)).await;
         }

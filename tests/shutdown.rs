@@ -73,11 +73,7 @@ async fn an_idle_keep_alive_connection_is_closed_when_the_drain_starts() {
     let up = Upstream::start().await;
     let mut proxy = Proxy::start("drain_timeout = \"30s\"\n").await;
     let mut conn = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    let req = format!("GET {} HTTP/1.1\r\nHost: x\r\n\r\n", up.url("/"));
-    tokio::io::AsyncWriteExt::write_all(&mut conn, req.as_bytes())
-        .await
-        .unwrap();
-    assert_eq!(read_response(&mut conn).await.status, 200);
+    assert_eq!(get(&mut conn, &up.url("/"), false).await.status, 200);
     proxy.shutdown();
     let mut buf = [0u8; 64];
     let read = tokio::time::timeout(

@@ -12,14 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use sluice::proxy::server::Workers;
-use support::{Proxy, Upstream, eventually, read_response};
-
-async fn get(s: &mut TcpStream, url: &str, close: bool) -> support::RawResponse {
-    let conn = if close { "Connection: close\r\n" } else { "" };
-    let req = format!("GET {url} HTTP/1.1\r\nHost: x\r\n{conn}\r\n");
-    s.write_all(req.as_bytes()).await.unwrap();
-    read_response(s).await
-}
+use support::{Proxy, Upstream, eventually, get, read_response};
 
 #[tokio::test]
 async fn clients_that_leave_hand_their_upstream_connection_to_the_next() {

@@ -613,6 +613,15 @@ pub async fn read_head(stream: &mut TcpStream) -> RawResponse {
 }
 
 /// Sends raw bytes on a new connection and reads one response.
+/// A GET for absolute `url` on an open connection to the proxy, and its response;
+/// `close` asks for the connection to end after it.
+pub async fn get(s: &mut TcpStream, url: &str, close: bool) -> RawResponse {
+    let conn = if close { "Connection: close\r\n" } else { "" };
+    let req = format!("GET {url} HTTP/1.1\r\nHost: x\r\n{conn}\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    read_response(s).await
+}
+
 pub async fn raw(addr: SocketAddr, request: &[u8]) -> RawResponse {
     let mut s = TcpStream::connect(addr).await.unwrap();
     s.write_all(request).await.unwrap();
