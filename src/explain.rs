@@ -18,6 +18,7 @@ impl fmt::Display for Limit {
                 per,
                 burst,
                 scope,
+                ..
             } => (
                 format!(
                     "token_bucket {rate} per {} (burst {burst})",
@@ -29,6 +30,7 @@ impl fmt::Display for Limit {
                 permits,
                 window,
                 scope,
+                ..
             } => (
                 format!("sliding_window {permits} per {}", fmt_duration(*window)),
                 scope,
@@ -37,6 +39,7 @@ impl fmt::Display for Limit {
                 permits,
                 window,
                 scope,
+                ..
             } => (
                 format!("fixed_window {permits} per {}", fmt_duration(*window)),
                 scope,
@@ -44,6 +47,12 @@ impl fmt::Display for Limit {
             Limit::Concurrency { max, scope } => (format!("concurrency {max} in flight"), scope),
         };
         f.write_str(&text)?;
+        if let Some(m) = self.margin() {
+            write!(f, ", margin {}", fmt_duration(m))?;
+            if self.margin_spec().is_none() {
+                f.write_str(" (default)")?;
+            }
+        }
         if *scope == crate::config::Scope::Global {
             f.write_str(" (global)")?;
         }
@@ -284,9 +293,12 @@ mod tests {
         let out = explain(&c, &Method::POST, &url, &h).unwrap();
         assert!(out.contains("upstream    marketplace"), "{out}");
         assert!(out.contains("family      orders"), "{out}");
-        assert!(out.contains("fixed_window 300 per 1m  [upstream]"), "{out}");
         assert!(
-            out.contains("sliding_window 12 per 1s  [family orders]"),
+            out.contains("fixed_window 300 per 1m, margin 1s (default)  [upstream]"),
+            "{out}"
+        );
+        assert!(
+            out.contains("sliding_window 12 per 1s, margin 200ms (default)  [family orders]"),
             "{out}"
         );
         assert!(out.contains("no: POST without idempotency-key"), "{out}");

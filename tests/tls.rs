@@ -16,8 +16,6 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
-use rustls_pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 use support::Proxy;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
@@ -30,34 +28,9 @@ struct TlsUpstream {
 }
 
 async fn tls_upstream(dir: &Path) -> TlsUpstream {
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::default();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, "test upstream CA");
-    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
-    let ca_path = dir.join("upstream-ca.pem");
-    std::fs::write(&ca_path, ca_cert.pem()).unwrap();
-    let issuer = Issuer::new(ca_params, ca_key);
-    let key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::default();
-    params.subject_alt_names = vec![SanType::IpAddress("127.0.0.1".parse().unwrap())];
-    let cert = params.signed_by(&key, &issuer).unwrap();
-
-    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(
-        vec![cert.der().clone()],
-        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-    )
-    .unwrap();
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let certs = support::certs::for_localhost(dir, &[b"h2", b"http/1.1"]);
+    let ca_path = certs.ca_path;
+    let acceptor = tokio_rustls::TlsAcceptor::from(certs.server);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));

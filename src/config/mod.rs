@@ -24,6 +24,7 @@ pub use spec::{
     Scheme, Scope, TlsMode, Unmatched,
 };
 use spec::{BreakerSpec, ConfigSpec, PolicySpec, RetrySpec};
+pub use units::Margin;
 use units::ser_duration;
 
 use crate::route::Router;
@@ -600,7 +601,7 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
                 methods,
                 paths: f.paths.clone().unwrap_or_default(),
                 priority: f.priority,
-                limits: f.limits.clone(),
+                limits: check_limits(&f.limits)?,
                 own_breaker: f.breaker.is_some(),
                 policy: merge_policy(&policy, &f.policy())?,
             });
@@ -624,7 +625,7 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
             tls: u.tls,
             scheme: u.scheme,
             upstream_ca: u.upstream_ca.map(PathBuf::from),
-            limits: u.limits,
+            limits: check_limits(&u.limits)?,
             families,
             classify,
             idempotency_generate: u.idempotency_generate.unwrap_or(false),
@@ -666,6 +667,49 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
         sha256,
         router,
     })
+}
+
+/// Limits as written, with the margins checked against what they are a margin of.
+fn check_limits(limits: &[toml::Spanned<Limit>]) -> Result<Vec<Limit>> {
+    limits
+        .iter()
+        .map(|l| {
+            let limit = l.get_ref();
+            if let Some(margin) = limit.margin() {
+                let fmt = units::fmt_duration;
+                match limit {
+                    // Past half the window, a send could be unsure of two window edges at
+                    // once, and the window would mostly be margin anyway.
+                    Limit::SlidingWindow { window, .. } | Limit::FixedWindow { window, .. }
+                        if margin > *window / 2 =>
+                    {
+                        return Err(invalid(
+                            l.span(),
+                            format!(
+                                "margin {} is more than half the window ({}); size it from the \
+                                 round trip to the provider (docs/config.md)",
+                                fmt(margin),
+                                fmt(*window)
+                            ),
+                        ));
+                    }
+                    Limit::TokenBucket { per, .. } if margin > *per => {
+                        return Err(invalid(
+                            l.span(),
+                            format!(
+                                "margin {} is longer than the bucket's period ({}); size it from \
+                                 the round trip to the provider (docs/config.md)",
+                                fmt(margin),
+                                fmt(*per)
+                            ),
+                        ));
+                    }
+                    _ => {}
+                }
+            }
+            Ok(limit.clone())
+        })
+        .collect()
 }
 
 fn parse_key(k: &toml::Spanned<String>) -> Result<KeySource> {

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize, de};
 use toml::Spanned;
 
 use super::pattern::{HostPattern, PathGlob};
-use super::units::{Bytes, Dur, PosDur};
+use super::units::{Bytes, Dur, Margin, PosDur};
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -160,7 +160,7 @@ pub struct UpstreamSpec {
     pub scheme: Scheme,
     pub upstream_ca: Option<String>,
     #[serde(default)]
-    pub limits: Vec<LimitSpec>,
+    pub limits: Vec<Spanned<LimitSpec>>,
     #[serde(default)]
     pub family: Vec<FamilySpec>,
     #[serde(default)]
@@ -186,7 +186,7 @@ pub struct FamilySpec {
     #[serde(default)]
     pub priority: Priority,
     #[serde(default)]
-    pub limits: Vec<LimitSpec>,
+    pub limits: Vec<Spanned<LimitSpec>>,
     pub max_queue: Option<NonZeroU32>,
     pub max_wait: Option<Dur>,
     pub attempt_timeout: Option<PosDur>,
@@ -267,6 +267,8 @@ pub enum LimitSpec {
         #[serde(with = "pos_dur_serde")]
         per: std::time::Duration,
         burst: NonZeroU32,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        margin: Option<Margin>,
         #[serde(default)]
         scope: Scope,
     },
@@ -274,6 +276,8 @@ pub enum LimitSpec {
         permits: NonZeroU32,
         #[serde(with = "pos_dur_serde")]
         window: std::time::Duration,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        margin: Option<Margin>,
         #[serde(default)]
         scope: Scope,
     },
@@ -281,6 +285,8 @@ pub enum LimitSpec {
         permits: NonZeroU32,
         #[serde(with = "pos_dur_serde")]
         window: std::time::Duration,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        margin: Option<Margin>,
         #[serde(default)]
         scope: Scope,
     },
@@ -289,6 +295,47 @@ pub enum LimitSpec {
         #[serde(default)]
         scope: Scope,
     },
+}
+
+/// The margin a limit gets when it names none: a fifth of its window or emission
+/// interval, at most [`DEFAULT_MARGIN_CAP`]. It only costs throughput when the provider
+/// answers more slowly than the margin (see `LimitSpec::margin`).
+pub const DEFAULT_MARGIN: Margin = Margin::Fraction(200_000);
+pub const DEFAULT_MARGIN_CAP: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl LimitSpec {
+    /// The span a fractional margin is a share of: the window, or the emission interval
+    /// `per / rate` of a token bucket; `None` for concurrency.
+    pub fn span(&self) -> Option<std::time::Duration> {
+        match *self {
+            LimitSpec::TokenBucket { rate, per, .. } => Some(per / rate.get()),
+            LimitSpec::SlidingWindow { window, .. } | LimitSpec::FixedWindow { window, .. } => {
+                Some(window)
+            }
+            LimitSpec::Concurrency { .. } => None,
+        }
+    }
+
+    /// The margin as written, if any.
+    pub fn margin_spec(&self) -> Option<Margin> {
+        match *self {
+            LimitSpec::TokenBucket { margin, .. }
+            | LimitSpec::SlidingWindow { margin, .. }
+            | LimitSpec::FixedWindow { margin, .. } => margin,
+            LimitSpec::Concurrency { .. } => None,
+        }
+    }
+
+    /// How much later than sluice handed a request to its connection the provider may
+    /// count it: the written margin, else the default. `None` for concurrency, which
+    /// counts nothing in time.
+    pub fn margin(&self) -> Option<std::time::Duration> {
+        let span = self.span()?;
+        Some(match self.margin_spec() {
+            Some(m) => m.of(span),
+            None => DEFAULT_MARGIN.of(span).min(DEFAULT_MARGIN_CAP),
+        })
+    }
 }
 
 mod pos_dur_serde {

@@ -91,6 +91,85 @@ impl<'de> Deserialize<'de> for Bytes {
     }
 }
 
+/// A limit's safety margin as written: a duration (`"30ms"`) or a share of the limit's
+/// window or emission interval (`"20%"`, `"2.5%"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Margin {
+    Duration(Duration),
+    /// Parts per million of the window (windows) or of `per / rate` (token buckets).
+    Fraction(u32),
+}
+
+impl Margin {
+    /// The margin as a duration, for a limit whose window or emission interval is `span`.
+    pub fn of(self, span: Duration) -> Duration {
+        match self {
+            Margin::Duration(d) => d,
+            Margin::Fraction(ppm) => {
+                let ns = span.as_nanos() * u128::from(ppm) / 1_000_000;
+                Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
+            }
+        }
+    }
+}
+
+fn parse_margin(s: &str) -> Result<Margin, String> {
+    let t = s.trim();
+    let Some(pct) = t.strip_suffix('%') else {
+        return parse_duration(t).map(Margin::Duration);
+    };
+    let bad =
+        || format!("invalid margin {s:?}; write a duration like \"30ms\" or a share like \"20%\"");
+    let (whole, frac) = pct.trim().split_once('.').unwrap_or((pct.trim(), ""));
+    if whole.is_empty()
+        || frac.len() > 4
+        || !(whole.bytes().chain(frac.bytes())).all(|b| b.is_ascii_digit())
+    {
+        return Err(bad());
+    }
+    let whole: u64 = whole.parse().map_err(|_| bad())?;
+    let frac: u64 = format!("{frac:0<4}").parse().map_err(|_| bad())?;
+    // Percent with four decimals is parts per million.
+    let ppm = whole
+        .checked_mul(10_000)
+        .and_then(|w| w.checked_add(frac))
+        .ok_or_else(bad)?;
+    if ppm > 1_000_000 {
+        return Err(format!("margin {s:?} is more than the whole window"));
+    }
+    Ok(Margin::Fraction(ppm as u32))
+}
+
+impl fmt::Display for Margin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Margin::Duration(d) => f.write_str(&fmt_duration(d)),
+            Margin::Fraction(ppm) => {
+                let (whole, frac) = (ppm / 10_000, ppm % 10_000);
+                if frac == 0 {
+                    write!(f, "{whole}%")
+                } else {
+                    let frac = format!("{frac:04}");
+                    write!(f, "{whole}.{}%", frac.trim_end_matches('0'))
+                }
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Margin {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        parse_margin(&s).map_err(de::Error::custom)
+    }
+}
+
+impl serde::Serialize for Margin {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 /// Serializes a duration the way it is written in the file, for `/config` and `explain`.
 pub fn ser_duration<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&fmt_duration(*d))
@@ -113,6 +192,28 @@ mod tests {
         assert!(parse_bytes("1mb").is_err());
         assert!(parse_bytes("MiB").is_err());
         assert!(parse_bytes("99999999999999GiB").is_err());
+    }
+
+    #[test]
+    fn margins() {
+        let ms = |v| Margin::Duration(Duration::from_millis(v));
+        assert_eq!(parse_margin("30ms"), Ok(ms(30)));
+        assert_eq!(parse_margin("0s"), Ok(ms(0)));
+        assert_eq!(parse_margin("20%"), Ok(Margin::Fraction(200_000)));
+        assert_eq!(parse_margin(" 2.5% "), Ok(Margin::Fraction(25_000)));
+        assert_eq!(parse_margin("0.0001%"), Ok(Margin::Fraction(1)));
+        for bad in ["%", "2.%x", "-1%", "1.00001%", "101%", "abc", "1e3%"] {
+            assert!(parse_margin(bad).is_err(), "{bad}");
+        }
+        assert_eq!(Margin::Fraction(25_000).to_string(), "2.5%");
+        assert_eq!(Margin::Fraction(200_000).to_string(), "20%");
+        assert_eq!(ms(1500).to_string(), "1s500ms");
+        let sec = Duration::from_secs(1);
+        assert_eq!(
+            Margin::Fraction(200_000).of(sec),
+            Duration::from_millis(200)
+        );
+        assert_eq!(ms(30).of(sec), Duration::from_millis(30));
     }
 
     #[test]

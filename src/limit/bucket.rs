@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::kinds::LimitState;
+use super::kinds::{Id, LimitState};
 use crate::config::{Limit, Priority};
 
 /// What a family's bucket is made of, from the config.
@@ -71,23 +71,47 @@ pub struct FamilyBucket<W> {
     pub paused_until: Option<Instant>,
     pub queue: VecDeque<Queued<W>>,
     holds_concurrency: bool,
+    /// Whether an admission pays a limit counted in time (so its send matters).
+    pays_rate: bool,
 }
 
-/// Whether an admission in a family with `limits` holds a permit until its response ends.
-fn holds(upstream_conc: bool, limits: &[LimitState]) -> bool {
-    upstream_conc || limits.iter().any(LimitState::is_concurrency)
+/// What the upstream's limits make every admission of a family do.
+#[derive(Debug, Clone, Copy)]
+struct UpstreamPays {
+    concurrency: bool,
+    rate: bool,
+}
+
+impl UpstreamPays {
+    fn of(upstream: &[LimitState]) -> UpstreamPays {
+        UpstreamPays {
+            concurrency: upstream.iter().any(LimitState::is_concurrency),
+            rate: upstream.iter().any(|l| !l.is_concurrency()),
+        }
+    }
 }
 
 impl<W> FamilyBucket<W> {
-    fn new(id: u32, spec: &Arc<FamilySpec>, limits: Vec<LimitState>, upstream_conc: bool) -> Self {
-        FamilyBucket {
+    fn new(id: u32, spec: &Arc<FamilySpec>, limits: Vec<LimitState>, up: UpstreamPays) -> Self {
+        let mut f = FamilyBucket {
             id,
-            holds_concurrency: holds(upstream_conc, &limits),
+            holds_concurrency: false,
+            pays_rate: false,
             limits,
             spec: spec.clone(),
             paused_until: None,
             queue: VecDeque::new(),
-        }
+        };
+        f.set_pays(up);
+        f
+    }
+
+    fn set_pays(&mut self, up: UpstreamPays) {
+        self.holds_concurrency =
+            up.concurrency || self.limits.iter().any(LimitState::is_concurrency);
+        // Tunnels pay only the upstream's concurrency limits.
+        self.pays_rate = (up.rate && !self.spec.concurrency_only)
+            || self.limits.iter().any(|l| !l.is_concurrency());
     }
 }
 
@@ -141,14 +165,14 @@ impl<W> Bucket<W> {
             .iter()
             .map(|l| LimitState::new(l, now))
             .collect();
-        let upstream_conc = upstream.iter().any(LimitState::is_concurrency);
+        let up = UpstreamPays::of(&upstream);
         let families = spec
             .families
             .iter()
             .zip(0..)
             .map(|(f, id)| {
                 let limits = f.limits.iter().map(|l| LimitState::new(l, now)).collect();
-                FamilyBucket::new(id, f, limits, upstream_conc)
+                FamilyBucket::new(id, f, limits, up)
             })
             .collect::<Vec<_>>();
         Bucket {
@@ -181,7 +205,7 @@ impl<W> Bucket<W> {
             epoch,
         );
         self.upstream_spec = spec.upstream_limits.clone();
-        let upstream_conc = self.upstream.iter().any(LimitState::is_concurrency);
+        let up = UpstreamPays::of(&self.upstream);
 
         let mut old: Vec<Option<FamilyBucket<W>>> = std::mem::take(&mut self.families)
             .into_iter()
@@ -199,7 +223,7 @@ impl<W> Bucket<W> {
                     FamilyBucket {
                         paused_until: prev.paused_until,
                         queue: prev.queue,
-                        ..FamilyBucket::new(prev.id, f, limits, upstream_conc)
+                        ..FamilyBucket::new(prev.id, f, limits, up)
                     }
                 }
                 None => {
@@ -209,7 +233,7 @@ impl<W> Bucket<W> {
                         .map(|l| LimitState::new_in(l, now, epoch))
                         .collect();
                     self.next_id += 1;
-                    FamilyBucket::new(self.next_id - 1, f, limits, upstream_conc)
+                    FamilyBucket::new(self.next_id - 1, f, limits, up)
                 }
             };
             families.push(fb);
@@ -217,7 +241,7 @@ impl<W> Bucket<W> {
         let mut retired = Vec::new();
         for (i, o) in old.into_iter().enumerate() {
             if let Some(mut fb) = o.filter(|o| !o.queue.is_empty()) {
-                fb.holds_concurrency = holds(upstream_conc, &fb.limits);
+                fb.set_pays(up);
                 families.push(fb);
                 retired.push(i);
             }
@@ -258,6 +282,12 @@ impl<W> Bucket<W> {
     /// Whether an admission in `family` holds a permit until the response ends.
     pub fn holds_concurrency(&self, family: usize) -> bool {
         self.families[family].holds_concurrency
+    }
+
+    /// Whether an admission in `family` pays a limit counted in time, whose accounting
+    /// follows the request to its upstream connection.
+    pub fn pays_rate(&self, family: usize) -> bool {
+        self.families[family].pays_rate
     }
 
     /// The earliest instant the `n`-th request of `family`'s queue could be admitted, if
@@ -381,20 +411,47 @@ impl<W> Bucket<W> {
         }
     }
 
-    /// Gives back the permits of an admission at `at`, in `epoch`, that never reached its
-    /// request.
-    pub fn undo(&mut self, family: FamilyRef, at: Instant, epoch: u64, now: Instant) {
-        let Some(slot) = self.find(family) else {
-            // Retired and gone: only the upstream's concurrency can still be owed.
-            return self.release(family, epoch);
+    /// The limits an admission in `family` paid (those still there after reloads).
+    fn paid_by(&mut self, family: FamilyRef) -> impl Iterator<Item = &mut LimitState> {
+        let (own, only): (&mut [LimitState], bool) = match self.find(family) {
+            Some(slot) => {
+                let f = &mut self.families[slot];
+                (&mut f.limits, f.spec.concurrency_only)
+            }
+            // Retired and gone: only the upstream's limits remain.
+            None => (&mut [], false),
         };
-        let f = &mut self.families[slot];
-        for l in f
-            .limits
-            .iter_mut()
-            .chain(paid(&mut self.upstream, f.spec.concurrency_only))
-        {
-            l.undo(at, epoch, now);
+        own.iter_mut().chain(paid(&mut self.upstream, only))
+    }
+
+    /// Gives back everything an admission of `epoch` in `family` took: its grant never
+    /// reached its request.
+    pub fn undo(&mut self, family: FamilyRef, epoch: u64) {
+        for l in self.paid_by(family) {
+            l.undo(epoch);
+        }
+    }
+
+    /// Admission `id` (of `epoch`, `None` if already undone) was handed to its upstream
+    /// connection at `now`.
+    pub fn sent(&mut self, family: FamilyRef, id: Id, epoch: Option<u64>, now: Instant) {
+        for l in self.paid_by(family) {
+            l.sent(id, epoch, now);
+        }
+    }
+
+    /// The response to admission `id` arrived at `now`.
+    pub fn answered(&mut self, family: FamilyRef, id: Id, now: Instant) {
+        for l in self.paid_by(family) {
+            l.answered(id, now);
+        }
+    }
+
+    /// Admission of `epoch` never reached its upstream connection: its rate permits
+    /// come back (its concurrency permits come back with `release`).
+    pub fn unsent(&mut self, family: FamilyRef, epoch: u64) {
+        for l in self.paid_by(family) {
+            l.unsent(epoch);
         }
     }
 

@@ -9,13 +9,22 @@
 //!   sleeps until the next instant time alone could admit someone. Admitted waiters get
 //!   a [`Grant`] through a oneshot channel; a grant that is never received gives its
 //!   permits back, so a waiter that disappears at the moment it is admitted costs nothing.
-//!   Permit returns are owned by the limiter: sliding windows by their stored instants,
-//!   concurrency by the [`Permit`] guard that the response body carries to its end.
+//!   Permit returns are owned by the limiter: rate limits by the instants their requests
+//!   were sent and answered (reported by the request's [`Ticket`]), concurrency by the
+//!   [`Permit`] guard that the response body carries to its end.
+//!
+//! An admitted request is counted from the instant it is handed to its upstream
+//! connection, after connecting and TLS, not from its admission: that is when the
+//! provider can start counting it. The [`SendHook`] travels inside the request body and
+//! reports that instant when hyper takes the request to write it; the pipeline reports
+//! the response head. A request that never reached its connection gives its rate
+//! permits back.
 
 pub mod bucket;
 pub mod kinds;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
@@ -25,7 +34,7 @@ use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
 
 use bucket::{Admitted, Bucket, FamilyRef, FamilySpec, PartitionSpec, Reject};
-use kinds::LimitState;
+use kinds::{Id, LimitState};
 
 use crate::config::{Config, Limit, Priority, Upstream};
 use crate::metrics::Metrics;
@@ -226,6 +235,9 @@ impl Cell {
     /// Admits whoever can go now and hands them their grants. A grant whose waiter is
     /// already gone is undone on the spot, which may let the next one in.
     fn dispatch(self: &Arc<Self>, st: &mut CellState, now: Instant) {
+        if st.bucket.waiting() == 0 {
+            return;
+        }
         let mut admitted: Vec<Admitted<Waiter>> = Vec::new();
         loop {
             st.bucket.dispatch(now, &mut admitted);
@@ -239,18 +251,27 @@ impl Cell {
                 m.depth.dec();
                 m.wait.observe((a.at - a.since).as_secs_f64());
                 let family = st.bucket.family_ref(a.family);
+                let ticket = st.bucket.pays_rate(a.family).then(|| {
+                    Arc::new(Ticket {
+                        cell: self.clone(),
+                        family,
+                        id: a.seq,
+                        epoch,
+                        phase: AtomicU8::new(ADMITTED),
+                    })
+                });
                 let grant = Grant {
                     permit: Some(Permit {
                         cell: self.clone(),
                         family,
                         epoch,
                         holds: st.bucket.holds_concurrency(a.family),
+                        ticket,
                     }),
-                    at: a.at,
                 };
                 if let Err(mut g) = a.waiter.tx.send(grant) {
                     g.disarm();
-                    st.bucket.undo(family, a.at, epoch, now);
+                    st.bucket.undo(family, epoch);
                     undone = true;
                 }
             }
@@ -258,6 +279,12 @@ impl Cell {
                 return;
             }
         }
+    }
+
+    /// After a change to the bucket: admit who can go, and let the driver look again.
+    fn changed(self: &Arc<Self>, st: &mut CellState, now: Instant) {
+        self.dispatch(st, now);
+        self.wake_driver(st);
     }
 
     /// After a change that may matter to time-based waiting, make sure a driver looks.
@@ -304,13 +331,14 @@ async fn drive(cell: Arc<Cell>) {
 /// Permits in transit from the limiter to a waiter. Dropped unreceived, it gives them back.
 pub struct Grant {
     permit: Option<Permit>,
-    at: Instant,
 }
 
 impl Grant {
+    /// The permit will not be used and is being given back by the caller.
     fn disarm(&mut self) {
         if let Some(mut p) = self.permit.take() {
             p.holds = false;
+            p.ticket = None;
         }
     }
 
@@ -325,24 +353,26 @@ impl Drop for Grant {
             return;
         };
         permit.holds = false;
+        permit.ticket = None;
         let cell = permit.cell.clone();
         let mut st = cell.lock();
-        let now = Instant::now();
-        st.bucket.undo(permit.family, self.at, permit.epoch, now);
-        cell.dispatch(&mut st, now);
-        cell.wake_driver(&mut st);
+        st.bucket.undo(permit.family, permit.epoch);
+        cell.changed(&mut st, Instant::now());
     }
 }
 
-/// An admitted request's hold on its concurrency permits, released on drop: when the
-/// response body has been sent, or the request ended any other way (error, client gone,
-/// panic). Rate permits are not held: they come back with time.
+/// An admitted request's hold on its permits. Rate permits follow the request through
+/// its [`Ticket`]; concurrency permits are released on drop: when the response body has
+/// been sent, or the request ended any other way (error, client gone, panic). Dropped
+/// before the request reached its upstream connection, it gives its rate permits back.
 pub struct Permit {
     cell: Arc<Cell>,
     family: FamilyRef,
     /// The reload epoch it was taken in: a limit created later was never paid.
     epoch: u64,
     holds: bool,
+    /// While the request pays limits counted in time and has not been answered.
+    ticket: Option<Arc<Ticket>>,
 }
 
 impl std::fmt::Debug for Permit {
@@ -351,6 +381,7 @@ impl std::fmt::Debug for Permit {
             .field("upstream", &&*self.cell.name)
             .field("family", &self.family)
             .field("holds", &self.holds)
+            .field("ticket", &self.ticket.as_ref().map(|t| t.id))
             .finish()
     }
 }
@@ -360,17 +391,90 @@ impl Permit {
     pub fn holds_concurrency(&self) -> bool {
         self.holds
     }
+
+    /// What the request body carries to report the instant the request is handed to its
+    /// upstream connection; `None` when no limit counted in time was paid.
+    pub fn send_hook(&self) -> Option<SendHook> {
+        self.ticket.clone().map(SendHook)
+    }
+
+    /// The response head arrived now: the provider had counted the request by then.
+    pub fn answered(&mut self) {
+        if let Some(t) = self.ticket.take() {
+            let mut st = t.cell.lock();
+            let now = Instant::now();
+            match t.phase.load(Ordering::Relaxed) {
+                phase @ (ADMITTED | UNSENT) => {
+                    // A response without a reported send: it was sent by now at the latest.
+                    let epoch = (phase == ADMITTED).then_some(t.epoch);
+                    st.bucket.sent(t.family, t.id, epoch, now);
+                    st.bucket.answered(t.family, t.id, now);
+                }
+                SENT => st.bucket.answered(t.family, t.id, now),
+                _ => {}
+            }
+            t.phase.store(ANSWERED, Ordering::Relaxed);
+            t.cell.changed(&mut st, now);
+        }
+    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        if !self.holds {
+        let ticket = self.ticket.take();
+        if !self.holds && ticket.is_none() {
             return;
         }
         let mut st = self.cell.lock();
-        st.bucket.release(self.family, self.epoch);
-        self.cell.dispatch(&mut st, Instant::now());
-        self.cell.wake_driver(&mut st);
+        if let Some(t) = ticket
+            && t.phase.load(Ordering::Relaxed) == ADMITTED
+        {
+            // Never handed to a connection: the provider did not see it.
+            st.bucket.unsent(t.family, t.epoch);
+            t.phase.store(UNSENT, Ordering::Relaxed);
+        }
+        if self.holds {
+            st.bucket.release(self.family, self.epoch);
+        }
+        self.cell.changed(&mut st, Instant::now());
+    }
+}
+
+const ADMITTED: u8 = 0;
+const SENT: u8 = 1;
+const ANSWERED: u8 = 2;
+/// Given back before it was sent (the request failed or left first).
+const UNSENT: u8 = 3;
+
+/// One admission's way through the limits counted in time, shared by its [`Permit`] and
+/// its [`SendHook`]. `phase` changes only under the cell's lock, so a send that races the
+/// request's cancellation is settled there, one way or the other.
+pub struct Ticket {
+    cell: Arc<Cell>,
+    family: FamilyRef,
+    id: Id,
+    epoch: u64,
+    phase: AtomicU8,
+}
+
+/// Reports the instant a request is handed to its upstream connection (see
+/// `proxy::body::Outbound`), once.
+pub struct SendHook(Arc<Ticket>);
+
+impl SendHook {
+    pub fn fire(self) {
+        let t = &self.0;
+        let mut st = t.cell.lock();
+        let now = Instant::now();
+        let epoch = match t.phase.load(Ordering::Relaxed) {
+            ADMITTED => Some(t.epoch),
+            // Its permit was already given back, but the provider will see it: count it.
+            UNSENT => None,
+            _ => return,
+        };
+        st.bucket.sent(t.family, t.id, epoch, now);
+        t.phase.store(SENT, Ordering::Relaxed);
+        t.cell.changed(&mut st, now);
     }
 }
 

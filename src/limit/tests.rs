@@ -21,13 +21,30 @@ fn limiter(limits_toml: &str) -> (Arc<Limiter>, Metrics) {
 
 /// The limiter as a request of the live config sees it.
 impl Limiter {
+    /// Admitted, then sent and answered at once: the provider counted it on admission.
     async fn take(&self, r: &Route) -> Result<Option<Permit>, LimitError> {
-        self.acquire(&self.plans()[r.upstream], r).await
+        self.go(&self.plans()[r.upstream], r).await
+    }
+
+    /// As `take`, for a request routed with `plan`.
+    async fn go(&self, plan: &Arc<Plan>, r: &Route) -> Result<Option<Permit>, LimitError> {
+        let mut permit = self.acquire(plan, r).await?;
+        if let Some(p) = permit.as_mut() {
+            sent_and_answered(p);
+        }
+        Ok(permit)
     }
 
     fn hold(&self, r: &Route, family: bool, until: Instant) {
         self.pause(&self.plans()[r.upstream], r, family, until)
     }
+}
+
+fn sent_and_answered(p: &mut Permit) {
+    if let Some(hook) = p.send_hook() {
+        hook.fire();
+    }
+    p.answered();
 }
 
 fn route(family: Option<usize>) -> Route {
@@ -356,7 +373,7 @@ async fn limits_raised_and_lowered_under_200_queued_keep_order_and_lose_none() {
         let (l, plan) = (l.clone(), first_plan.clone());
         tasks.push(tokio::spawn(async move {
             // Every request was routed by the first config: the reloads find them by name.
-            let p = l.acquire(&plan, &route(None)).await.unwrap();
+            let p = l.go(&plan, &route(None)).await.unwrap();
             (i, Instant::now() - t0, p)
         }));
         tokio::task::yield_now().await;
@@ -407,7 +424,7 @@ async fn a_removed_family_finishes_its_queue_under_the_old_limits() {
         let (l, plan) = (l.clone(), old.clone());
         tasks.push(tokio::spawn(async move {
             let t0 = Instant::now();
-            l.acquire(&plan, &route(Some(0))).await.unwrap();
+            l.go(&plan, &route(Some(0))).await.unwrap();
             Instant::now() - t0
         }));
         tokio::task::yield_now().await;
@@ -417,7 +434,7 @@ async fn a_removed_family_finishes_its_queue_under_the_old_limits() {
     assert!(snapshot.contains("\"retired\":true"), "{snapshot}");
     let new = l.plans()[0].clone();
     let t0 = Instant::now();
-    drop(l.acquire(&new, &route(None)).await.unwrap());
+    drop(l.go(&new, &route(None)).await.unwrap());
     assert_eq!(Instant::now(), t0, "the new config's requests do not wait");
     let mut waits = Vec::new();
     for t in tasks {
@@ -437,12 +454,12 @@ async fn a_request_of_the_new_config_moves_a_partition_the_reload_has_not_reache
     let metrics = Metrics::new(Registry::new()).unwrap();
     let l = Arc::new(Limiter::new(&config(&window(1)), &metrics));
     let old = l.plans()[0].clone();
-    drop(l.acquire(&old, &route(None)).await.unwrap());
+    drop(l.go(&old, &route(None)).await.unwrap());
     // The new config's plans, not yet handed to the limiter.
     let new = crate::limit::plans(&config(&window(3)), &metrics)[0].clone();
     let t0 = Instant::now();
-    drop(l.acquire(&new, &route(None)).await.unwrap());
-    drop(l.acquire(&new, &route(None)).await.unwrap());
+    drop(l.go(&new, &route(None)).await.unwrap());
+    drop(l.go(&new, &route(None)).await.unwrap());
     assert_eq!(
         Instant::now(),
         t0,
@@ -450,7 +467,7 @@ async fn a_request_of_the_new_config_moves_a_partition_the_reload_has_not_reache
     );
     // A request still holding the old plan does not move it back.
     let r = route(None);
-    let late = l.acquire(&old, &r);
+    let late = l.go(&old, &r);
     tokio::pin!(late);
     assert!(
         futures_util::poll!(&mut late).is_pending(),

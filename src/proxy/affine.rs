@@ -32,7 +32,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::Body;
+use super::body::Outbound;
 use super::client::AttemptError;
 use super::server::Graceful;
 use super::timer::{ConnTimer, Deadline};
@@ -52,7 +52,7 @@ const MAX_IDLE_PER_ADDR: usize = 256;
 /// the URL, without brackets) and port.
 type Addr = (usize, Box<str>, u16);
 type Driver = Pin<Box<dyn Future<Output = ()> + Send>>;
-type Sender = http1::SendRequest<Body>;
+type Sender = http1::SendRequest<Outbound>;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -206,7 +206,7 @@ impl Affine {
     pub fn send<'a>(
         &'a self,
         resolver: &'a Resolver,
-        mut req: Request<Body>,
+        mut req: Request<Outbound>,
     ) -> impl Future<Output = Result<(Response<Incoming>, Option<Lease>), AttemptError>> + 'a {
         let origin = origin_form(req.uri());
         let absolute = std::mem::replace(req.uri_mut(), origin);

@@ -11,15 +11,16 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
+use super::BoxError;
 use super::affine::Lease;
+use super::body::Outbound;
 use super::error::{ProxyError, chain, find_cause};
-use super::{Body, BoxError};
 use crate::config::RetryOn;
 use crate::egress::{EgressError, Resolver};
 
 #[derive(Clone)]
 pub struct UpstreamClient {
-    inner: Client<HttpsConnector<HttpConnector<Resolver>>, Body>,
+    inner: Client<HttpsConnector<HttpConnector<Resolver>>, Outbound>,
 }
 
 impl UpstreamClient {
@@ -50,7 +51,7 @@ impl UpstreamClient {
     /// `Affine::send`).
     pub async fn send(
         &self,
-        req: Request<Body>,
+        req: Request<Outbound>,
     ) -> Result<(Response<Incoming>, Option<Lease>), AttemptError> {
         let resp = self.inner.request(req).await.map_err(|e| {
             if let Some(EgressError::Denied { addr }) = find_cause::<EgressError>(&e) {

@@ -26,7 +26,7 @@ use tokio_util::either::Either;
 
 use super::Body;
 use super::affine::Affine;
-use super::body::{RequestBody, ResponseBody, peek};
+use super::body::{Outbound, RequestBody, ResponseBody, peek};
 use super::client::AttemptError;
 use super::error::ProxyError;
 use super::timer::ConnTimer;
@@ -350,8 +350,11 @@ fn attempt<'a>(
     route: Option<&'a Route>,
     timeout: Duration,
     req: Request<Body>,
-    permit: Option<Permit>,
+    mut permit: Option<Permit>,
 ) -> impl Future<Output = Result<Response<Body>, AttemptError>> + 'a {
+    // The limiter counts the request from when hyper takes it to write (see `Outbound`).
+    let hook = permit.as_ref().and_then(Permit::send_hook);
+    let req = req.map(|b| Outbound::new(b, hook));
     async move {
         let (upstream, family) = config.labels(route);
         let start = Instant::now();
@@ -376,7 +379,12 @@ fn attempt<'a>(
             Poll::Pending => Pin::new(&mut deadline).poll(cx).map(|()| None),
         })
         .await;
+        // On failure the permit is dropped here: if the request never reached a
+        // connection, its rate permits go back (the provider never saw it).
         let (resp, lease) = sent.ok_or(AttemptError::Timeout(timeout))??;
+        if let Some(p) = permit.as_mut() {
+            p.answered();
+        }
         app.metrics
             .upstream_duration
             .with_label_values(&[upstream, family])

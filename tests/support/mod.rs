@@ -5,6 +5,9 @@
 
 #![allow(dead_code)]
 
+pub mod certs;
+pub mod provider;
+
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -6,7 +6,7 @@ use proptest::prelude::*;
 use tokio::time::Instant;
 
 use super::*;
-use crate::config::Scope;
+use crate::config::{Margin, Scope};
 
 fn nz(v: u32) -> NonZeroU32 {
     NonZeroU32::new(v).unwrap()
@@ -16,6 +16,7 @@ fn ms(v: u64) -> Duration {
 }
 fn sliding(p: u32, w: u64) -> Limit {
     Limit::SlidingWindow {
+        margin: Some(Margin::Duration(Duration::ZERO)),
         permits: nz(p),
         window: ms(w),
         scope: Scope::Local,
@@ -23,6 +24,7 @@ fn sliding(p: u32, w: u64) -> Limit {
 }
 fn fixed(p: u32, w: u64) -> Limit {
     Limit::FixedWindow {
+        margin: Some(Margin::Duration(Duration::ZERO)),
         permits: nz(p),
         window: ms(w),
         scope: Scope::Local,
@@ -30,6 +32,7 @@ fn fixed(p: u32, w: u64) -> Limit {
 }
 fn token(rate: u32, per: u64, burst: u32) -> Limit {
     Limit::TokenBucket {
+        margin: Some(Margin::Duration(Duration::ZERO)),
         rate: nz(rate),
         per: ms(per),
         burst: nz(burst),
@@ -61,10 +64,22 @@ fn spec(upstream: Vec<Limit>, families: Vec<FamilySpec>) -> PartitionSpec {
     }
 }
 
+/// Admits at `now` into `out`, each admitted request sent and answered at once (with no
+/// margin, the provider counts it at its admission).
+fn dispatch<W>(b: &mut Bucket<W>, now: Instant, out: &mut Vec<Admitted<W>>) {
+    let from = out.len();
+    b.dispatch(now, out);
+    for a in &out[from..] {
+        let f = b.family_ref(a.family);
+        b.sent(f, a.seq, Some(b.epoch()), now);
+        b.answered(f, a.seq, now);
+    }
+}
+
 /// Admits at `now` and returns the waiter ids admitted, in order.
 fn run(b: &mut Bucket<u32>, now: Instant) -> Vec<u32> {
     let mut out = Vec::new();
-    b.dispatch(now, &mut out);
+    dispatch(b, now, &mut out);
     out.into_iter().map(|a| a.waiter).collect()
 }
 
@@ -261,7 +276,7 @@ fn idle_once_everything_is_back() {
     assert!(b.is_idle(t0));
     b.push(0, 0, t0);
     let mut out = Vec::new();
-    b.dispatch(t0, &mut out);
+    dispatch(&mut b, t0, &mut out);
     assert!(
         !b.is_idle(t0 + ms(5000)),
         "a concurrency permit is still out"
@@ -375,7 +390,7 @@ proptest! {
                 Op::Advance(d) => now += ms(d),
                 _ => {}
             }
-            b.dispatch(now, &mut out);
+            dispatch(&mut b, now, &mut out);
             for a in out.drain(..) {
                 queued.retain(|q| *q != (a.family, a.seq));
                 in_flight.push(a.family);
@@ -511,7 +526,7 @@ fn a_removed_family_drains_under_its_old_limits_then_goes() {
         b.push(0, id, t0);
     }
     let mut out = Vec::new();
-    b.dispatch(t0, &mut out);
+    dispatch(&mut b, t0, &mut out);
     let first = b.family_ref(out[0].family);
     assert_eq!(b.reconfigure(&new, t0 + ms(10)), [0], "a kept, retired");
     assert_eq!(b.families.len(), 3, "b, -, then retired a");
@@ -651,7 +666,7 @@ proptest! {
                 }
                 _ => {}
             }
-            b.dispatch(now, &mut out);
+            dispatch(&mut b, now, &mut out);
             for a in out.drain(..) {
                 let f = b.family_ref(a.family);
                 let before = queued.len();

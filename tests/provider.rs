@@ -1,0 +1,460 @@
+//! Limits as the provider counts them. First a model check: the limit kinds driven
+//! through random traffic (queueing, slow connects, connects that fail, sends that reach
+//! the provider anywhere within the margin, slow and missing answers) while a provider
+//! that counts at each request's arrival judges every request. Then the real thing: many
+//! clients through sluice, set to a provider's exact limit, to an HTTP provider that
+//! counts at arrival in its own code, behind a relay whose new connections are slow.
+
+mod support;
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use proptest::prelude::*;
+use sluice::config::{Limit, Margin, Scope};
+use sluice::limit::kinds::LimitState;
+use support::Proxy;
+use support::provider::{Counter, Delays, Provider, Relay};
+use tokio::time::Instant;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kind {
+    Sliding,
+    Fixed,
+    Token { burst: u32 },
+}
+
+#[derive(Debug, Clone)]
+struct Shape {
+    kind: Kind,
+    permits: u32,
+    window_ms: u64,
+    /// In thousandths of half the window (the most a window's margin may be).
+    margin_permille: u64,
+}
+
+impl Shape {
+    fn window(&self) -> Duration {
+        Duration::from_millis(self.window_ms)
+    }
+
+    fn margin(&self) -> Duration {
+        self.window() / 2 * self.margin_permille as u32 / 1000
+    }
+
+    fn limit(&self) -> Limit {
+        let nz = |v| NonZeroU32::new(v).unwrap();
+        let margin = Some(Margin::Duration(self.margin()));
+        let scope = Scope::Local;
+        match self.kind {
+            Kind::Sliding => Limit::SlidingWindow {
+                permits: nz(self.permits),
+                window: self.window(),
+                margin,
+                scope,
+            },
+            Kind::Fixed => Limit::FixedWindow {
+                permits: nz(self.permits),
+                window: self.window(),
+                margin,
+                scope,
+            },
+            Kind::Token { burst } => Limit::TokenBucket {
+                rate: nz(self.permits),
+                per: self.window(),
+                burst: nz(burst),
+                margin,
+                scope,
+            },
+        }
+    }
+
+    fn provider(&self) -> Counter {
+        match self.kind {
+            Kind::Sliding => Counter::sliding(self.permits, self.window()),
+            Kind::Fixed => Counter::fixed(self.permits, self.window()),
+            Kind::Token { burst } => Counter::token(self.permits, self.window(), burst),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Fate {
+    /// Handed to its connection `connect_ms` after admission.
+    Sent,
+    /// The connect failed: never sent.
+    Failed,
+    /// Given back as unsent, but the send raced the cancellation and went out anyway.
+    SentAfterGivingUp,
+}
+
+#[derive(Debug, Clone)]
+struct Req {
+    /// After the previous request joined the queue.
+    gap_ms: u64,
+    connect_ms: u64,
+    fate: Fate,
+    /// Where in [send, send + margin] it reaches the provider, in [0, 1].
+    delay: f64,
+    /// After its arrival; `None`: no answer ever comes (a timeout).
+    answer_ms: Option<u64>,
+}
+
+fn shape() -> impl Strategy<Value = Shape> {
+    let kind = prop_oneof![
+        Just(Kind::Sliding),
+        Just(Kind::Fixed),
+        (1..4u32).prop_map(|burst| Kind::Token { burst }),
+    ];
+    (
+        kind,
+        1..6u32,
+        prop_oneof![Just(100u64), Just(250), Just(1000)],
+        prop_oneof![Just(0u64), Just(1000), 0..1000u64],
+    )
+        .prop_map(|(kind, permits, window_ms, margin_permille)| Shape {
+            kind,
+            permits,
+            window_ms,
+            margin_permille,
+        })
+}
+
+fn req() -> impl Strategy<Value = Req> {
+    (
+        prop_oneof![3 => Just(0u64), 2 => 0..400u64],
+        prop_oneof![3 => Just(0u64), 1 => 0..300u64],
+        prop_oneof![
+            8 => Just(Fate::Sent),
+            1 => Just(Fate::Failed),
+            1 => Just(Fate::SentAfterGivingUp)
+        ],
+        prop_oneof![Just(0.0), Just(1.0), 0.0..=1.0f64],
+        prop_oneof![
+            3 => Just(Some(0u64)),
+            3 => (0..600u64).prop_map(Some),
+            1 => Just(None)
+        ],
+    )
+        .prop_map(|(gap_ms, connect_ms, fate, delay, answer_ms)| Req {
+            gap_ms,
+            connect_ms,
+            fate,
+            delay,
+            answer_ms,
+        })
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    Join(usize),
+    Send(usize),
+    GiveUp(usize),
+    Answer(usize),
+    Wake,
+}
+
+/// What one run produced: each sent request's arrival at the provider, and when the
+/// last one was admitted.
+struct Run {
+    arrivals: Vec<(u64, usize)>,
+    admitted: usize,
+}
+
+/// Drives one limit through `reqs` in event time (microseconds), admitting FIFO whenever
+/// it allows, and returns where each sent request reached the provider.
+fn simulate(shape: &Shape, reqs: &[Req]) -> Result<Run, TestCaseError> {
+    let t0 = Instant::now();
+    let at = |us: u64| t0 + Duration::from_micros(us);
+    let mut l = LimitState::new(&shape.limit(), t0);
+    let margin_us = shape.margin().as_micros() as u64;
+    let mut events = BinaryHeap::new();
+    let mut seq = 0u64;
+    let mut push = |events: &mut BinaryHeap<_>, t: u64, ev: Ev| {
+        seq += 1;
+        events.push(Reverse((t, seq, ev)));
+    };
+    let mut t = 0;
+    for (i, r) in reqs.iter().enumerate() {
+        t += r.gap_ms * 1000;
+        push(&mut events, t, Ev::Join(i));
+    }
+    let mut queue = VecDeque::new();
+    let mut arrivals = Vec::new();
+    let mut admitted = 0;
+    let mut next_wake = None;
+    while let Some(Reverse((t, _, ev))) = events.pop() {
+        let now = at(t);
+        match ev {
+            Ev::Join(i) => queue.push_back(i),
+            Ev::Send(i) => {
+                l.sent(i as u64, Some(0), now);
+                let arrival = t + (reqs[i].delay * margin_us as f64) as u64;
+                arrivals.push((arrival, i));
+                if let Some(a) = reqs[i].answer_ms {
+                    push(&mut events, arrival + a * 1000, Ev::Answer(i));
+                }
+            }
+            Ev::GiveUp(i) => {
+                l.unsent(0);
+                if let Fate::SentAfterGivingUp = reqs[i].fate {
+                    l.sent(i as u64, None, now);
+                    let arrival = t + (reqs[i].delay * margin_us as f64) as u64;
+                    arrivals.push((arrival, i));
+                }
+            }
+            Ev::Answer(i) => l.answered(i as u64, now),
+            Ev::Wake => {}
+        }
+        while !queue.is_empty() && l.can_take(now) {
+            let i = queue.pop_front().unwrap();
+            l.take(now);
+            admitted += 1;
+            let later = t + reqs[i].connect_ms * 1000;
+            match reqs[i].fate {
+                Fate::Sent => push(&mut events, later, Ev::Send(i)),
+                Fate::Failed | Fate::SentAfterGivingUp => push(&mut events, later, Ev::GiveUp(i)),
+            }
+        }
+        if !queue.is_empty() {
+            let ready = l.ready_at(1, now);
+            prop_assert!(ready.is_some(), "a rate limit always knows a next instant");
+            let ready = ready.unwrap();
+            prop_assert!(ready > now, "nothing admits now, yet ready_at says now");
+            let us = (ready - t0).as_nanos().div_ceil(1000) as u64;
+            if next_wake.is_none_or(|w| w <= t || us < w) {
+                next_wake = Some(us);
+                push(&mut events, us, Ev::Wake);
+            }
+        }
+    }
+    prop_assert!(queue.is_empty(), "{} requests never admitted", queue.len());
+    arrivals.sort();
+    Ok(Run { arrivals, admitted })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Whatever the connects, the answers and where within the margin each request
+    /// reaches the provider, the provider never refuses one.
+    #[test]
+    fn the_provider_never_refuses_a_request(
+        shape in shape(),
+        reqs in prop::collection::vec(req(), 1..80),
+    ) {
+        let run = simulate(&shape, &reqs)?;
+        prop_assert_eq!(run.admitted, reqs.len());
+        let mut provider = shape.provider();
+        let t0 = Instant::now();
+        for (us, i) in &run.arrivals {
+            prop_assert!(
+                provider.arrive(t0 + Duration::from_micros(*us)),
+                "the provider refused request {} arriving at {} us", i, us
+            );
+        }
+    }
+}
+
+/// Saturated for many windows with a provider that answers within a millisecond: the
+/// default margin (a fifth of the window) costs next to nothing, since a permit comes
+/// back from the response rather than from the margin.
+#[test]
+fn with_fast_answers_the_default_margin_costs_little() {
+    for kind in [Kind::Sliding, Kind::Fixed] {
+        let limit = match kind {
+            Kind::Sliding => "sliding_window",
+            _ => "fixed_window",
+        };
+        let config = sluice::Config::parse(
+            &format!(
+                "[[upstream]]\nname = \"u\"\nhosts = [\"u\"]\nlimits = [{{ kind = \"{limit}\", permits = 12, window = \"1s\" }}]\n"
+            ),
+            "t.toml",
+        )
+        .unwrap();
+        let spec = &config.upstreams[0].limits[0];
+        assert_eq!(spec.margin(), Some(Duration::from_millis(200)));
+        let t0 = Instant::now();
+        let mut l = LimitState::new(spec, t0);
+        let mut now = t0;
+        let mut admitted = 0u64;
+        let end = t0 + Duration::from_secs(20);
+        while now < end {
+            while l.can_take(now) {
+                l.take(now);
+                l.sent(admitted, Some(0), now);
+                l.answered(admitted, now + Duration::from_millis(1));
+                admitted += 1;
+            }
+            now = l.ready_at(1, now).unwrap();
+        }
+        // 12 per second for 20 s is 240; every cycle loses the millisecond to the answer.
+        assert!(admitted >= 238, "{kind:?}: {admitted}");
+    }
+}
+
+const PERMITS: u32 = 10;
+const WINDOWS: usize = 6;
+const CLIENTS: usize = 40;
+
+struct Outcome {
+    /// Statuses the clients got, in no order.
+    statuses: Vec<u16>,
+    /// Requests the provider accepted and refused.
+    accepted: usize,
+    refused: usize,
+    elapsed: Duration,
+    relay_connections: usize,
+}
+
+/// `CLIENTS` clients, each on its own connection to sluice, send `PERMITS × WINDOWS`
+/// requests between them, as fast as sluice lets them, through sluice set to exactly
+/// the provider's limit (`kind`, `PERMITS` per second) with retries off, so every 429 the
+/// provider answers reaches a client. `tls`: sluice reaches the provider over TLS
+/// (`scheme = "https"`), so a slow handshake delays its sends.
+async fn at_the_exact_limit(kind: &str, tls: bool, delays: Delays, margin: &str) -> Outcome {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = tls.then(|| support::certs::for_localhost(dir.path(), &[b"http/1.1"]));
+    let window = Duration::from_secs(1);
+    let counter = match kind {
+        "sliding_window" => Counter::sliding(PERMITS, window),
+        _ => Counter::fixed(PERMITS, window),
+    };
+    let provider = Provider::start(counter, certs.as_ref().map(|c| c.server.clone())).await;
+    let relay = Relay::start(provider.addr, delays).await;
+    let origin = match &certs {
+        Some(c) => format!("scheme = \"https\"\nupstream_ca = {:?}\n", c.ca_path),
+        None => String::new(),
+    };
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"provider\"\nhosts = [\"127.0.0.1\"]\n{origin}\
+         limits = [{{ kind = \"{kind}\", permits = {PERMITS}, window = \"1s\"{margin} }}]\n\
+         [upstream.retry]\nmax_attempts = 1\n"
+    ))
+    .await;
+    let url = format!("http://{}/v1/orders", relay.addr);
+    let total = PERMITS as usize * WINDOWS;
+    let next = Arc::new(AtomicUsize::new(0));
+    let t0 = Instant::now();
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        let (client, url, next) = (proxy.client(), url.clone(), next.clone());
+        clients.push(tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            while next.fetch_add(1, Ordering::Relaxed) < total {
+                let resp = client.get(&url).send().await.unwrap();
+                statuses.push(resp.status().as_u16());
+                resp.bytes().await.unwrap();
+            }
+            // The client, and its connection, stay until every client is done: one that
+            // closed would hand its upstream connection to a client still waiting.
+            (statuses, client)
+        }));
+    }
+    let mut statuses = Vec::new();
+    let mut done = Vec::new();
+    for c in clients {
+        let (s, client) = c.await.unwrap();
+        statuses.extend(s);
+        done.push(client);
+    }
+    let (accepted, refused) = provider.counts();
+    Outcome {
+        statuses,
+        accepted,
+        refused,
+        elapsed: t0.elapsed(),
+        relay_connections: relay.connections.load(Ordering::Relaxed),
+    }
+}
+
+fn assert_no_provider_429(kind: &str, o: &Outcome) {
+    let total = PERMITS as usize * WINDOWS;
+    assert_eq!(
+        o.refused, 0,
+        "{kind}: the provider refused {} requests",
+        o.refused
+    );
+    assert_eq!(o.accepted, total, "{kind}");
+    assert!(
+        o.statuses.iter().all(|s| *s == 200),
+        "{kind}: {:?}",
+        o.statuses
+    );
+    // Near the limit, not far below it: six windows' worth in about five seconds
+    // (the first window is free), with a wide allowance for a loaded machine.
+    assert!(
+        o.elapsed < Duration::from_secs(WINDOWS as u64 + 3),
+        "{kind}: {:?}",
+        o.elapsed
+    );
+}
+
+/// Each new TLS connection costs 100 ms before sluice can send on it (the first
+/// window's requests open ten of them; later ones reuse them), and every request is
+/// jittered by up to 3 ms on its way. sluice counts from its sends, after the handshakes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_provider_429s_behind_slow_tls_handshakes() {
+    let delays = Delays {
+        handshake: Duration::from_millis(100),
+        jitter: Duration::from_millis(3),
+        ..Delays::default()
+    };
+    let (sliding, fixed) = tokio::join!(
+        at_the_exact_limit("sliding_window", true, delays, ""),
+        at_the_exact_limit("fixed_window", true, delays, ""),
+    );
+    assert_no_provider_429("sliding_window", &sliding);
+    assert_no_provider_429("fixed_window", &fixed);
+    assert!(
+        sliding.relay_connections >= 2,
+        "fresh connections were opened"
+    );
+}
+
+/// The first request on each new connection reaches the provider 100 ms after sluice
+/// sent it, where sluice cannot see the delay: its clients' first requests pay it, their
+/// later ones, on the same connections, do not. The default margin covers it; the
+/// response, coming back 100 ms late, keeps the permit that long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_provider_429s_when_first_requests_are_delayed_unseen() {
+    let delays = Delays {
+        first_request: Duration::from_millis(100),
+        jitter: Duration::from_millis(3),
+        ..Delays::default()
+    };
+    let (sliding, fixed) = tokio::join!(
+        at_the_exact_limit("sliding_window", false, delays, ""),
+        at_the_exact_limit("fixed_window", false, delays, ""),
+    );
+    assert_no_provider_429("sliding_window", &sliding);
+    assert_no_provider_429("fixed_window", &fixed);
+    assert_eq!(
+        sliding.relay_connections, CLIENTS,
+        "each client's first request had a fresh upstream connection"
+    );
+}
+
+/// The same traffic with no margin: the window after the last fresh connections is
+/// refused by the provider, since their requests reached it 100 ms after sluice sent
+/// them. This is what the margin is for, and shows the tests above can fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_margin_the_provider_refuses_at_window_edges() {
+    let delays = Delays {
+        first_request: Duration::from_millis(100),
+        jitter: Duration::from_millis(3),
+        ..Delays::default()
+    };
+    let o = at_the_exact_limit("sliding_window", false, delays, ", margin = \"0s\"").await;
+    assert!(o.refused > 0, "no provider 429 without a margin");
+    assert_eq!(
+        o.statuses.iter().filter(|s| **s == 429).count(),
+        o.refused,
+        "each reached its client (retries are off)"
+    );
+}

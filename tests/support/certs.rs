@@ -1,0 +1,48 @@
+//! A private CA and a certificate for 127.0.0.1 signed by it, for TLS upstreams.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
+use rustls_pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+
+pub struct TestCerts {
+    /// The CA's certificate (PEM), for `upstream_ca`.
+    pub ca_path: PathBuf,
+    /// A server config presenting the 127.0.0.1 certificate, offering `alpn`.
+    pub server: Arc<rustls::ServerConfig>,
+}
+
+/// Writes the CA to `dir/upstream-ca.pem`.
+pub fn for_localhost(dir: &Path, alpn: &[&[u8]]) -> TestCerts {
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::default();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "test upstream CA");
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let ca_path = dir.join("upstream-ca.pem");
+    std::fs::write(&ca_path, ca_cert.pem()).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::default();
+    params.subject_alt_names = vec![SanType::IpAddress("127.0.0.1".parse().unwrap())];
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    let mut server = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![cert.der().clone()],
+        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+    )
+    .unwrap();
+    server.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    TestCerts {
+        ca_path,
+        server: Arc::new(server),
+    }
+}
