@@ -23,6 +23,9 @@ pub struct Metrics {
     pub rejections: IntCounterVec,
     /// `{upstream, family, action}`: upstream 429s by what was done about them.
     pub upstream_429: IntCounterVec,
+    /// `{upstream, family}`: upstream 429s for requests admitted at the instant a rate
+    /// limit allowed them: the provider's window edge is later than sluice believed.
+    pub edge_429: IntCounterVec,
     /// `{upstream, family, reason}`: retries made (reason: status or failure) or refused
     /// (`budget_exhausted`).
     pub retries: IntCounterVec,
@@ -99,6 +102,14 @@ impl Metrics {
             ),
             &["upstream", "family", "action"],
         )?;
+        let edge_429 = IntCounterVec::new(
+            Opts::new(
+                "sluice_edge_429_total",
+                "Upstream 429s for requests admitted at a rate limit's edge: a larger margin \
+                 would have held them back",
+            ),
+            &["upstream", "family"],
+        )?;
         let retries = IntCounterVec::new(
             Opts::new(
                 "sluice_retries_total",
@@ -146,6 +157,7 @@ impl Metrics {
         registry.register(Box::new(config_info.clone()))?;
         registry.register(Box::new(tls_handshake_failures.clone()))?;
         registry.register(Box::new(upstream_429.clone()))?;
+        registry.register(Box::new(edge_429.clone()))?;
         registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(breaker_state.clone()))?;
         registry.register(Box::new(family_breaker_state.clone()))?;
@@ -166,6 +178,7 @@ impl Metrics {
             rejections,
             partitions,
             upstream_429,
+            edge_429,
             retries,
             breaker_state,
             family_breaker_state,

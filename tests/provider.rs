@@ -55,12 +55,14 @@ impl Shape {
                 permits: nz(self.permits),
                 window: self.window(),
                 margin,
+                margin_max: None,
                 scope,
             },
             Kind::Fixed => Limit::FixedWindow {
                 permits: nz(self.permits),
                 window: self.window(),
                 margin,
+                margin_max: None,
                 scope,
             },
             Kind::Token { burst } => Limit::TokenBucket {
@@ -68,6 +70,7 @@ impl Shape {
                 per: self.window(),
                 burst: nz(burst),
                 margin,
+                margin_max: None,
                 scope,
             },
         }
@@ -207,7 +210,7 @@ fn simulate(shape: &Shape, reqs: &[Req]) -> Result<Run, TestCaseError> {
                     arrivals.push((arrival, i));
                 }
             }
-            Ev::Answer(i) => l.answered(i as u64, now),
+            Ev::Answer(i) => l.answered(i as u64, now, Duration::ZERO),
             Ev::Wake => {}
         }
         while !queue.is_empty() && l.can_take(now) {
@@ -288,7 +291,7 @@ fn with_fast_answers_the_default_margin_costs_little() {
             while l.can_take(now) {
                 l.take(now);
                 l.sent(admitted, Some(0), now);
-                l.answered(admitted, now + Duration::from_millis(1));
+                l.answered(admitted, now + Duration::from_millis(1), Duration::ZERO);
                 admitted += 1;
             }
             now = l.ready_at(1, now).unwrap();
@@ -310,6 +313,9 @@ struct Outcome {
     refused: usize,
     elapsed: Duration,
     relay_connections: usize,
+    /// sluice's `/metrics` and `/buckets` at the end.
+    metrics: String,
+    buckets: serde_json::Value,
 }
 
 /// `CLIENTS` clients, each on its own connection to sluice, send `PERMITS × WINDOWS`
@@ -363,13 +369,16 @@ async fn at_the_exact_limit(kind: &str, tls: bool, delays: Delays, margin: &str)
         statuses.extend(s);
         done.push(client);
     }
+    let elapsed = t0.elapsed();
     let (accepted, refused) = provider.counts();
     Outcome {
         statuses,
         accepted,
         refused,
-        elapsed: t0.elapsed(),
+        elapsed,
         relay_connections: relay.connections.load(Ordering::Relaxed),
+        metrics: proxy.metrics().await,
+        buckets: serde_json::from_str(&proxy.admin_get("/buckets").await.1).unwrap(),
     }
 }
 
@@ -442,7 +451,9 @@ async fn zero_provider_429s_when_first_requests_are_delayed_unseen() {
 
 /// The same traffic with no margin: the window after the last fresh connections is
 /// refused by the provider, since their requests reached it 100 ms after sluice sent
-/// them. This is what the margin is for, and shows the tests above can fail.
+/// them. This is what the margin is for, and shows the tests above can fail. sluice
+/// counts those refusals as edge 429s; with `margin_max` it grows the margin to cover
+/// the slowest answer it saw.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_margin_the_provider_refuses_at_window_edges() {
     let delays = Delays {
@@ -450,11 +461,43 @@ async fn without_a_margin_the_provider_refuses_at_window_edges() {
         jitter: Duration::from_millis(3),
         ..Delays::default()
     };
-    let o = at_the_exact_limit("sliding_window", false, delays, ", margin = \"0s\"").await;
-    assert!(o.refused > 0, "no provider 429 without a margin");
-    assert_eq!(
-        o.statuses.iter().filter(|s| **s == 429).count(),
-        o.refused,
-        "each reached its client (retries are off)"
+    let (fixed, growing) = tokio::join!(
+        at_the_exact_limit("sliding_window", false, delays, ", margin = \"0s\""),
+        at_the_exact_limit(
+            "sliding_window",
+            false,
+            delays,
+            ", margin = \"0s\", margin_max = \"300ms\""
+        ),
+    );
+    for o in [&fixed, &growing] {
+        assert!(o.refused > 0, "no provider 429 without a margin");
+        assert_eq!(
+            o.statuses.iter().filter(|s| **s == 429).count(),
+            o.refused,
+            "each reached its client (retries are off)"
+        );
+        // The first refusals come at a window edge; later ones may follow the cool-down
+        // those 429s started, which is no limit's edge.
+        let edge = support::metric(
+            &o.metrics,
+            r#"sluice_edge_429_total{family="-",upstream="provider"}"#,
+        )
+        .unwrap_or(0.0);
+        assert!(
+            edge >= 1.0 && edge <= o.refused as f64,
+            "{edge} of {}",
+            o.refused
+        );
+    }
+    assert_eq!(fixed.buckets[0]["limits"][0]["margin"], "0s");
+    let grown = growing.buckets[0]["limits"][0]["margin"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let grown = humantime::parse_duration(&grown).unwrap();
+    assert!(
+        grown >= Duration::from_millis(100) && grown <= Duration::from_millis(300),
+        "grown to cover the 100 ms the first requests took: {grown:?}"
     );
 }

@@ -675,8 +675,24 @@ fn check_limits(limits: &[toml::Spanned<Limit>]) -> Result<Vec<Limit>> {
         .iter()
         .map(|l| {
             let limit = l.get_ref();
-            if let Some(margin) = limit.margin() {
-                let fmt = units::fmt_duration;
+            let fmt = units::fmt_duration;
+            if let (Some(max), Some(margin)) = (limit.margin_max(), limit.margin())
+                && max < margin
+            {
+                return Err(invalid(
+                    l.span(),
+                    format!(
+                        "margin_max {} is less than the margin ({})",
+                        fmt(max),
+                        fmt(margin)
+                    ),
+                ));
+            }
+            let margins = [
+                ("margin", limit.margin()),
+                ("margin_max", limit.margin_max()),
+            ];
+            for (key, margin) in margins.into_iter().filter_map(|(k, m)| Some((k, m?))) {
                 match limit {
                     // Past half the window, a send could be unsure of two window edges at
                     // once, and the window would mostly be margin anyway.
@@ -686,7 +702,7 @@ fn check_limits(limits: &[toml::Spanned<Limit>]) -> Result<Vec<Limit>> {
                         return Err(invalid(
                             l.span(),
                             format!(
-                                "margin {} is more than half the window ({}); size it from the \
+                                "{key} {} is more than half the window ({}); size it from the \
                                  round trip to the provider (docs/config.md)",
                                 fmt(margin),
                                 fmt(*window)
@@ -697,7 +713,7 @@ fn check_limits(limits: &[toml::Spanned<Limit>]) -> Result<Vec<Limit>> {
                         return Err(invalid(
                             l.span(),
                             format!(
-                                "margin {} is longer than the bucket's period ({}); size it from \
+                                "{key} {} is longer than the bucket's period ({}); size it from \
                                  the round trip to the provider (docs/config.md)",
                                 fmt(margin),
                                 fmt(*per)

@@ -269,6 +269,8 @@ pub enum LimitSpec {
         burst: NonZeroU32,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         margin: Option<Margin>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        margin_max: Option<Margin>,
         #[serde(default)]
         scope: Scope,
     },
@@ -278,6 +280,8 @@ pub enum LimitSpec {
         window: std::time::Duration,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         margin: Option<Margin>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        margin_max: Option<Margin>,
         #[serde(default)]
         scope: Scope,
     },
@@ -287,6 +291,8 @@ pub enum LimitSpec {
         window: std::time::Duration,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         margin: Option<Margin>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        margin_max: Option<Margin>,
         #[serde(default)]
         scope: Scope,
     },
@@ -322,6 +328,18 @@ impl LimitSpec {
             LimitSpec::TokenBucket { margin, .. }
             | LimitSpec::SlidingWindow { margin, .. }
             | LimitSpec::FixedWindow { margin, .. } => margin,
+            LimitSpec::Concurrency { .. } => None,
+        }
+    }
+
+    /// How far an edge 429 may grow the margin (see `limit::Cell::refused_at_edge`);
+    /// `None`: it never grows.
+    pub fn margin_max(&self) -> Option<std::time::Duration> {
+        let span = self.span()?;
+        match *self {
+            LimitSpec::TokenBucket { margin_max, .. }
+            | LimitSpec::SlidingWindow { margin_max, .. }
+            | LimitSpec::FixedWindow { margin_max, .. } => margin_max.map(|m| m.of(span)),
             LimitSpec::Concurrency { .. } => None,
         }
     }

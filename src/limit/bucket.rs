@@ -58,7 +58,17 @@ pub struct Admitted<W> {
     pub seq: u64,
     pub since: Instant,
     pub at: Instant,
+    /// The rate limit it waited for, if it waited for one: it was admitted at that
+    /// limit's edge, the instant the limit allowed it.
+    pub edge: Option<LimitRef>,
     pub waiter: W,
+}
+
+/// One of the limits an admission paid: its family's `i`-th or its upstream's `i`-th.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitRef {
+    Family(usize),
+    Upstream(usize),
 }
 
 /// A family's slot in a bucket. Slots can move when a reload reorders families, so
@@ -73,6 +83,8 @@ pub struct FamilyBucket<W> {
     holds_concurrency: bool,
     /// Whether an admission pays a limit counted in time (so its send matters).
     pays_rate: bool,
+    /// The rate limit the head was last found waiting for (see `next_wakeup`).
+    binding: Option<LimitRef>,
 }
 
 /// What the upstream's limits make every admission of a family do.
@@ -97,6 +109,7 @@ impl<W> FamilyBucket<W> {
             id,
             holds_concurrency: false,
             pays_rate: false,
+            binding: None,
             limits,
             spec: spec.clone(),
             paused_until: None,
@@ -293,18 +306,41 @@ impl<W> Bucket<W> {
     /// The earliest instant the `n`-th request of `family`'s queue could be admitted, if
     /// it can be known (a lower bound: other families may take upstream permits first).
     pub fn eta(&mut self, family: usize, n: u64, now: Instant) -> Option<Instant> {
+        self.eta_by(family, n, now).map(|(at, _)| at)
+    }
+
+    /// As `eta`, with the rate limit that decides it (the last to admit), if one does.
+    fn eta_by(
+        &mut self,
+        family: usize,
+        n: u64,
+        now: Instant,
+    ) -> Option<(Instant, Option<LimitRef>)> {
         let f = &mut self.families[family];
         let mut at = now
             .max(f.paused_until.unwrap_or(now))
             .max(self.paused_until.unwrap_or(now));
-        for l in f
+        let mut binding = None;
+        let only = f.spec.concurrency_only;
+        let own = f
             .limits
             .iter_mut()
-            .chain(paid(&mut self.upstream, f.spec.concurrency_only))
-        {
-            at = at.max(l.ready_at(n, now)?);
+            .enumerate()
+            .map(|(i, l)| (LimitRef::Family(i), l));
+        let up = self
+            .upstream
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, l)| !only || l.is_concurrency())
+            .map(|(i, l)| (LimitRef::Upstream(i), l));
+        for (r, l) in own.chain(up) {
+            let ready = l.ready_at(n, now)?;
+            if ready > at {
+                at = ready;
+                binding = (!l.is_concurrency()).then_some(r);
+            }
         }
-        Some(at)
+        Some((at, binding))
     }
 
     /// Bounds for a new arrival: a full queue, or a wait known to exceed `max_wait`.
@@ -406,8 +442,21 @@ impl<W> Bucket<W> {
                 seq: q.seq,
                 since: q.since,
                 at: now,
+                edge: f.binding.filter(|_| q.since < now),
                 waiter: q.waiter,
             });
+        }
+    }
+
+    /// The spec and state of limit `r` of `family`, if both still exist.
+    pub fn limit(&mut self, family: FamilyRef, r: LimitRef) -> Option<(&Limit, &mut LimitState)> {
+        match r {
+            LimitRef::Family(i) => {
+                let slot = self.find(family)?;
+                let f = &mut self.families[slot];
+                Some((f.spec.limits.get(i)?, f.limits.get_mut(i)?))
+            }
+            LimitRef::Upstream(i) => Some((self.upstream_spec.get(i)?, self.upstream.get_mut(i)?)),
         }
     }
 
@@ -440,10 +489,10 @@ impl<W> Bucket<W> {
         }
     }
 
-    /// The response to admission `id` arrived at `now`.
-    pub fn answered(&mut self, family: FamilyRef, id: Id, now: Instant) {
+    /// The response to admission `id` arrived at `now`, `took` after its send.
+    pub fn answered(&mut self, family: FamilyRef, id: Id, now: Instant, took: Duration) {
         for l in self.paid_by(family) {
-            l.answered(id, now);
+            l.answered(id, now, took);
         }
     }
 
@@ -486,7 +535,11 @@ impl<W> Bucket<W> {
             if self.families[i].queue.is_empty() {
                 continue;
             }
-            if let Some(t) = self.eta(i, 1, now) {
+            let eta = self.eta_by(i, 1, now);
+            // The head will be admitted at this limit's edge (unless a release or a
+            // reload comes first), which the edge-429 hint needs to know.
+            self.families[i].binding = eta.and_then(|(_, b)| b);
+            if let Some((t, _)) = eta {
                 next = Some(next.map_or(t, |n| n.min(t)));
             }
         }

@@ -24,7 +24,7 @@ pub mod bucket;
 pub mod kinds;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
@@ -33,9 +33,10 @@ use serde_json::json;
 use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
 
-use bucket::{Admitted, Bucket, FamilyRef, FamilySpec, PartitionSpec, Reject};
+use bucket::{Admitted, Bucket, FamilyRef, FamilySpec, LimitRef, PartitionSpec, Reject};
 use kinds::{Id, LimitState};
 
+use crate::config::units::fmt_duration;
 use crate::config::{Config, Limit, Priority, Upstream};
 use crate::metrics::Metrics;
 use crate::route::{Partition, Route};
@@ -53,7 +54,13 @@ struct FamilyMetrics {
     depth: IntGauge,
     queue_full: IntCounter,
     queue_timeout: IntCounter,
+    edge_429: IntCounter,
+    /// When the last edge-429 hint was logged, so that it is logged once a minute.
+    last_hint: Mutex<Option<Instant>>,
 }
+
+/// How often the edge-429 hint may be logged per upstream and family.
+const HINT_EVERY: Duration = Duration::from_secs(60);
 
 /// An upstream's limits as one config generation has them, with its metric handles.
 /// A request keeps the plan of the config it was routed with.
@@ -145,6 +152,8 @@ impl FamilyMetrics {
                 family,
                 "queue_timeout",
             ]),
+            edge_429: metrics.edge_429.with_label_values(&l),
+            last_hint: Mutex::new(None),
         }
     }
 }
@@ -258,6 +267,9 @@ impl Cell {
                         id: a.seq,
                         epoch,
                         phase: AtomicU8::new(ADMITTED),
+                        admitted: a.at,
+                        sent_after: AtomicU64::new(0),
+                        edge: a.edge,
                     })
                 });
                 let grant = Grant {
@@ -278,6 +290,73 @@ impl Cell {
             if !undone {
                 return;
             }
+        }
+    }
+
+    /// The provider answered 429 to a request that `limit` admitted at its edge, at
+    /// `admitted`: the provider still counted a request that sluice believed had left
+    /// its window. Counted, hinted in the log (once a minute per upstream and family)
+    /// with a margin that would have held the request back past its answer, and, where
+    /// `margin_max` allows, the limit's margin in this partition grows to it.
+    fn refused_at_edge(
+        &self,
+        st: &mut CellState,
+        family: FamilyRef,
+        limit: LimitRef,
+        admitted: Instant,
+        now: Instant,
+    ) {
+        let Some(slot) = st.bucket.find(family) else {
+            return;
+        };
+        let family_name = st.bucket.families[slot].spec.name.clone();
+        let Some((spec, state)) = st.bucket.limit(family, limit) else {
+            return;
+        };
+        let (Some(span), Some(margin)) = (spec.span(), state.margin()) else {
+            return;
+        };
+        let late = now.saturating_duration_since(admitted);
+        // Long after the edge, the refusal has another cause (another client of the key).
+        if late > (span / 2).max(Duration::from_secs(1)) {
+            return;
+        }
+        // The provider may have counted the request whose permit this one reused as late
+        // as that request's answer; the slowest answer beyond the margin says how late
+        // that can be. Failing that, hold the refused request back past its own answer.
+        // Whole tens of milliseconds, rounded up.
+        let needed = state.slowest_answer().max(margin + late);
+        let suggested = Duration::from_millis(needed.as_millis().div_ceil(10) as u64 * 10);
+        let grown = spec.margin_max().map(|max| {
+            let to = suggested.min(max);
+            state.grow_margin(to);
+            to
+        });
+        let limit_text = spec.to_string();
+        let m = st.metrics(slot);
+        m.edge_429.inc();
+        let mut last = m.last_hint.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_some_and(|t| now.saturating_duration_since(t) < HINT_EVERY) {
+            return;
+        }
+        *last = Some(now);
+        let family = if family_name == TUNNEL {
+            "-"
+        } else {
+            &family_name
+        };
+        match grown {
+            Some(to) => tracing::warn!(
+                upstream = &*self.name, family, limit = %limit_text,
+                margin = %fmt_duration(margin), grown_to = %fmt_duration(to),
+                "the provider refused a request admitted at the edge of this limit; its margin grows (margin_max)"
+            ),
+            None => tracing::warn!(
+                upstream = &*self.name, family, limit = %limit_text,
+                margin = %fmt_duration(margin), suggested_margin = %fmt_duration(suggested),
+                "the provider refused a request admitted at the edge of this limit: its window ends later than sluice believed; \
+                 a margin of at least suggested_margin would have held the request back (or another client shares the key)"
+            ),
         }
     }
 
@@ -398,8 +477,9 @@ impl Permit {
         self.ticket.clone().map(SendHook)
     }
 
-    /// The response head arrived now: the provider had counted the request by then.
-    pub fn answered(&mut self) {
+    /// The response head, with `status`, arrived now: the provider had counted the
+    /// request by then.
+    pub fn answered(&mut self, status: u16) {
         if let Some(t) = self.ticket.take() {
             let mut st = t.cell.lock();
             let now = Instant::now();
@@ -408,12 +488,21 @@ impl Permit {
                     // A response without a reported send: it was sent by now at the latest.
                     let epoch = (phase == ADMITTED).then_some(t.epoch);
                     st.bucket.sent(t.family, t.id, epoch, now);
-                    st.bucket.answered(t.family, t.id, now);
+                    st.bucket.answered(t.family, t.id, now, Duration::ZERO);
                 }
-                SENT => st.bucket.answered(t.family, t.id, now),
+                SENT => {
+                    let took = now.saturating_duration_since(t.sent_at());
+                    st.bucket.answered(t.family, t.id, now, took);
+                }
                 _ => {}
             }
             t.phase.store(ANSWERED, Ordering::Relaxed);
+            if status == 429
+                && let Some(limit) = t.edge
+            {
+                t.cell
+                    .refused_at_edge(&mut st, t.family, limit, t.admitted, now);
+            }
             t.cell.changed(&mut st, now);
         }
     }
@@ -455,6 +544,17 @@ pub struct Ticket {
     id: Id,
     epoch: u64,
     phase: AtomicU8,
+    admitted: Instant,
+    /// Nanoseconds from admission to send, once sent.
+    sent_after: AtomicU64,
+    /// The rate limit it waited for: it was admitted at that limit's edge.
+    edge: Option<LimitRef>,
+}
+
+impl Ticket {
+    fn sent_at(&self) -> Instant {
+        self.admitted + Duration::from_nanos(self.sent_after.load(Ordering::Relaxed))
+    }
 }
 
 /// Reports the instant a request is handed to its upstream connection (see
@@ -473,6 +573,9 @@ impl SendHook {
             _ => return,
         };
         st.bucket.sent(t.family, t.id, epoch, now);
+        let after = now.saturating_duration_since(t.admitted).as_nanos();
+        t.sent_after
+            .store(u64::try_from(after).unwrap_or(u64::MAX), Ordering::Relaxed);
         t.phase.store(SENT, Ordering::Relaxed);
         t.cell.changed(&mut st, now);
     }
@@ -834,6 +937,12 @@ fn limits_json(specs: &[Limit], states: &mut [LimitState], now: Instant) -> serd
             let mut v = serde_json::to_value(spec).unwrap_or(serde_json::Value::Null);
             if let Some(o) = v.as_object_mut() {
                 o.insert("available".into(), state.available(now).into());
+                if let Some(m) = state.margin() {
+                    // The margin in force, written or default.
+                    o.insert("margin".into(), fmt_duration(m).into());
+                    // Admitted, still connecting: their permits have no return time yet.
+                    o.insert("unsent".into(), state.unsent_count().into());
+                }
             }
             v
         })

@@ -44,7 +44,7 @@ fn sent_and_answered(p: &mut Permit) {
     if let Some(hook) = p.send_hook() {
         hook.fire();
     }
-    p.answered();
+    p.answered(200);
 }
 
 fn route(family: Option<usize>) -> Route {
@@ -322,6 +322,11 @@ async fn snapshot_lists_buckets_without_raw_keys() {
     assert_eq!(arr.len(), 2, "{v}");
     assert_eq!(arr[0]["partition"], p.short());
     assert_eq!(arr[0]["limits"][0]["available"], 4);
+    assert_eq!(
+        arr[0]["limits"][0]["margin"], "1s",
+        "a fifth of 10 s, capped at 1 s"
+    );
+    assert_eq!(arr[0]["limits"][0]["unsent"], 0);
     assert_eq!(arr[1]["family"], "f");
     assert_eq!(arr[1]["limits"][0]["available"], 2);
     assert_eq!(arr[1]["paused_for_seconds"], 4.0);
@@ -475,4 +480,54 @@ async fn a_request_of_the_new_config_moves_a_partition_the_reload_has_not_reache
     );
     late.await.unwrap();
     assert_eq!(Instant::now(), t0 + Duration::from_secs(1));
+}
+
+/// A request admitted the instant a rate limit allowed it, then refused by the provider:
+/// the provider's window ends later than sluice believed. Counted; with `margin_max` the
+/// limit's margin grows to cover the slowest answer seen beyond it.
+#[tokio::test(start_paused = true)]
+async fn a_429_at_a_limit_edge_is_counted_and_grows_the_margin_up_to_its_max() {
+    let (l, m) = limiter(
+        "limits = [{ kind = \"sliding_window\", permits = 1, window = \"1s\", margin = \"0s\", margin_max = \"300ms\" }]\n",
+    );
+    let edge = m.edge_429.with_label_values(&["u", "-"]);
+    let plan = l.plans()[0].clone();
+    let t0 = Instant::now();
+    let mut first = l.acquire(&plan, &route(None)).await.unwrap().unwrap();
+    first.send_hook().unwrap().fire();
+    // Answered 150 ms after its send: slower than the margin of 0.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    first.answered(200);
+    drop(first);
+    let mut second = l.acquire(&plan, &route(None)).await.unwrap().unwrap();
+    // With no margin the permit came back a window after the send, whatever the answer.
+    assert_eq!(Instant::now() - t0, Duration::from_secs(1), "at the edge");
+    second.send_hook().unwrap().fire();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    second.answered(429);
+    assert_eq!(edge.get(), 1);
+    let v = l.snapshot();
+    assert_eq!(v[0]["limits"][0]["margin"], "150ms", "{v}");
+
+    // Refused without having waited: not an edge, nothing grows.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut third = l.acquire(&plan, &route(None)).await.unwrap().unwrap();
+    third.send_hook().unwrap().fire();
+    third.answered(429);
+    assert_eq!(edge.get(), 1);
+}
+
+/// Without `margin_max` an edge 429 is counted and the margin stays as written.
+#[tokio::test(start_paused = true)]
+async fn without_margin_max_the_margin_never_grows() {
+    let (l, m) = limiter(
+        "limits = [{ kind = \"fixed_window\", permits = 1, window = \"1s\", margin = \"10ms\" }]\n",
+    );
+    let _ = l.take(&route(None)).await.unwrap();
+    let plan = l.plans()[0].clone();
+    let mut p = l.acquire(&plan, &route(None)).await.unwrap().unwrap();
+    p.send_hook().unwrap().fire();
+    p.answered(429);
+    assert_eq!(m.edge_429.with_label_values(&["u", "-"]).get(), 1);
+    assert_eq!(l.snapshot()[0]["limits"][0]["margin"], "10ms");
 }

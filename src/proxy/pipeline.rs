@@ -383,7 +383,7 @@ fn attempt<'a>(
         // connection, its rate permits go back (the provider never saw it).
         let (resp, lease) = sent.ok_or(AttemptError::Timeout(timeout))??;
         if let Some(p) = permit.as_mut() {
-            p.answered();
+            p.answered(resp.status().as_u16());
         }
         app.metrics
             .upstream_duration

@@ -17,6 +17,7 @@ fn ms(v: u64) -> Duration {
 fn sliding(p: u32, w: u64) -> Limit {
     Limit::SlidingWindow {
         margin: Some(Margin::Duration(Duration::ZERO)),
+        margin_max: None,
         permits: nz(p),
         window: ms(w),
         scope: Scope::Local,
@@ -25,6 +26,7 @@ fn sliding(p: u32, w: u64) -> Limit {
 fn fixed(p: u32, w: u64) -> Limit {
     Limit::FixedWindow {
         margin: Some(Margin::Duration(Duration::ZERO)),
+        margin_max: None,
         permits: nz(p),
         window: ms(w),
         scope: Scope::Local,
@@ -33,6 +35,7 @@ fn fixed(p: u32, w: u64) -> Limit {
 fn token(rate: u32, per: u64, burst: u32) -> Limit {
     Limit::TokenBucket {
         margin: Some(Margin::Duration(Duration::ZERO)),
+        margin_max: None,
         rate: nz(rate),
         per: ms(per),
         burst: nz(burst),
@@ -72,7 +75,7 @@ fn dispatch<W>(b: &mut Bucket<W>, now: Instant, out: &mut Vec<Admitted<W>>) {
     for a in &out[from..] {
         let f = b.family_ref(a.family);
         b.sent(f, a.seq, Some(b.epoch()), now);
-        b.answered(f, a.seq, now);
+        b.answered(f, a.seq, now, Duration::ZERO);
     }
 }
 

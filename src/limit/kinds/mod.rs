@@ -31,6 +31,9 @@ pub struct LimitState {
     /// The reload epoch the limit was created in: an admission of an earlier epoch never
     /// took from it, so neither its send nor its release may give anything back here.
     since: u64,
+    /// The slowest answer that came back later than the margin after its send: the
+    /// provider may have counted that request that late (for the edge-429 hint).
+    slowest: Duration,
     kind: Kind,
 }
 
@@ -65,7 +68,11 @@ impl LimitState {
                 in_flight: 0,
             },
         };
-        LimitState { since: epoch, kind }
+        LimitState {
+            since: epoch,
+            slowest: Duration::ZERO,
+            kind,
+        }
     }
 
     /// This limit under a changed spec of the same kind (a reload), keeping what has been
@@ -104,6 +111,7 @@ impl LimitState {
         };
         LimitState {
             since: self.since,
+            slowest: self.slowest,
             kind,
         }
     }
@@ -172,8 +180,12 @@ impl LimitState {
         }
     }
 
-    /// The response to admission `id` arrived at `now`: the provider had counted it by then.
-    pub fn answered(&mut self, id: Id, now: Instant) {
+    /// The response to admission `id` arrived at `now`, `took` after its send: the
+    /// provider had counted it by then.
+    pub fn answered(&mut self, id: Id, now: Instant, took: Duration) {
+        if self.margin().is_some_and(|m| took > m) {
+            self.slowest = self.slowest.max(took);
+        }
         match &mut self.kind {
             Kind::TokenBucket(g) => g.answered(id, now),
             Kind::SlidingWindow(w) => w.answered(id, now),
@@ -225,6 +237,22 @@ impl LimitState {
             Kind::FixedWindow(w) => Some(w.margin),
             Kind::Concurrency { .. } => None,
         }
+    }
+
+    /// The slowest answer seen later than the margin after its send.
+    pub fn slowest_answer(&self) -> Duration {
+        self.slowest
+    }
+
+    /// Raises the margin to `to` for the sends from now on (never lowers it).
+    pub fn grow_margin(&mut self, to: Duration) {
+        let m = match &mut self.kind {
+            Kind::TokenBucket(g) => &mut g.margin,
+            Kind::SlidingWindow(w) => &mut w.margin,
+            Kind::FixedWindow(w) => &mut w.margin,
+            Kind::Concurrency { .. } => return,
+        };
+        *m = (*m).max(to);
     }
 
     /// Admitted requests not yet handed to a connection (for `/buckets`).

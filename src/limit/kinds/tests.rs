@@ -26,6 +26,7 @@ fn token_spec(rate: u32, per: Duration, burst: u32, m: u64) -> Limit {
         per,
         burst: nz(burst),
         margin: margin(m),
+        margin_max: None,
         scope: Default::default(),
     }
 }
@@ -35,6 +36,7 @@ fn sliding_spec(permits: u32, window: u64, m: u64) -> Limit {
         permits: nz(permits),
         window: ms(window),
         margin: margin(m),
+        margin_max: None,
         scope: Default::default(),
     }
 }
@@ -44,6 +46,7 @@ fn fixed_spec(permits: u32, window: u64, m: u64) -> Limit {
         permits: nz(permits),
         window: ms(window),
         margin: margin(m),
+        margin_max: None,
         scope: Default::default(),
     }
 }
@@ -59,7 +62,7 @@ fn conc_spec(max: u32) -> Limit {
 fn go(l: &mut LimitState, id: Id, now: Instant) {
     l.take(now);
     l.sent(id, Some(0), now);
-    l.answered(id, now);
+    l.answered(id, now, Duration::ZERO);
 }
 
 /// Admits greedily every millisecond over `span`, each sent and answered at once, and
@@ -128,7 +131,7 @@ fn token_bucket_counts_from_the_send_and_its_margin() {
     l.sent(0, Some(0), t0 + ms(50));
     assert_eq!(l.ready_at(1, t0 + ms(50)), Some(t0 + ms(170)));
     // The response came back after 5 ms: it had arrived by then.
-    l.answered(0, t0 + ms(55));
+    l.answered(0, t0 + ms(55), Duration::ZERO);
     assert_eq!(l.ready_at(1, t0 + ms(55)), Some(t0 + ms(155)));
     assert!(!l.can_take(t0 + ms(154)));
     assert!(l.can_take(t0 + ms(155)));
@@ -172,7 +175,7 @@ fn a_sliding_permit_is_held_until_sent_and_returns_after_the_latest_arrival() {
     l.sent(0, Some(0), t0 + ms(300));
     // The other goes at 310 ms and is answered 12 ms later: back 1 s after the answer.
     l.sent(1, Some(0), t0 + ms(310));
-    l.answered(1, t0 + ms(322));
+    l.answered(1, t0 + ms(322), Duration::ZERO);
     assert_eq!(l.ready_at(1, t0 + ms(400)), Some(t0 + ms(1322)));
     assert_eq!(l.ready_at(2, t0 + ms(400)), Some(t0 + ms(1350)));
     assert_eq!(l.available(t0 + ms(1321)), 0);
@@ -215,9 +218,9 @@ fn fixed_window_opens_at_the_first_send() {
     assert!(!l.can_take(t0));
     let first = t0 + ms(300);
     l.sent(0, Some(0), first);
-    l.answered(0, first);
+    l.answered(0, first, Duration::ZERO);
     l.sent(1, Some(0), first + ms(10));
-    l.answered(1, first + ms(10));
+    l.answered(1, first + ms(10), Duration::ZERO);
     assert!(!l.can_take(t0 + ms(1299)));
     assert_eq!(l.ready_at(1, t0 + ms(500)), Some(first + ms(1000)));
     assert_eq!(l.ready_at(3, t0 + ms(500)), Some(first + ms(2000)));
@@ -238,7 +241,7 @@ fn a_fixed_window_closes_a_margin_after_its_opening_unless_answered_sooner() {
     l.sent(0, Some(0), t0);
     // The provider opened its window between t0 and t0 + 40 ms.
     assert_eq!(l.ready_at(1, t0), Some(t0 + ms(1040)));
-    l.answered(0, t0 + ms(3));
+    l.answered(0, t0 + ms(3), Duration::ZERO);
     assert_eq!(l.ready_at(1, t0 + ms(3)), Some(t0 + ms(1003)));
     assert!(!l.can_take(t0 + ms(1002)));
     assert!(l.can_take(t0 + ms(1003)));
@@ -270,7 +273,7 @@ fn a_send_near_the_end_of_a_fixed_window_counts_in_the_next_one_too() {
     go(&mut l, 0, t0);
     l.take(t0 + ms(980));
     l.sent(1, Some(0), t0 + ms(980));
-    l.answered(1, t0 + ms(985));
+    l.answered(1, t0 + ms(985), Duration::ZERO);
     assert_eq!(l.available(t0 + ms(1000)), 3);
 }
 
@@ -436,6 +439,7 @@ fn margins_resolve_per_kind() {
         permits: nz(10),
         window: Duration::from_secs(1),
         margin: None,
+        margin_max: None,
         scope: Default::default(),
     };
     assert_eq!(LimitState::new(&default, t0).margin(), Some(ms(200)));
@@ -443,6 +447,7 @@ fn margins_resolve_per_kind() {
         permits: nz(300),
         window: Duration::from_secs(60),
         margin: None,
+        margin_max: None,
         scope: Default::default(),
     };
     assert_eq!(
@@ -455,6 +460,7 @@ fn margins_resolve_per_kind() {
         per: Duration::from_secs(1),
         burst: nz(1),
         margin: Some(Margin::Fraction(100_000)),
+        margin_max: None,
         scope: Default::default(),
     };
     assert_eq!(
