@@ -521,4 +521,8 @@ async fn the_binary_reloads_under_traffic_and_shuts_down_with_a_full_queue() {
     let log = log.join("\n");
     assert!(log.contains("SIGHUP received"), "{log}");
     assert!(log.contains("config reload failed"), "{log}");
+    assert!(
+        !log.contains('\x1b'),
+        "colour codes in a log read through a pipe: {log}"
+    );
 }
