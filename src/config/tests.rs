@@ -182,6 +182,46 @@ fn every_rule_is_checked() {
             "invalid host pattern",
         ),
         ("[cluster]\nredis = \"http://x\"\n".to_string(), "redis://"),
+        (
+            up(
+                "limits = [{ kind = \"sliding_window\", permits = 3, window = \"1s\", margin = \"600ms\" }]",
+            ),
+            "margin 600ms is more than half the window (1s)",
+        ),
+        (
+            up(
+                "limits = [{ kind = \"fixed_window\", permits = 3, window = \"1s\", margin = \"60%\" }]",
+            ),
+            "more than half the window",
+        ),
+        (
+            up(
+                "limits = [{ kind = \"token_bucket\", rate = 10, per = \"1s\", burst = 1, margin = \"2s\" }]",
+            ),
+            "longer than the bucket's period",
+        ),
+        (
+            up(
+                "limits = [{ kind = \"sliding_window\", permits = 3, window = \"1s\", margin = \"100ms\", margin_max = \"50ms\" }]",
+            ),
+            "margin_max 50ms is less than the margin (100ms)",
+        ),
+        (
+            up(
+                "limits = [{ kind = \"sliding_window\", permits = 3, window = \"1s\", margin_max = \"700ms\" }]",
+            ),
+            "margin_max 700ms is more than half the window",
+        ),
+        (
+            up(
+                "limits = [{ kind = \"sliding_window\", permits = 3, window = \"1s\", margin = \"lots\" }]",
+            ),
+            "invalid margin",
+        ),
+        (
+            up("limits = [{ kind = \"concurrency\", max = 3, margin = \"10ms\" }]"),
+            "unknown field `margin`",
+        ),
     ];
     for (text, needle) in cases {
         let e = err(text);
@@ -214,4 +254,32 @@ fn redis_password_is_redacted() {
     assert!(!json.contains("s3cret"), "{json}");
     assert!(json.contains("redis://app:***@10.0.0.1:6379/0"), "{json}");
     assert_eq!(redact_url("redis://127.0.0.1/0"), "redis://127.0.0.1/0");
+}
+
+#[test]
+fn margins_default_to_a_fifth_of_the_window_capped_at_a_second() {
+    let c = Config::parse(
+        r#"
+[[upstream]]
+name = "a"
+hosts = ["a.example"]
+limits = [
+  { kind = "sliding_window", permits = 5, window = "1s" },
+  { kind = "fixed_window", permits = 300, window = "1m" },
+  { kind = "token_bucket", rate = 4, per = "1s", burst = 2, margin = "10%" },
+  { kind = "fixed_window", permits = 5, window = "1s", margin = "15ms", margin_max = "40%" },
+  { kind = "concurrency", max = 2 },
+]
+"#,
+        "s.toml",
+    )
+    .unwrap();
+    let margins: Vec<_> = c.upstreams[0].limits.iter().map(Limit::margin).collect();
+    let ms = |v| Some(Duration::from_millis(v));
+    assert_eq!(margins, [ms(200), ms(1000), ms(25), ms(15), None]);
+    assert_eq!(c.upstreams[0].limits[3].margin_max(), ms(400));
+    // `/config` shows what was written, and only that.
+    let json = c.to_redacted_json().to_string();
+    assert!(json.contains(r#""margin":"10%""#), "{json}");
+    assert!(json.contains(r#""margin_max":"40%""#), "{json}");
 }

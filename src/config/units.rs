@@ -115,11 +115,11 @@ impl Margin {
 
 fn parse_margin(s: &str) -> Result<Margin, String> {
     let t = s.trim();
-    let Some(pct) = t.strip_suffix('%') else {
-        return parse_duration(t).map(Margin::Duration);
-    };
     let bad =
         || format!("invalid margin {s:?}; write a duration like \"30ms\" or a share like \"20%\"");
+    let Some(pct) = t.strip_suffix('%') else {
+        return parse_duration(t).map(Margin::Duration).map_err(|_| bad());
+    };
     let (whole, frac) = pct.trim().split_once('.').unwrap_or((pct.trim(), ""));
     if whole.is_empty()
         || frac.len() > 4
