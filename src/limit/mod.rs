@@ -497,8 +497,10 @@ impl Permit {
                 _ => {}
             }
             t.phase.store(ANSWERED, Ordering::Relaxed);
+            // After a reload the limit it waited for may be another one: no hint then.
             if status == 429
                 && let Some(limit) = t.edge
+                && t.epoch == st.bucket.epoch()
             {
                 t.cell
                     .refused_at_edge(&mut st, t.family, limit, t.admitted, now);

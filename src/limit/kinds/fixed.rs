@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::Id;
+use super::{Id, turns_after};
 
 #[derive(Debug, Clone)]
 pub struct Fixed {
@@ -181,8 +181,7 @@ impl Fixed {
             counted = 0;
         }
         // Then fresh windows of `permits` each, at least `window` apart.
-        let turns = (need + counted - 1) / p;
-        at + self.window * u32::try_from(turns).unwrap_or(u32::MAX)
+        turns_after(at, self.window, (need + counted - 1) / p)
     }
 
     pub fn is_pristine(&self) -> bool {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::Id;
+use super::{Id, turns_after};
 
 /// `pending` requests are admitted but not sent: each holds a slot with no known return.
 /// `sent` holds, ascending, the latest instant the provider may have counted each sent
@@ -107,13 +107,12 @@ impl Sliding {
         let excess = held.saturating_sub(p);
         let m = n.max(1) - 1;
         let slot = m % p;
-        let turns = u32::try_from(m / p).unwrap_or(u32::MAX);
         let base = if slot < free {
             now
         } else {
             self.frees(excess + slot - free, now)
         };
-        base + self.window * turns
+        turns_after(base, self.window, m / p)
     }
 
     /// When the `i`-th held slot (0-based, earliest first) frees at the soonest: sent
