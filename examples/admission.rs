@@ -9,6 +9,9 @@
 //! earliest arrival relative to it: the gap is the limiter's timer lateness plus the
 //! forwarding time, less the fastest forwarding seen in the run.
 
+#[path = "support/binary.rs"]
+mod binary;
+
 use std::convert::Infallible;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -56,18 +59,6 @@ fn pct(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
 }
 
-/// Stops the sluice child even when a panic unwinds past it.
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.0.id().to_string()])
-            .status();
-        let _ = self.0.wait();
-    }
-}
-
 #[tokio::main]
 async fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -97,7 +88,7 @@ async fn main() {
             ),
         )
         .expect("config");
-        let child = Child(
+        let child = binary::Child(
             Command::new(&sluice)
                 .args(["run", "-c", config.to_str().expect("path")])
                 .env("RUST_LOG", "error")
@@ -105,12 +96,7 @@ async fn main() {
                 .spawn()
                 .expect("start sluice"),
         );
-        for _ in 0..100 {
-            if reqwest::get(format!("http://{ADMIN}/readyz")).await.is_ok() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        binary::ready(ADMIN).await;
         let client = reqwest::Client::builder()
             .proxy(reqwest::Proxy::all(format!("http://{PROXY}")).expect("proxy"))
             .build()

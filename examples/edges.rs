@@ -24,6 +24,9 @@ mod certs;
 #[path = "../tests/support/provider.rs"]
 mod provider;
 
+#[path = "support/binary.rs"]
+mod binary;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -37,18 +40,6 @@ const PROXY: &str = "127.0.0.1:13178";
 const ADMIN: &str = "127.0.0.1:19951";
 const PERMITS: u32 = 12;
 const WINDOW: Duration = Duration::from_secs(1);
-
-/// Stops the sluice child even when a panic unwinds past it.
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.0.id().to_string()])
-            .status();
-        let _ = self.0.wait();
-    }
-}
 
 struct Case {
     kind: &'static str,
@@ -107,7 +98,7 @@ async fn run(sluice: &str, case: &Case, windows: u32, clients: usize, margin: &s
         ),
     )
     .expect("config");
-    let mut child = Child(
+    let mut child = binary::Child(
         Command::new(sluice)
             .args(["run", "-c", config.to_str().expect("path")])
             .stdout(Stdio::null())
@@ -128,12 +119,7 @@ async fn run(sluice: &str, case: &Case, windows: u32, clients: usize, margin: &s
         }
         (lines, hints)
     });
-    for _ in 0..100 {
-        if reqwest::get(format!("http://{ADMIN}/readyz")).await.is_ok() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    binary::ready(ADMIN).await;
 
     let url = format!("http://{}/v1/orders", relay.addr);
     let total = (PERMITS * windows) as usize;

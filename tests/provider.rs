@@ -404,6 +404,16 @@ fn assert_no_provider_429(kind: &str, o: &Outcome) {
     );
 }
 
+/// The first request on each new connection held back 100 ms after sluice sent it,
+/// where sluice cannot see it; every request jittered by up to 3 ms.
+fn unseen_first_requests() -> Delays {
+    Delays {
+        first_request: Duration::from_millis(100),
+        jitter: Duration::from_millis(3),
+        ..Delays::default()
+    }
+}
+
 /// Each new TLS connection costs 100 ms before sluice can send on it (the first
 /// window's requests open ten of them; later ones reuse them), and every request is
 /// jittered by up to 3 ms on its way. sluice counts from its sends, after the handshakes.
@@ -432,11 +442,7 @@ async fn zero_provider_429s_behind_slow_tls_handshakes() {
 /// response, coming back 100 ms late, keeps the permit that long.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zero_provider_429s_when_first_requests_are_delayed_unseen() {
-    let delays = Delays {
-        first_request: Duration::from_millis(100),
-        jitter: Duration::from_millis(3),
-        ..Delays::default()
-    };
+    let delays = unseen_first_requests();
     let (sliding, fixed) = tokio::join!(
         at_the_exact_limit("sliding_window", false, delays, ""),
         at_the_exact_limit("fixed_window", false, delays, ""),
@@ -456,11 +462,7 @@ async fn zero_provider_429s_when_first_requests_are_delayed_unseen() {
 /// the slowest answer it saw.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_margin_the_provider_refuses_at_window_edges() {
-    let delays = Delays {
-        first_request: Duration::from_millis(100),
-        jitter: Duration::from_millis(3),
-        ..Delays::default()
-    };
+    let delays = unseen_first_requests();
     let (fixed, growing) = tokio::join!(
         at_the_exact_limit("sliding_window", false, delays, ", margin = \"0s\""),
         at_the_exact_limit(
