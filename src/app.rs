@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use prometheus::Registry;
 use tokio::sync::watch;
 
+use crate::cluster::{Cluster, ClusterError};
 use crate::config::Config;
 use crate::egress::{Lookup, Resolver};
 use crate::limit::{Limiter, Plans};
@@ -33,6 +34,8 @@ pub struct Live {
     upstream_clients: Vec<Option<UpstreamClient>>,
     /// The interception CA, when an upstream intercepts.
     pub(crate) authority: Option<Arc<Authority>>,
+    /// Where shared limits are decided, with `[cluster]`.
+    pub cluster: Option<Arc<Cluster>>,
 }
 
 impl Deref for Live {
@@ -94,6 +97,8 @@ impl AppBuilder {
         );
         let limiter = Limiter::new(&self.config, &metrics);
         let (upstream_clients, authority) = build_tls(&self.config, &self.resolver)?;
+        let cluster = build_cluster(&self.config, None, &metrics)?;
+        limiter.set_cluster(cluster.clone());
         let policies = Policies::new(&self.config, &metrics);
         metrics.config_info(&self.config.sha256, None);
         let live = Live {
@@ -102,6 +107,7 @@ impl AppBuilder {
             policies,
             upstream_clients,
             authority,
+            cluster,
         };
         let (live, _) = watch::channel(Arc::new(live));
         Ok(Arc::new(App {
@@ -117,6 +123,24 @@ impl AppBuilder {
             reloading: Mutex::new(()),
         }))
     }
+}
+
+/// The cluster of `config`: the running one when nothing about it changed (its
+/// connection and breaker carry on), else a new one.
+fn build_cluster(
+    config: &Config,
+    running: Option<&Arc<Cluster>>,
+    metrics: &Metrics,
+) -> Result<Option<Arc<Cluster>>, BuildError> {
+    let Some(c) = &config.cluster else {
+        return Ok(None);
+    };
+    if let Some(r) = running
+        && r.same(c)
+    {
+        return Ok(Some(r.clone()));
+    }
+    Ok(Some(Cluster::new(c, metrics)?))
 }
 
 /// Per-upstream clients with an extra CA, and the interception CA.
@@ -158,6 +182,8 @@ pub enum BuildError {
         "upstream {0:?} has tls = \"intercept\" but [tls] ca_cert and ca_key are not set; create a CA with `sluice ca new --out DIR`"
     )]
     NoCa(String),
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
 }
 
 /// Why a reload left the old config in force.
@@ -276,9 +302,11 @@ impl App {
 
         // Everything that can fail, before anything changes.
         let (upstream_clients, authority) = build_tls(&config, &self.resolver)?;
+        let cluster = build_cluster(&config, old.cluster.as_ref(), &self.metrics)?;
 
         let policies = Policies::carry(&config, &self.metrics, Some((&old, &old.policies)));
         let plans = crate::limit::plans(&config, &self.metrics);
+        self.limiter.set_cluster(cluster.clone());
         self.limiter.reload(plans.clone());
         self.metrics.config_info(&config.sha256, Some(&old.sha256));
         for u in old
@@ -295,6 +323,7 @@ impl App {
             policies,
             upstream_clients,
             authority,
+            cluster,
         }));
         Ok(summary)
     }

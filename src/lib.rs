@@ -30,6 +30,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod cluster;
 pub mod config;
 pub mod egress;
 pub mod explain;

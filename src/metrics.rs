@@ -37,6 +37,17 @@ pub struct Metrics {
     pub tls_handshake_failures: prometheus::IntCounter,
     /// Live partitions (sets of buckets) over all upstreams, as of the last sweep.
     pub partitions: IntGauge,
+    /// `{op}`: Redis script calls (reserve, flush, absorb), from sending to the answer.
+    pub cluster_calls: HistogramVec,
+    /// `{kind}`: failed Redis calls: timeout, connect, io, script, breaker_open.
+    pub cluster_errors: IntCounterVec,
+    /// `{mode}`: 1 for how global limits are decided now: redis, local, allow or deny.
+    pub cluster_mode: IntGaugeVec,
+    /// `{result}`: global admissions: reserved, later (beyond the horizon, asked again),
+    /// too_late (beyond max_wait), handed_over, local, allowed, denied.
+    pub cluster_reservations: IntCounterVec,
+    /// `{upstream, family}`: time from a request's local admission to its global one.
+    pub cluster_wait: HistogramVec,
     /// `{result}`: reloads by result, success or failure.
     pub config_reloads: IntCounterVec,
     /// `{sha256}`: 1 for the config in force.
@@ -149,6 +160,50 @@ impl Metrics {
             ),
             &["sha256"],
         )?;
+        let cluster_calls = HistogramVec::new(
+            HistogramOpts::new(
+                "sluice_cluster_call_duration_seconds",
+                "Redis script calls for shared limits, from sending to the answer",
+            )
+            .buckets(vec![
+                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+            ]),
+            &["op"],
+        )?;
+        let cluster_errors = IntCounterVec::new(
+            Opts::new(
+                "sluice_cluster_errors_total",
+                "Redis calls for shared limits that failed, by kind",
+            ),
+            &["kind"],
+        )?;
+        let cluster_mode = IntGaugeVec::new(
+            Opts::new(
+                "sluice_cluster_mode",
+                "1 for how shared limits are decided now: redis, local, allow or deny",
+            ),
+            &["mode"],
+        )?;
+        let cluster_reservations = IntCounterVec::new(
+            Opts::new(
+                "sluice_cluster_reservations_total",
+                "Admissions to shared limits, by result",
+            ),
+            &["result"],
+        )?;
+        let cluster_wait = HistogramVec::new(
+            HistogramOpts::new(
+                "sluice_cluster_wait_seconds",
+                "Time from a request's local admission to its admission by the shared limits",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["upstream", "family"],
+        )?;
+        registry.register(Box::new(cluster_calls.clone()))?;
+        registry.register(Box::new(cluster_errors.clone()))?;
+        registry.register(Box::new(cluster_mode.clone()))?;
+        registry.register(Box::new(cluster_reservations.clone()))?;
+        registry.register(Box::new(cluster_wait.clone()))?;
         // Both results exist from the start, so a rate() over failures is never absent.
         for r in ["success", "failure"] {
             config_reloads.with_label_values(&[r]);
@@ -183,6 +238,11 @@ impl Metrics {
             breaker_state,
             family_breaker_state,
             tls_handshake_failures,
+            cluster_calls,
+            cluster_errors,
+            cluster_mode,
+            cluster_reservations,
+            cluster_wait,
             config_reloads,
             config_info,
         })

@@ -488,7 +488,7 @@ async fn admin_endpoints() {
     let proxy = Proxy::start(
         "[[upstream]]\nname = \"local\"\nhosts = [\"127.0.0.1\"]\nkey = \"header:Authorization\"\n\
          [[upstream.family]]\nname = \"reads\"\nmethods = [\"GET\"]\n\
-         [cluster]\nredis = \"redis://user:hunter2@127.0.0.1:6379/0\"\n",
+         [cluster]\nredis = \"redis://user:hunter2@127.0.0.1:6379/0\"\nreplicas = 2\n",
     )
     .await;
     let resp = proxy

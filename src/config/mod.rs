@@ -212,12 +212,72 @@ pub struct TlsConfig {
     pub ca_key: Option<PathBuf>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ClusterConfig {
-    #[serde(serialize_with = "ser_redacted_url")]
-    pub redis: String,
+    pub redis: RedisSource,
+    /// Extra CA for `rediss://`, besides the public roots.
+    pub ca: Option<PathBuf>,
     pub on_redis_error: OnRedisError,
-    pub replicas: Option<u64>,
+    /// How many replicas share the budget; `local` fallback gives each `limit / replicas`.
+    pub replicas: Option<u32>,
+    /// Every Redis call, connecting included, ends within this.
+    #[serde(serialize_with = "ser_duration")]
+    pub timeout: Duration,
+    /// Consecutive failed calls that open the breaker around Redis.
+    pub failures: u32,
+    /// How long the breaker stays open before one call probes Redis again.
+    #[serde(serialize_with = "ser_duration")]
+    pub open_for: Duration,
+}
+
+/// Where the Redis URL comes from. The URL may hold a password: only `/config`'s redacted
+/// form of it, or the name of the variable or file, is ever shown.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RedisSource {
+    Url(String),
+    /// An environment variable holding the URL.
+    Env(String),
+    /// A file holding the URL (a mounted Secret), read again at each reload.
+    File(PathBuf),
+}
+
+impl RedisSource {
+    /// The URL, read from where it lives.
+    pub fn url(&self) -> std::result::Result<String, String> {
+        let url = match self {
+            RedisSource::Url(u) => u.clone(),
+            RedisSource::Env(name) => std::env::var(name).map_err(|_| {
+                format!("the environment variable {name} (cluster.redis_env) is not set")
+            })?,
+            RedisSource::File(path) => std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read {} (cluster.redis_file): {e}", path.display()))?,
+        };
+        let url = url.trim().to_string();
+        if !is_redis_url(&url) {
+            return Err(format!("{self} does not hold a redis:// or rediss:// URL"));
+        }
+        Ok(url)
+    }
+}
+
+fn is_redis_url(url: &str) -> bool {
+    url.starts_with("redis://") || url.starts_with("rediss://")
+}
+
+impl fmt::Display for RedisSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RedisSource::Url(u) => f.write_str(&redact_url(u)),
+            RedisSource::Env(name) => write!(f, "env:{name}"),
+            RedisSource::File(path) => write!(f, "file:{}", path.display()),
+        }
+    }
+}
+
+impl Serialize for RedisSource {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
 }
 
 fn ser_header_name<S: Serializer>(h: &HeaderName, s: S) -> Result<S::Ok, S::Error> {
@@ -243,10 +303,6 @@ pub fn redact_url(url: &str) -> String {
     };
     let user = auth.split_once(':').map_or("", |(u, _)| u);
     format!("{scheme}://{user}:***@{host}")
-}
-
-fn ser_redacted_url<S: Serializer>(u: &str, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(&redact_url(u))
 }
 
 /// The SHA-256 a config made from `text` reports as `sha256`.
@@ -535,6 +591,7 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
 
     let defaults = merge_policy(&builtin_policy(), &spec.defaults)?;
 
+    let has_cluster = spec.cluster.is_some();
     let mut upstreams = Vec::with_capacity(spec.upstream.len());
     let mut names: HashMap<String, ()> = HashMap::new();
     let mut hosts_seen: HashMap<HostPattern, String> = HashMap::new();
@@ -601,7 +658,7 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
                 methods,
                 paths: f.paths.clone().unwrap_or_default(),
                 priority: f.priority,
-                limits: check_limits(&f.limits)?,
+                limits: check_limits(&f.limits, has_cluster)?,
                 own_breaker: f.breaker.is_some(),
                 policy: merge_policy(&policy, &f.policy())?,
             });
@@ -625,7 +682,7 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
             tls: u.tls,
             scheme: u.scheme,
             upstream_ca: u.upstream_ca.map(PathBuf::from),
-            limits: check_limits(&u.limits)?,
+            limits: check_limits(&u.limits, has_cluster)?,
             families,
             classify,
             idempotency_generate: u.idempotency_generate.unwrap_or(false),
@@ -640,21 +697,7 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
     });
     let cluster = match spec.cluster {
         None => None,
-        Some(c) => {
-            let span = c.span();
-            let c = c.into_inner();
-            if !(c.redis.starts_with("redis://") || c.redis.starts_with("rediss://")) {
-                return Err(invalid(
-                    span,
-                    "cluster.redis must be a redis:// or rediss:// URL",
-                ));
-            }
-            Some(ClusterConfig {
-                redis: c.redis,
-                on_redis_error: c.on_redis_error,
-                replicas: c.replicas.map(|r| r.get()),
-            })
-        }
+        Some(c) => Some(check_cluster(c)?),
     };
 
     let router = Router::new(&upstreams);
@@ -669,13 +712,31 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
     })
 }
 
-/// Limits as written, with the margins checked against what they are a margin of.
-fn check_limits(limits: &[toml::Spanned<Limit>]) -> Result<Vec<Limit>> {
+/// Limits as written, with the margins checked against what they are a margin of, and a
+/// global scope against what can be shared.
+fn check_limits(limits: &[toml::Spanned<Limit>], has_cluster: bool) -> Result<Vec<Limit>> {
     limits
         .iter()
         .map(|l| {
             let limit = l.get_ref();
             let fmt = units::fmt_duration;
+            if limit.is_global() {
+                if matches!(limit, Limit::Concurrency { .. }) {
+                    return Err(invalid(
+                        l.span(),
+                        "a concurrency limit cannot be global: requests in flight are counted \
+                         by each replica (docs/cluster.md); give each replica its share, or \
+                         limit the rate globally instead",
+                    ));
+                }
+                if !has_cluster {
+                    return Err(invalid(
+                        l.span(),
+                        "scope = \"global\" needs a [cluster] section naming the Redis that \
+                         the replicas share (docs/cluster.md)",
+                    ));
+                }
+            }
             if let (Some(max), Some(margin)) = (limit.margin_max(), limit.margin())
                 && max < margin
             {
@@ -726,6 +787,48 @@ fn check_limits(limits: &[toml::Spanned<Limit>]) -> Result<Vec<Limit>> {
             Ok(limit.clone())
         })
         .collect()
+}
+
+fn check_cluster(c: toml::Spanned<spec::ClusterSpec>) -> Result<ClusterConfig> {
+    let span = c.span();
+    let c = c.into_inner();
+    let sources = [&c.redis, &c.redis_env, &c.redis_file];
+    let redis = match sources {
+        [Some(url), None, None] => {
+            if !is_redis_url(url.get_ref()) {
+                return Err(invalid(
+                    url.span(),
+                    "cluster.redis must be a redis:// or rediss:// URL",
+                ));
+            }
+            RedisSource::Url(url.get_ref().clone())
+        }
+        [None, Some(name), None] => RedisSource::Env(name.get_ref().clone()),
+        [None, None, Some(path)] => RedisSource::File(PathBuf::from(path.get_ref())),
+        _ => {
+            return Err(invalid(
+                span,
+                "[cluster] needs exactly one of redis (the URL), redis_env (a variable holding \
+                 it) or redis_file (a file holding it)",
+            ));
+        }
+    };
+    if c.on_redis_error == OnRedisError::Local && c.replicas.is_none() {
+        return Err(invalid(
+            span,
+            "on_redis_error = \"local\" (the default) gives each replica limit / replicas while \
+             Redis is away: set replicas = N, or on_redis_error = \"allow\" or \"deny\"",
+        ));
+    }
+    Ok(ClusterConfig {
+        redis,
+        ca: c.ca.map(PathBuf::from),
+        on_redis_error: c.on_redis_error,
+        replicas: c.replicas.map(|r| r.get()),
+        timeout: c.timeout.map_or(Duration::from_millis(50), |d| d.0),
+        failures: c.failures.map_or(3, |f| f.get()),
+        open_for: c.open_for.map_or(Duration::from_secs(5), |d| d.0),
+    })
 }
 
 fn parse_key(k: &toml::Spanned<String>) -> Result<KeySource> {

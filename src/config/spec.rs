@@ -1,7 +1,7 @@
 //! The config file exactly as written (`*Spec`): serde structs that reject unknown keys.
 //! Everything optional here is resolved against `[defaults]` in `config::build`.
 
-use std::num::{NonZeroU32, NonZeroU64};
+use std::num::NonZeroU32;
 
 use serde::{Deserialize, Serialize, de};
 use toml::Spanned;
@@ -310,6 +310,19 @@ pub const DEFAULT_MARGIN: Margin = Margin::Fraction(200_000);
 pub const DEFAULT_MARGIN_CAP: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl LimitSpec {
+    pub fn scope(&self) -> Scope {
+        match *self {
+            LimitSpec::TokenBucket { scope, .. }
+            | LimitSpec::SlidingWindow { scope, .. }
+            | LimitSpec::FixedWindow { scope, .. }
+            | LimitSpec::Concurrency { scope, .. } => scope,
+        }
+    }
+
+    pub fn is_global(&self) -> bool {
+        self.scope() == Scope::Global
+    }
+
     /// The span a fractional margin is a share of: the window, or the emission interval
     /// `per / rate` of a token bucket; `None` for concurrency.
     pub fn span(&self) -> Option<std::time::Duration> {
@@ -397,10 +410,19 @@ pub struct TlsSpec {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClusterSpec {
-    pub redis: String,
+    /// The URL itself; or where to read it, so that a password stays out of the file.
+    pub redis: Option<Spanned<String>>,
+    pub redis_env: Option<Spanned<String>>,
+    pub redis_file: Option<Spanned<String>>,
+    /// A PEM file of the CA that signs a `rediss://` server's certificate, when it is not
+    /// one of the public roots.
+    pub ca: Option<String>,
     #[serde(default)]
     pub on_redis_error: OnRedisError,
-    pub replicas: Option<NonZeroU64>,
+    pub replicas: Option<NonZeroU32>,
+    pub timeout: Option<PosDur>,
+    pub failures: Option<NonZeroU32>,
+    pub open_for: Option<PosDur>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]

@@ -246,7 +246,7 @@ fn position_points_at_the_offending_value() {
 #[test]
 fn redis_password_is_redacted() {
     let c = Config::parse(
-        "[cluster]\nredis = \"redis://app:s3cret@10.0.0.1:6379/0\"\n",
+        "[cluster]\nredis = \"redis://app:s3cret@10.0.0.1:6379/0\"\nreplicas = 2\n",
         "s.toml",
     )
     .unwrap();
@@ -254,6 +254,63 @@ fn redis_password_is_redacted() {
     assert!(!json.contains("s3cret"), "{json}");
     assert!(json.contains("redis://app:***@10.0.0.1:6379/0"), "{json}");
     assert_eq!(redact_url("redis://127.0.0.1/0"), "redis://127.0.0.1/0");
+    // From a variable or a file, only the name shows.
+    let c = Config::parse(
+        "[cluster]\nredis_env = \"SLUICE_TEST_REDIS\"\non_redis_error = \"deny\"\n",
+        "s.toml",
+    )
+    .unwrap();
+    let json = c.to_redacted_json().to_string();
+    assert!(
+        json.contains(r#""redis":"env:SLUICE_TEST_REDIS""#),
+        "{json}"
+    );
+    let cluster = c.cluster.unwrap();
+    assert!(
+        cluster
+            .redis
+            .url()
+            .unwrap_err()
+            .contains("SLUICE_TEST_REDIS")
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("url");
+    std::fs::write(&file, "rediss://:pw@redis.internal:6380/1\n").unwrap();
+    assert_eq!(
+        RedisSource::File(file).url().unwrap(),
+        "rediss://:pw@redis.internal:6380/1"
+    );
+    assert_eq!(cluster.timeout, Duration::from_millis(50));
+    assert_eq!(
+        (cluster.failures, cluster.open_for),
+        (3, Duration::from_secs(5))
+    );
+}
+
+#[test]
+fn global_limits_need_a_cluster_and_a_rate() {
+    let up = |limit: &str| {
+        format!("[[upstream]]\nname = \"a\"\nhosts = [\"a.example\"]\nlimits = [{limit}]\n")
+    };
+    let sliding = "{ kind = \"sliding_window\", permits = 3, window = \"1s\", scope = \"global\" }";
+    let e = err(&up(sliding));
+    assert!(
+        e.starts_with("s.toml:4:11: scope = \"global\" needs a [cluster]"),
+        "{e}"
+    );
+    let cluster = "[cluster]\nredis = \"redis://127.0.0.1:6379\"\nreplicas = 3\n";
+    assert!(Config::parse(&format!("{}{cluster}", up(sliding)), "s.toml").is_ok());
+    let e = err(&format!(
+        "{}{cluster}",
+        up("{ kind = \"concurrency\", max = 3, scope = \"global\" }")
+    ));
+    assert!(e.contains("a concurrency limit cannot be global"), "{e}");
+    let e = err("[cluster]\nredis = \"redis://127.0.0.1:6379\"\n");
+    assert!(e.contains("set replicas = N"), "{e}");
+    let e = err("[cluster]\nreplicas = 2\n");
+    assert!(e.contains("exactly one of redis"), "{e}");
+    let e = err("[cluster]\nredis = \"redis://x\"\nredis_env = \"X\"\nreplicas = 2\n");
+    assert!(e.contains("exactly one of redis"), "{e}");
 }
 
 #[test]

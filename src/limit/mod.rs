@@ -36,6 +36,7 @@ use tokio::time::Instant;
 use bucket::{Admitted, Bucket, FamilyRef, FamilySpec, LimitRef, PartitionSpec, Reject};
 use kinds::{Id, LimitState};
 
+use crate::cluster::{Admission, Cluster, GlobalLimit, Hold, Shared};
 use crate::config::units::fmt_duration;
 use crate::config::{Config, Limit, Priority, Upstream};
 use crate::metrics::Metrics;
@@ -55,6 +56,7 @@ struct FamilyMetrics {
     queue_full: IntCounter,
     queue_timeout: IntCounter,
     edge_429: IntCounter,
+    cluster_wait: Histogram,
     /// When the last edge-429 hint was logged, so that it is logged once a minute.
     last_hint: Mutex<Option<Instant>>,
 }
@@ -73,10 +75,40 @@ pub struct Plan {
     tunnels: bool,
     spec: PartitionSpec,
     metrics: Arc<[Arc<FamilyMetrics>]>,
+    /// By family index: the limits shared through `[cluster]` that its requests pay
+    /// (the upstream's and the family's), left out of the local bucket.
+    global: Vec<Arc<[Arc<GlobalLimit>]>>,
 }
 
 impl Plan {
     pub fn new(u: &Upstream, metrics: &Metrics) -> Plan {
+        let local = |limits: &[Limit]| -> Vec<Limit> {
+            limits.iter().filter(|l| !l.is_global()).cloned().collect()
+        };
+        let upstream_global: Vec<Arc<GlobalLimit>> = u
+            .limits
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| GlobalLimit::new(format!("u{i}.{}", kind_letter(l)), l))
+            .map(Arc::new)
+            .collect();
+        let mut global: Vec<Arc<[Arc<GlobalLimit>]>> = u
+            .families
+            .iter()
+            .map(|f| {
+                let own = f.limits.iter().enumerate().filter_map(|(i, l)| {
+                    GlobalLimit::new(format!("f.{}.{i}.{}", f.name, kind_letter(l)), l)
+                });
+                upstream_global
+                    .iter()
+                    .cloned()
+                    .chain(own.map(Arc::new))
+                    .collect()
+            })
+            .collect();
+        // Requests of no family pay the upstream's; tunnels pay no rate limit.
+        global.push(upstream_global.into());
+        global.push(Arc::from(Vec::new()));
         let mut families: Vec<Arc<FamilySpec>> = u
             .families
             .iter()
@@ -84,7 +116,7 @@ impl Plan {
                 Arc::new(FamilySpec {
                     name: f.name.clone(),
                     priority: f.priority,
-                    limits: f.limits.clone(),
+                    limits: local(&f.limits),
                     max_queue: f.policy.max_queue,
                     max_wait: f.policy.max_wait,
                     concurrency_only: false,
@@ -115,11 +147,17 @@ impl Plan {
                 .iter()
                 .any(|l| matches!(l, Limit::Concurrency { .. })),
             spec: PartitionSpec {
-                upstream_limits: u.limits.clone().into(),
+                upstream_limits: local(&u.limits).into(),
                 families,
             },
             metrics: handles,
+            global,
         }
+    }
+
+    /// The shared limits a request of family `index` pays.
+    fn global(&self, index: usize) -> &Arc<[Arc<GlobalLimit>]> {
+        &self.global[index]
     }
 
     pub fn name(&self) -> &str {
@@ -153,6 +191,7 @@ impl FamilyMetrics {
                 "queue_timeout",
             ]),
             edge_429: metrics.edge_429.with_label_values(&l),
+            cluster_wait: metrics.cluster_wait.with_label_values(&l),
             last_hint: Mutex::new(None),
         }
     }
@@ -232,9 +271,16 @@ pub struct Cell {
     notify: Notify,
     /// Where the partition's driver runs; the caller's runtime when unset.
     timers: Option<tokio::runtime::Handle>,
+    /// What this replica knows of the partition's shared limits, once one is paid.
+    shared: std::sync::OnceLock<Arc<Shared>>,
 }
 
 impl Cell {
+    fn shared(&self) -> &Arc<Shared> {
+        self.shared
+            .get_or_init(|| Arc::new(Shared::new(&self.name, self.partition)))
+    }
+
     fn lock(&self) -> MutexGuard<'_, CellState> {
         // Nothing panics while holding this lock; if something did, the state is still
         // consistent at every await-free step, so keep serving rather than poison.
@@ -270,6 +316,7 @@ impl Cell {
                         admitted: a.at,
                         sent_after: AtomicU64::new(0),
                         edge: a.edge,
+                        global: None,
                     })
                 });
                 let grant = Grant {
@@ -471,6 +518,28 @@ impl Permit {
         self.holds
     }
 
+    /// Follows the request's shared limits too: its send and answer reach them.
+    fn hold(&mut self, hold: Hold) {
+        let ticket = self.ticket.get_or_insert_with(|| {
+            // Its local limits count nothing in time: a ticket for the shared ones only.
+            Arc::new(Ticket {
+                cell: self.cell.clone(),
+                family: self.family,
+                id: Id::MAX,
+                epoch: self.epoch,
+                phase: AtomicU8::new(ADMITTED),
+                admitted: Instant::now(),
+                sent_after: AtomicU64::new(0),
+                edge: None,
+                global: None,
+            })
+        });
+        // Nobody else holds the ticket before its send hook is made.
+        if let Some(t) = Arc::get_mut(ticket) {
+            t.global = Some(hold);
+        }
+    }
+
     /// What the request body carries to report the instant the request is handed to its
     /// upstream connection; `None` when no limit counted in time was paid.
     pub fn send_hook(&self) -> Option<SendHook> {
@@ -483,16 +552,19 @@ impl Permit {
         if let Some(t) = self.ticket.take() {
             let mut st = t.cell.lock();
             let now = Instant::now();
+            let mut sent = None;
             match t.phase.load(Ordering::Relaxed) {
                 phase @ (ADMITTED | UNSENT) => {
                     // A response without a reported send: it was sent by now at the latest.
                     let epoch = (phase == ADMITTED).then_some(t.epoch);
                     st.bucket.sent(t.family, t.id, epoch, now);
                     st.bucket.answered(t.family, t.id, now, Duration::ZERO);
+                    sent = Some((now, Duration::ZERO));
                 }
                 SENT => {
                     let took = now.saturating_duration_since(t.sent_at());
                     st.bucket.answered(t.family, t.id, now, took);
+                    sent = Some((t.sent_at(), took));
                 }
                 _ => {}
             }
@@ -506,6 +578,10 @@ impl Permit {
                     .refused_at_edge(&mut st, t.family, limit, t.admitted, now);
             }
             t.cell.changed(&mut st, now);
+            drop(st);
+            if let (Some(g), Some((at, took))) = (&t.global, sent) {
+                g.answered(at, now, took);
+            }
         }
     }
 }
@@ -517,17 +593,23 @@ impl Drop for Permit {
             return;
         }
         let mut st = self.cell.lock();
+        let mut unsent = None;
         if let Some(t) = ticket
             && t.phase.load(Ordering::Relaxed) == ADMITTED
         {
             // Never handed to a connection: the provider did not see it.
             st.bucket.unsent(t.family, t.epoch);
             t.phase.store(UNSENT, Ordering::Relaxed);
+            unsent = Some(t);
         }
         if self.holds {
             st.bucket.release(self.family, self.epoch);
         }
         self.cell.changed(&mut st, Instant::now());
+        drop(st);
+        if let Some(g) = unsent.as_ref().and_then(|t| t.global.as_ref()) {
+            g.unsent();
+        }
     }
 }
 
@@ -551,6 +633,8 @@ pub struct Ticket {
     sent_after: AtomicU64,
     /// The rate limit it waited for: it was admitted at that limit's edge.
     edge: Option<LimitRef>,
+    /// Its shared limits, to be told of its send and answer too.
+    global: Option<Hold>,
 }
 
 impl Ticket {
@@ -580,6 +664,12 @@ impl SendHook {
             .store(u64::try_from(after).unwrap_or(u64::MAX), Ordering::Relaxed);
         t.phase.store(SENT, Ordering::Relaxed);
         t.cell.changed(&mut st, now);
+        drop(st);
+        if let Some(g) = &t.global
+            && epoch.is_some()
+        {
+            g.sent(now);
+        }
     }
 }
 
@@ -591,6 +681,8 @@ pub enum LimitError {
     QueueTimeout { retry_after: Duration },
     #[error("sluice is shutting down and the drain time ran out before admission")]
     ShuttingDown,
+    #[error("the Redis that holds the shared limits cannot be reached (on_redis_error = \"deny\")")]
+    ClusterUnavailable { retry_after: Duration },
 }
 
 impl From<Reject> for LimitError {
@@ -614,6 +706,8 @@ pub struct Limiter {
     /// The runtime partition drivers run on, when not the requests' own (see
     /// [`Limiter::drive_on`]).
     timers: std::sync::OnceLock<tokio::runtime::Handle>,
+    /// Where shared limits are decided (`[cluster]`), as the live config says.
+    cluster: RwLock<Option<Arc<Cluster>>>,
 }
 
 /// One config generation's plans, by upstream index.
@@ -635,7 +729,20 @@ impl Limiter {
             current: RwLock::new(plans(config, metrics)),
             cells: RwLock::new(HashMap::new()),
             timers: std::sync::OnceLock::new(),
+            cluster: RwLock::new(None),
         }
+    }
+
+    /// The cluster shared limits go through from now on (`None`: no `[cluster]`).
+    pub fn set_cluster(&self, cluster: Option<Arc<Cluster>>) {
+        *self.cluster.write().unwrap_or_else(|e| e.into_inner()) = cluster;
+    }
+
+    fn cluster(&self) -> Option<Arc<Cluster>> {
+        self.cluster
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The plans new partitions are built from.
@@ -713,6 +820,7 @@ impl Limiter {
                     }),
                     notify: Notify::new(),
                     timers: self.timers.get().cloned(),
+                    shared: std::sync::OnceLock::new(),
                 })
             })
             .clone()
@@ -727,7 +835,50 @@ impl Limiter {
         route: &Route,
     ) -> Result<Option<Permit>, LimitError> {
         let cell = self.cell(plan, route);
-        self.wait(cell, plan, plan.family_index(route.family)).await
+        let index = plan.family_index(route.family);
+        if plan.global(index).is_empty() {
+            return self.wait(cell, plan, index).await;
+        }
+        // Boxed: shared limits are the rarer path, and their future would otherwise
+        // size every request's.
+        Box::pin(self.wait_shared(cell, plan, index)).await
+    }
+
+    /// Local limits first, FIFO in the family's queue; then the shared ones, through the
+    /// cluster (see `cluster`), one request of the family at a time.
+    async fn wait_shared(
+        &self,
+        cell: Arc<Cell>,
+        plan: &Arc<Plan>,
+        index: usize,
+    ) -> Result<Option<Permit>, LimitError> {
+        let start = Instant::now();
+        let Some(mut permit) = self.wait(cell.clone(), plan, index).await? else {
+            return Ok(None);
+        };
+        // A config with global limits always has a cluster; without one, they are
+        // counted nowhere rather than blocking.
+        let Some(cluster) = self.cluster() else {
+            return Ok(Some(permit));
+        };
+        let family = &plan.spec.families[index];
+        let admitted = Instant::now();
+        let shared = cell.shared().clone();
+        let admission = shared
+            .admit(
+                &cluster,
+                &family.name,
+                plan.global(index),
+                start + family.max_wait,
+            )
+            .await?;
+        plan.metrics[index]
+            .cluster_wait
+            .observe(admitted.elapsed().as_secs_f64());
+        if let Admission::Held(hold) = admission {
+            permit.hold(hold);
+        }
+        Ok(Some(permit))
     }
 
     /// A CONNECT tunnel's permit: one of the upstream's concurrency limits for as long as
@@ -949,6 +1100,17 @@ fn limits_json(specs: &[Limit], states: &mut [LimitState], now: Instant) -> serd
             v
         })
         .collect()
+}
+
+/// A letter for a limit's kind in its shared key: a reload that changes the kind at the
+/// same place gets a new key rather than reading the old kind's state.
+fn kind_letter(l: &Limit) -> char {
+    match l {
+        Limit::TokenBucket { .. } => 't',
+        Limit::SlidingWindow { .. } => 's',
+        Limit::FixedWindow { .. } => 'f',
+        Limit::Concurrency { .. } => 'c',
+    }
 }
 
 /// A waiter's place in a queue; leaving scope without a grant removes it.

@@ -53,6 +53,7 @@ impl ProxyError {
             ProxyError::Limit(LimitError::QueueFull { .. }) => "queue_full",
             ProxyError::Limit(LimitError::QueueTimeout { .. }) => "queue_timeout",
             ProxyError::Limit(LimitError::ShuttingDown) => "shutting_down",
+            ProxyError::Limit(LimitError::ClusterUnavailable { .. }) => "cluster_unavailable",
         }
     }
 
@@ -61,7 +62,9 @@ impl ProxyError {
             "bad_request" => StatusCode::BAD_REQUEST,
             "denied" => StatusCode::FORBIDDEN,
             "total_timeout" | "upstream_timeout" => StatusCode::GATEWAY_TIMEOUT,
-            "breaker_open" | "shutting_down" => StatusCode::SERVICE_UNAVAILABLE,
+            "breaker_open" | "shutting_down" | "cluster_unavailable" => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             "queue_full" | "queue_timeout" => StatusCode::TOO_MANY_REQUESTS,
             _ => StatusCode::BAD_GATEWAY,
         }
@@ -71,7 +74,9 @@ impl ProxyError {
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             ProxyError::Limit(
-                LimitError::QueueFull { retry_after } | LimitError::QueueTimeout { retry_after },
+                LimitError::QueueFull { retry_after }
+                | LimitError::QueueTimeout { retry_after }
+                | LimitError::ClusterUnavailable { retry_after },
             )
             | ProxyError::BreakerOpen { retry_after } => Some(*retry_after),
             _ => None,

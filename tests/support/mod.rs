@@ -7,6 +7,7 @@
 
 pub mod certs;
 pub mod provider;
+pub mod redis;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;

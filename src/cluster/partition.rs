@@ -1,0 +1,911 @@
+//! What one replica knows of one (upstream, partition)'s global limits, and how a request
+//! gets through them: the gate that lets one request per family at a time call Redis (so
+//! the family stays FIFO), the reservation, the corrections waiting to go back, this
+//! replica's own admissions still inside their windows (written back when Redis returns
+//! or lost its data), and the local fallback while Redis is away.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{CallError, Cluster, GlobalLimit, Kind, Mode, Reply, micros};
+use crate::config::Limit;
+use crate::limit::LimitError;
+use crate::limit::kinds::LimitState;
+use crate::route::Partition;
+
+/// A reservation changes its correction only by more than this: less is clock noise.
+const NOISE_US: f64 = 1000.0;
+
+/// How soon corrections go to Redis when no call of this replica carries them first:
+/// soon for those that keep a permit longer (a late send, a request that never went out
+/// from an opening), later for those that only free one sooner.
+const URGENT: Duration = Duration::from_millis(5);
+const LAZY_MAX: Duration = Duration::from_millis(250);
+
+pub struct Shared {
+    /// `{sluice:<upstream>:<partition>}`: every key of the partition carries this hash
+    /// tag, so one call's keys share a Redis Cluster slot. The partition is the hash of
+    /// the key value, never the value.
+    tag: String,
+    gates: Mutex<HashMap<Arc<str>, Arc<tokio::sync::Mutex<Gate>>>>,
+    state: Mutex<State>,
+}
+
+/// A family's turn at Redis, and a reservation left by a request that gave up on it.
+#[derive(Default)]
+pub struct Gate {
+    handed: Option<Reserved>,
+}
+
+/// A reserved instant, on both clocks.
+#[derive(Debug, Clone)]
+struct Reserved {
+    member: String,
+    at_us: f64,
+    at_local: Instant,
+    /// The call's round trip: the local instant may be off from Redis's by this much.
+    slack_us: f64,
+    limits: Arc<[Arc<GlobalLimit>]>,
+}
+
+#[derive(Default)]
+struct State {
+    epoch: Option<String>,
+    pending: Vec<Correction>,
+    mine: HashMap<Arc<str>, Mine>,
+    /// Redis's clock at the last answer: (local instant, Redis microseconds).
+    clock: Option<(Instant, f64)>,
+    /// Limits held here while Redis is away (`on_redis_error = "local"`).
+    fallback: Option<HashMap<Arc<str>, LimitState>>,
+    /// Admitted without Redis, or Redis lost its data: write back before reserving.
+    absorb: bool,
+    /// A flush is scheduled.
+    flushing: bool,
+    /// When the oldest correction still waiting was queued: a flush waits for it to be
+    /// that old, so that reserve calls, which carry corrections anyway, make it needless.
+    oldest: Option<Instant>,
+}
+
+struct Correction {
+    limit: Arc<GlobalLimit>,
+    member: String,
+    /// The latest instant it may reach the provider; `None`: it never went out.
+    value: Option<f64>,
+}
+
+/// This replica's own admissions to one limit that still matter.
+struct Mine {
+    limit: Arc<GlobalLimit>,
+    /// Windows: (member, latest arrival, Redis microseconds).
+    entries: Vec<(String, f64)>,
+    /// Fixed windows: the opening of the window they are in.
+    opening: Option<f64>,
+    /// Token buckets: until when this replica's own admissions keep the bucket in debt.
+    debt_until: f64,
+}
+
+/// How a request got through its global limits.
+pub enum Admission {
+    /// Reserved through Redis, or admitted by the local fallback: follow it with a hold.
+    Held(Hold),
+    /// `on_redis_error = "allow"` while Redis is away.
+    Allowed,
+}
+
+impl Shared {
+    pub fn new(upstream: &str, partition: Option<Partition>) -> Shared {
+        let p = partition.map_or_else(|| "-".to_string(), |p| format!("{:032x}", p.0));
+        Shared {
+            tag: format!("{{sluice:{upstream}:{p}}}"),
+            gates: Mutex::default(),
+            state: Mutex::default(),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn gate(&self, family: &str) -> Arc<tokio::sync::Mutex<Gate>> {
+        let mut gates = self.gates.lock().unwrap_or_else(|e| e.into_inner());
+        match gates.get(family) {
+            Some(g) => g.clone(),
+            None => {
+                let g: Arc<tokio::sync::Mutex<Gate>> = Arc::default();
+                gates.insert(Arc::from(family), g.clone());
+                g
+            }
+        }
+    }
+
+    /// The keys of `limit` in this partition: its state, and a fixed window's opening.
+    fn keys(&self, limit: &GlobalLimit) -> (String, String) {
+        (
+            format!("{}:{}", self.tag, limit.id),
+            format!("{}:{}:o", self.tag, limit.id),
+        )
+    }
+
+    /// Admits a request, already admitted by its local limits, through `limits`, FIFO
+    /// among the requests of `family` on this replica. Gives up with `QueueTimeout` when
+    /// the instant would be later than `deadline`.
+    pub async fn admit(
+        self: &Arc<Self>,
+        cluster: &Arc<Cluster>,
+        family: &str,
+        limits: &Arc<[Arc<GlobalLimit>]>,
+        deadline: Instant,
+    ) -> Result<Admission, LimitError> {
+        let gate = self.gate(family);
+        let mut turn = gate.lock().await;
+        // The longest window among the limits: an instant further away is asked for again.
+        let horizon = limits
+            .iter()
+            .map(|l| l.span)
+            .max()
+            .unwrap_or_default()
+            .max(Duration::from_secs(1));
+        let metric = |result: &str| {
+            cluster
+                .metrics
+                .cluster_reservations
+                .with_label_values(&[result])
+                .inc()
+        };
+        loop {
+            let now = Instant::now();
+            if let Some(r) = turn.handed.take() {
+                if r.at_local > now && Arc::ptr_eq(&r.limits, limits) {
+                    metric("handed_over");
+                    return Ok(Admission::Held(self.wait_for(cluster, turn, r).await));
+                }
+                // Nobody took it in time: it never went out.
+                self.unused(cluster, &r);
+            }
+            let left = deadline.saturating_duration_since(now);
+            match cluster.mode(now) {
+                Mode::Redis => {
+                    if self.state().absorb
+                        && let Err(e) = self.absorb(cluster).await
+                    {
+                        tracing::debug!(error = %e, "writing back to Redis failed");
+                        continue;
+                    }
+                    match self.reserve(cluster, limits, horizon.min(left), left).await {
+                        Ok(Some(r)) => {
+                            metric("reserved");
+                            return Ok(Admission::Held(self.wait_for(cluster, turn, r).await));
+                        }
+                        Ok(None) => {}
+                        Err(Asked::Later(wait)) => {
+                            metric("later");
+                            let again = now + wait.saturating_sub(horizon.min(left));
+                            tokio::time::sleep_until(again.min(deadline)).await;
+                        }
+                        Err(Asked::TooLate(wait)) => {
+                            metric("too_late");
+                            return Err(LimitError::QueueTimeout {
+                                retry_after: crate::limit::bucket::retry_after(wait),
+                            });
+                        }
+                        // The breaker counts it; the next round may fall back.
+                        Err(Asked::Failed) => {}
+                    }
+                }
+                Mode::Local => match self.fallback_take(cluster, limits, now) {
+                    Ok(hold) => {
+                        metric("local");
+                        return Ok(Admission::Held(hold));
+                    }
+                    Err(next) => {
+                        // Until the local limits allow it, or Redis may be back.
+                        let probe = cluster.reopens_at().unwrap_or(now);
+                        let wake = next.map_or(probe, |n| n.min(probe.max(now)));
+                        if wake >= deadline {
+                            metric("too_late");
+                            return Err(LimitError::QueueTimeout {
+                                retry_after: crate::limit::bucket::retry_after(wake - now),
+                            });
+                        }
+                        tokio::time::sleep_until(wake.max(now + Duration::from_millis(1))).await;
+                    }
+                },
+                Mode::Allow => {
+                    metric("allowed");
+                    return Ok(Admission::Allowed);
+                }
+                Mode::Deny => {
+                    metric("denied");
+                    let reopens = cluster.reopens_at().unwrap_or(now);
+                    return Err(LimitError::ClusterUnavailable {
+                        retry_after: crate::limit::bucket::retry_after(
+                            reopens.saturating_duration_since(now),
+                        ),
+                    });
+                }
+            }
+            if Instant::now() >= deadline {
+                metric("too_late");
+                return Err(LimitError::QueueTimeout {
+                    retry_after: Duration::from_secs(1),
+                });
+            }
+        }
+    }
+
+    /// Sleeps until the reserved instant, keeping the family's turn so that the next
+    /// request asks only after this one goes; a request that leaves meanwhile hands its
+    /// reservation on.
+    async fn wait_for(
+        self: &Arc<Self>,
+        cluster: &Arc<Cluster>,
+        turn: tokio::sync::MutexGuard<'_, Gate>,
+        r: Reserved,
+    ) -> Hold {
+        struct Holding<'a> {
+            turn: tokio::sync::MutexGuard<'a, Gate>,
+            r: Option<Reserved>,
+        }
+        impl Drop for Holding<'_> {
+            fn drop(&mut self) {
+                if let Some(r) = self.r.take() {
+                    self.turn.handed = Some(r);
+                }
+            }
+        }
+        let at = r.at_local;
+        let mut holding = Holding {
+            turn,
+            r: Some(r.clone()),
+        };
+        tokio::time::sleep_until(at).await;
+        // Used: nothing to hand on.
+        holding.r = None;
+        drop(holding);
+        Hold {
+            shared: self.clone(),
+            cluster: cluster.clone(),
+            r,
+            fallback: None,
+        }
+    }
+
+    /// One reserve call, carrying the corrections waiting. `Ok(None)`: Redis had lost
+    /// its data; it has been marked for a write-back, ask again.
+    async fn reserve(
+        self: &Arc<Self>,
+        cluster: &Arc<Cluster>,
+        limits: &Arc<[Arc<GlobalLimit>]>,
+        horizon: Duration,
+        max_wait: Duration,
+    ) -> Result<Option<Reserved>, Asked> {
+        let member = cluster.member();
+        let (known, pending) = {
+            let mut st = self.state();
+            st.oldest = None;
+            (st.epoch.clone(), std::mem::take(&mut st.pending))
+        };
+        // The request's limits pay; limits that only have corrections come along.
+        let mut all: Vec<(Arc<GlobalLimit>, bool)> =
+            limits.iter().map(|l| (l.clone(), true)).collect();
+        for c in &pending {
+            if !all.iter().any(|(l, _)| l.id == c.limit.id) {
+                all.push((c.limit.clone(), false));
+            }
+        }
+        let mut inv = cluster.script.prepare_invoke();
+        self.head(
+            &mut inv, "reserve", &known, &member, horizon, max_wait, &all,
+        );
+        self.corrections(&mut inv, &all, &pending);
+        let sent = Instant::now();
+        let reply = cluster.run("reserve", inv).await;
+        let received = Instant::now();
+        let reply = match reply {
+            Ok(r) => r,
+            Err(_) => {
+                let mut st = self.state();
+                st.pending.splice(0..0, pending);
+                st.oldest.get_or_insert(sent);
+                return Err(Asked::Failed);
+            }
+        };
+        let mut st = self.state();
+        match reply {
+            Reply::Reserved {
+                wait,
+                now,
+                epoch,
+                openings,
+            } => {
+                st.epoch = Some(epoch);
+                st.clock = Some((received, now));
+                let at_us = now + micros(wait);
+                let slack_us = micros(received - sent);
+                for ((l, pays), opening) in all.iter().zip(openings) {
+                    if *pays {
+                        remember(&mut st, l, &member, at_us, Some(opening));
+                    }
+                }
+                Ok(Some(Reserved {
+                    member,
+                    at_us,
+                    at_local: received + wait,
+                    slack_us,
+                    limits: limits.clone(),
+                }))
+            }
+            Reply::Later { wait, epoch } => {
+                st.epoch = Some(epoch);
+                Err(Asked::Later(wait))
+            }
+            Reply::TooLate { wait, epoch } => {
+                st.epoch = Some(epoch);
+                Err(Asked::TooLate(wait))
+            }
+            Reply::EpochChanged { epoch } => {
+                tracing::warn!(partition = %self.tag, "Redis lost the shared limits' state (restart or flush): writing back this replica's admissions");
+                // The corrections were about entries Redis no longer has.
+                let _ = epoch;
+                st.epoch = None;
+                st.absorb = true;
+                Ok(None)
+            }
+            Reply::Done { .. } => Err(Asked::Failed),
+        }
+    }
+
+    /// Writes back this replica's admissions still inside their windows, then forgets the
+    /// local fallback: Redis holds everything again.
+    async fn absorb(self: &Arc<Self>, cluster: &Arc<Cluster>) -> Result<(), CallError> {
+        let (all, entries) = {
+            let mut st = self.state();
+            let now_us = st.redis_now(Instant::now());
+            let mut all = Vec::new();
+            let mut entries = Vec::new();
+            for m in st.mine.values_mut() {
+                m.prune(now_us);
+                all.push((m.limit.clone(), false));
+                entries.push((
+                    m.entries.clone(),
+                    m.opening,
+                    (m.debt_until - now_us).max(0.0),
+                ));
+            }
+            (all, entries)
+        };
+        let mut inv = cluster.script.prepare_invoke();
+        self.head(
+            &mut inv,
+            "absorb",
+            &None,
+            "",
+            Duration::ZERO,
+            Duration::ZERO,
+            &all,
+        );
+        for ((l, _), (pairs, opening, debt)) in all.iter().zip(&entries) {
+            if l.is_window() {
+                inv.arg(pairs.len());
+                if l.kind == Kind::Fixed {
+                    let first = pairs
+                        .iter()
+                        .map(|p| p.1 - micros(l.margin))
+                        .fold(f64::MAX, f64::min);
+                    inv.arg(num(opening.unwrap_or(first).min(first)));
+                }
+                for (member, value) in pairs {
+                    inv.arg(member).arg(num(*value));
+                }
+            } else {
+                inv.arg(num(*debt));
+            }
+        }
+        let received_before = Instant::now();
+        let reply = cluster.run("absorb", inv).await?;
+        if let Reply::Done { now, epoch } = reply {
+            let mut st = self.state();
+            st.epoch = Some(epoch);
+            st.clock = Some((received_before, now));
+            st.absorb = false;
+            st.fallback = None;
+            tracing::info!(partition = %self.tag, "wrote this replica's admissions back to Redis");
+        }
+        Ok(())
+    }
+
+    /// Sends the corrections waiting once the oldest is `delay` old, unless a reserve
+    /// call carries them first.
+    async fn flush(self: &Arc<Self>, cluster: &Arc<Cluster>, delay: Duration) {
+        let (known, pending) = loop {
+            let due = {
+                let mut st = self.state();
+                match st.oldest {
+                    None => {
+                        st.flushing = false;
+                        return;
+                    }
+                    Some(t) if Instant::now() >= t + delay => {
+                        st.flushing = false;
+                        st.oldest = None;
+                        if st.pending.is_empty() || st.absorb {
+                            return;
+                        }
+                        break (st.epoch.clone(), std::mem::take(&mut st.pending));
+                    }
+                    Some(t) => t + delay,
+                }
+            };
+            tokio::time::sleep_until(due).await;
+        };
+        let mut all: Vec<(Arc<GlobalLimit>, bool)> = Vec::new();
+        for c in &pending {
+            if !all.iter().any(|(l, _)| l.id == c.limit.id) {
+                all.push((c.limit.clone(), false));
+            }
+        }
+        let mut inv = cluster.script.prepare_invoke();
+        self.head(
+            &mut inv,
+            "flush",
+            &known,
+            "",
+            Duration::ZERO,
+            Duration::ZERO,
+            &all,
+        );
+        self.corrections(&mut inv, &all, &pending);
+        match cluster.run("flush", inv).await {
+            Ok(Reply::EpochChanged { .. }) => {
+                let mut st = self.state();
+                st.epoch = None;
+                st.absorb = true;
+            }
+            Ok(_) => {}
+            // Kept for the next call, unless they no longer matter by then.
+            Err(_) => {
+                let mut st = self.state();
+                let now_us = st.redis_now(Instant::now());
+                let mut pending = pending;
+                pending.retain(|c| c.value.is_none_or(|v| v + micros(c.limit.span) > now_us));
+                if !pending.is_empty() {
+                    st.oldest.get_or_insert(Instant::now());
+                }
+                st.pending.splice(0..0, pending);
+            }
+        }
+    }
+
+    /// Keys and the arguments before the corrections (see `reserve.lua`).
+    #[allow(clippy::too_many_arguments)]
+    fn head(
+        &self,
+        inv: &mut redis::ScriptInvocation<'_>,
+        op: &str,
+        known: &Option<String>,
+        member: &str,
+        horizon: Duration,
+        max_wait: Duration,
+        all: &[(Arc<GlobalLimit>, bool)],
+    ) {
+        inv.key(format!("{}:epoch", self.tag));
+        for (l, _) in all {
+            let (k, aux) = self.keys(l);
+            inv.key(k).key(aux);
+        }
+        inv.arg(op)
+            .arg("")
+            .arg(known.as_deref().unwrap_or(""))
+            .arg(format!("{:016x}", rand::random::<u64>()))
+            .arg(member)
+            .arg(micros(horizon).ceil() as u64)
+            .arg(micros(max_wait).ceil() as u64)
+            .arg(all.len());
+        for (l, pays) in all {
+            inv.arg(l.kind_arg())
+                .arg(num(l.a))
+                .arg(num(l.b))
+                .arg(num(micros(l.margin)))
+                .arg(if *pays { "1" } else { "0" });
+        }
+    }
+
+    fn corrections(
+        &self,
+        inv: &mut redis::ScriptInvocation<'_>,
+        all: &[(Arc<GlobalLimit>, bool)],
+        pending: &[Correction],
+    ) {
+        inv.arg(pending.len());
+        for c in pending {
+            let index = all
+                .iter()
+                .position(|(l, _)| l.id == c.limit.id)
+                .unwrap_or(0)
+                + 1;
+            inv.arg(index)
+                .arg(&c.member)
+                .arg(c.value.map(num).unwrap_or_default());
+        }
+    }
+
+    /// Queues a correction, and makes sure it reaches Redis soon enough if no call of
+    /// this replica carries it first.
+    fn correct(self: &Arc<Self>, cluster: &Arc<Cluster>, c: Correction, urgent: bool) {
+        let delay = if urgent { URGENT } else { LAZY_MAX };
+        let schedule = {
+            let mut st = self.state();
+            st.pending.push(c);
+            let now = Instant::now();
+            // An urgent one makes the whole batch as old as it must be to go soon.
+            let queued = if urgent {
+                now.checked_sub(LAZY_MAX - delay).unwrap_or(now)
+            } else {
+                now
+            };
+            st.oldest = Some(st.oldest.map_or(queued, |t| t.min(queued)));
+            // A flusher already asleep would not wake for an urgent one: start another.
+            !std::mem::replace(&mut st.flushing, true) || urgent
+        };
+        if schedule && let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let (me, cluster) = (self.clone(), cluster.clone());
+            rt.spawn(async move { me.flush(&cluster, LAZY_MAX).await });
+        } else if schedule {
+            self.state().flushing = false;
+        }
+    }
+
+    /// A reservation nobody used before its instant: it never went out.
+    fn unused(self: &Arc<Self>, cluster: &Arc<Cluster>, r: &Reserved) {
+        for l in r.limits.iter().filter(|l| l.is_window()) {
+            self.forget(&l.id, &r.member);
+            self.correct(
+                cluster,
+                Correction {
+                    limit: l.clone(),
+                    member: r.member.clone(),
+                    value: None,
+                },
+                true,
+            );
+        }
+    }
+
+    fn forget(&self, limit: &str, member: &str) {
+        if let Some(m) = self.state().mine.get_mut(limit) {
+            m.entries.retain(|e| e.0 != member);
+        }
+    }
+
+    fn update_mine(&self, limit: &str, member: &str, value: f64) {
+        if let Some(m) = self.state().mine.get_mut(limit)
+            && let Some(e) = m.entries.iter_mut().find(|e| e.0 == member)
+        {
+            e.1 = value;
+        }
+    }
+
+    /// Admits through this replica's share of each limit while Redis is away. The shares
+    /// start drained: whatever Redis admitted just before it went away is still inside
+    /// its windows. `Err(Some(t))`: not before `t`; `Err(None)`: a limit too small to
+    /// share between the replicas admits nothing without Redis.
+    fn fallback_take(
+        self: &Arc<Self>,
+        cluster: &Arc<Cluster>,
+        limits: &Arc<[Arc<GlobalLimit>]>,
+        now: Instant,
+    ) -> Result<Hold, Option<Instant>> {
+        let replicas = cluster.config.replicas.unwrap_or(1).max(1);
+        let mut st = self.state();
+        let states = st.fallback.get_or_insert_with(HashMap::new);
+        for l in limits.iter() {
+            if !states.contains_key(&l.id) {
+                let Some(share) = share(&l.spec, replicas) else {
+                    return Err(None);
+                };
+                let mut s = LimitState::new(&share, now);
+                let mut drain = 0;
+                while s.can_take(now) {
+                    s.take(now);
+                    s.sent(u64::MAX - drain, Some(0), now);
+                    drain += 1;
+                }
+                states.insert(l.id.clone(), s);
+            }
+        }
+        let mut next: Option<Instant> = None;
+        for l in limits.iter() {
+            let s = states.get_mut(&l.id).ok_or(None)?;
+            if !s.can_take(now) {
+                let at = s.ready_at(1, now).unwrap_or(now + l.span);
+                next = Some(next.map_or(at, |n| n.max(at)));
+            }
+        }
+        if let Some(n) = next {
+            return Err(Some(n));
+        }
+        let id = cluster
+            .seq
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        for l in limits.iter() {
+            if let Some(s) = states.get_mut(&l.id) {
+                s.take(now);
+            }
+        }
+        st.absorb = true;
+        let member = format!("{}:{id}", cluster.replica);
+        let at_us = st.redis_now(now);
+        for l in limits.iter() {
+            remember(&mut st, l, &member, at_us, None);
+        }
+        drop(st);
+        Ok(Hold {
+            shared: self.clone(),
+            cluster: cluster.clone(),
+            r: Reserved {
+                member,
+                at_us,
+                at_local: now,
+                slack_us: 0.0,
+                limits: limits.clone(),
+            },
+            fallback: Some(id),
+        })
+    }
+
+    /// For `/buckets`: this replica's view of each global limit it has used.
+    pub fn describe(&self) -> serde_json::Value {
+        let mut st = self.state();
+        let now = Instant::now();
+        let now_us = st.redis_now(now);
+        let fallback = st.fallback.is_some();
+        let mut out = serde_json::Map::new();
+        for (id, m) in st.mine.iter_mut() {
+            m.prune(now_us);
+            out.insert(
+                id.to_string(),
+                serde_json::json!({ "own_admissions_in_window": m.entries.len() }),
+            );
+        }
+        serde_json::json!({
+            "limits": out,
+            "pending_corrections": st.pending.len(),
+            "local_fallback": fallback,
+        })
+    }
+}
+
+/// What the admission loop learned from one call besides a reservation.
+enum Asked {
+    Later(Duration),
+    TooLate(Duration),
+    Failed,
+}
+
+impl State {
+    /// Redis's clock now, as last seen.
+    fn redis_now(&self, now: Instant) -> f64 {
+        match self.clock {
+            Some((local, us)) => us + micros(now.saturating_duration_since(local)),
+            // Never talked to Redis: the wall clock is the best guess.
+            None => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(micros)
+                .unwrap_or(0.0),
+        }
+    }
+}
+
+impl Mine {
+    fn prune(&mut self, now_us: f64) {
+        let span = micros(self.limit.span);
+        self.entries.retain(|e| e.1 + span > now_us);
+        if self.entries.is_empty() {
+            self.opening = None;
+        }
+    }
+}
+
+/// Notes an admission of this replica to `limit` reserved at `at_us`.
+fn remember(
+    st: &mut State,
+    limit: &Arc<GlobalLimit>,
+    member: &str,
+    at_us: f64,
+    opening: Option<f64>,
+) {
+    let m = st.mine.entry(limit.id.clone()).or_insert_with(|| Mine {
+        limit: limit.clone(),
+        entries: Vec::new(),
+        opening: None,
+        debt_until: 0.0,
+    });
+    m.limit = limit.clone();
+    let latest = at_us + micros(limit.margin);
+    match limit.kind {
+        Kind::Token => {
+            m.debt_until = m.debt_until.max(latest) + limit.a;
+        }
+        Kind::Sliding | Kind::Fixed => {
+            m.prune(at_us);
+            if limit.kind == Kind::Fixed {
+                match opening.filter(|o| *o > 0.0) {
+                    // A new window: what this replica had in the old one no longer counts.
+                    Some(o) if m.opening.is_some_and(|cur| o > cur) => {
+                        m.entries.clear();
+                        m.opening = Some(o);
+                    }
+                    Some(o) => m.opening = Some(m.opening.map_or(o, |cur| cur.min(o))),
+                    None => {}
+                }
+            }
+            m.entries.push((member.to_string(), latest));
+        }
+    }
+}
+
+/// One replica's share of a global limit while Redis is away, or `None` when the limit
+/// is too small to split. A fixed window becomes a sliding one: replicas' own windows
+/// would not line up with the provider's, and any window of its length must hold.
+fn share(spec: &Limit, replicas: u32) -> Option<Limit> {
+    let part = |n: std::num::NonZeroU32| std::num::NonZeroU32::new(n.get() / replicas);
+    Some(match *spec {
+        Limit::SlidingWindow {
+            permits,
+            window,
+            margin,
+            scope,
+            ..
+        }
+        | Limit::FixedWindow {
+            permits,
+            window,
+            margin,
+            scope,
+            ..
+        } => Limit::SlidingWindow {
+            permits: part(permits)?,
+            window,
+            margin,
+            margin_max: None,
+            scope,
+        },
+        Limit::TokenBucket {
+            rate,
+            per,
+            burst,
+            margin,
+            scope,
+            ..
+        } => Limit::TokenBucket {
+            rate,
+            per: per.checked_mul(replicas)?,
+            burst: part(burst)?,
+            margin,
+            margin_max: None,
+            scope,
+        },
+        Limit::Concurrency { .. } => return None,
+    })
+}
+
+fn num(x: f64) -> String {
+    format!("{x:.3}")
+}
+
+/// A request admitted through its global limits, followed to its send and answer so that
+/// Redis (or the local fallback) counts it as the provider does.
+pub struct Hold {
+    shared: Arc<Shared>,
+    cluster: Arc<Cluster>,
+    r: Reserved,
+    /// Admitted by the local fallback, under this id.
+    fallback: Option<u64>,
+}
+
+impl std::fmt::Debug for Hold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hold")
+            .field("member", &self.r.member)
+            .field("fallback", &self.fallback)
+            .finish()
+    }
+}
+
+impl Hold {
+    /// The Redis instant of a local one, late by at most the call's round trip.
+    fn us(&self, t: Instant) -> f64 {
+        let d = micros(t.saturating_duration_since(self.r.at_local))
+            - micros(self.r.at_local.saturating_duration_since(t));
+        self.r.at_us + d + self.r.slack_us
+    }
+
+    /// Handed to its upstream connection at `at`. Later than the margin after the
+    /// reserved instant, Redis must hold the permit longer: corrected at once.
+    pub fn sent(&self, at: Instant) {
+        if let Some(id) = self.fallback {
+            self.fallback_event(|s| s.sent(id, Some(0), at));
+        }
+        let late = micros(at.saturating_duration_since(self.r.at_local));
+        for l in self.r.limits.iter().filter(|l| l.is_window()) {
+            // The margin covers a send a little after its instant (scheduling); one later
+            // than a quarter of it (a slow connect) holds the permit longer.
+            if late > NOISE_US.max(micros(l.margin) / 4.0) {
+                let latest = self.us(at) + micros(l.margin);
+                self.shared.update_mine(&l.id, &self.r.member, latest);
+                if self.fallback.is_none() {
+                    self.shared.correct(
+                        &self.cluster,
+                        Correction {
+                            limit: l.clone(),
+                            member: self.r.member.clone(),
+                            value: Some(latest),
+                        },
+                        true,
+                    );
+                }
+            }
+        }
+    }
+
+    /// Answered at `at`, having been sent at `sent`: it reached the provider by then.
+    pub fn answered(&self, sent: Instant, at: Instant, took: Duration) {
+        if let Some(id) = self.fallback {
+            self.fallback_event(|s| s.answered(id, at, took));
+        }
+        for l in self.r.limits.iter().filter(|l| l.is_window()) {
+            let held = self.r.at_us.max(self.us(sent)) + micros(l.margin);
+            let latest = self.us(at).min(self.us(sent) + micros(l.margin));
+            if latest + NOISE_US < held {
+                self.shared.update_mine(&l.id, &self.r.member, latest);
+                if self.fallback.is_none() {
+                    self.shared.correct(
+                        &self.cluster,
+                        Correction {
+                            limit: l.clone(),
+                            member: self.r.member.clone(),
+                            value: Some(latest),
+                        },
+                        false,
+                    );
+                }
+            }
+        }
+    }
+
+    /// Never handed to a connection: the provider did not see it.
+    pub fn unsent(&self) {
+        if self.fallback.is_some() {
+            self.fallback_event(|s| s.unsent(0));
+        }
+        for l in self.r.limits.iter().filter(|l| l.is_window()) {
+            self.shared.forget(&l.id, &self.r.member);
+            if self.fallback.is_none() {
+                self.shared.correct(
+                    &self.cluster,
+                    Correction {
+                        limit: l.clone(),
+                        member: self.r.member.clone(),
+                        value: None,
+                    },
+                    // A fixed window's opening may move later: soon.
+                    l.kind == Kind::Fixed,
+                );
+            }
+        }
+    }
+
+    fn fallback_event(&self, f: impl Fn(&mut LimitState)) {
+        let mut st = self.shared.state();
+        if let Some(states) = st.fallback.as_mut() {
+            for l in self.r.limits.iter() {
+                if let Some(s) = states.get_mut(&l.id) {
+                    f(s);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,231 @@
+-- sluice's shared limits (src/cluster/): one call reserves, on Redis's clock and
+-- atomically, the earliest instant at which every global limit of a request admits it.
+-- A limit's parameters come with each call, so a reload that changes them needs no
+-- migration. Instants are microseconds of Redis TIME.
+--
+-- Each reserved request counts as reaching the provider between its instant T and
+-- T + margin; a replica later corrects that with what it saw (the request went out late,
+-- or was answered sooner, or never went out).
+--
+-- KEYS[1]           the partition's epoch: a new one means Redis lost what it held
+-- KEYS[2k], [2k+1]  limit k's state and a second key (a fixed window's opening)
+-- ARGV[1]  op: "reserve", "flush" (corrections only) or "absorb" (write back)
+-- ARGV[2]  now in microseconds; "" for Redis TIME (tests drive the clock)
+-- ARGV[3]  the epoch the caller last saw ("" for none)
+-- ARGV[4]  an epoch to set if there is none
+-- ARGV[5]  this reservation's id, a member of the windows' sorted sets
+-- ARGV[6]  horizon: an instant further away is not reserved (us)
+-- ARGV[7]  max wait: an instant further away than this is refused (us)
+-- ARGV[8]  n, the number of limits; then 5 per limit: kind, a, b, margin (us), pays
+--            "s" sliding window, "f" fixed window: a = permits, b = window (us)
+--            "t" token bucket: a = emission interval (us), b = tolerance, (burst-1)*a
+--            pays: "1" if this reservation pays the limit, "0" if it is only here for
+--            its corrections
+-- then     c, the number of corrections; 3 each: limit (1-based), member, value:
+--            "" the request never went out; else the latest instant it may have arrived
+-- absorb:  then per limit: windows: count, then count (member, value) pairs, and for a
+--          fixed window its opening first; token buckets: the replica's own debt (us)
+--
+-- Returns {status, us, epoch, now, opening of each limit}: status 0 reserved, `us` from
+-- now; 1 further than the horizon, not reserved; 2 further than max wait; 3 the epoch
+-- changed, nothing done.
+
+local op = ARGV[1]
+-- Numbers go to Redis as strings: Lua would print a microsecond instant with 14 digits.
+local function num(x) return string.format('%.3f', x) end
+local now
+if ARGV[2] ~= '' then
+  now = tonumber(ARGV[2])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local DAY = 86400000
+
+local epoch = redis.call('GET', KEYS[1])
+if not epoch then
+  epoch = ARGV[4]
+  redis.call('SET', KEYS[1], epoch, 'PX', DAY)
+else
+  redis.call('PEXPIRE', KEYS[1], DAY)
+end
+if op ~= 'absorb' and ARGV[3] ~= '' and ARGV[3] ~= epoch then
+  return {3, 0, epoch, num(now)}
+end
+
+local n = tonumber(ARGV[8])
+local L = {}
+local i = 9
+for k = 1, n do
+  L[k] = {kind = ARGV[i], a = tonumber(ARGV[i + 1]), b = tonumber(ARGV[i + 2]),
+          m = tonumber(ARGV[i + 3]), pays = ARGV[i + 4] == '1',
+          key = KEYS[2 * k], aux = KEYS[2 * k + 1]}
+  i = i + 5
+end
+
+-- A sorted set's smallest score, or nil.
+local function lowest(key)
+  local r = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+  if #r == 0 then return nil end
+  return tonumber(r[2])
+end
+
+-- A number stored at key, or nil.
+local function stored(key)
+  local v = redis.call('GET', key)
+  if v then return tonumber(v) end
+  return nil
+end
+
+-- Keeps a key a while past the last instant it matters.
+local function keep(key, until_us)
+  local ms = math.max(1, math.ceil((until_us - now) / 1000)) + 60000
+  redis.call('PEXPIRE', key, string.format('%d', ms))
+end
+
+-- Forgets what time has made irrelevant: window entries a window past their latest
+-- arrival, a fixed window the provider has surely closed.
+local function expire(l)
+  if l.kind == 's' then
+    redis.call('ZREMRANGEBYSCORE', l.key, '-inf', num(now - l.b))
+  elseif l.kind == 'f' then
+    local hi = lowest(l.key)
+    if not hi or now >= hi + l.b then
+      redis.call('DEL', l.key, l.aux)
+    end
+  end
+end
+
+for k = 1, n do expire(L[k]) end
+
+if op == 'absorb' then
+  for k = 1, n do
+    local l = L[k]
+    if l.kind == 't' then
+      local debt = tonumber(ARGV[i]); i = i + 1
+      local tat = math.max(stored(l.key) or now, now) + debt
+      redis.call('SET', l.key, num(tat))
+      keep(l.key, tat)
+    else
+      local count = tonumber(ARGV[i]); i = i + 1
+      if l.kind == 'f' then
+        local opening = tonumber(ARGV[i]); i = i + 1
+        local cur = stored(l.aux) or opening
+        if count > 0 then redis.call('SET', l.aux, num(math.min(cur, opening))) end
+      end
+      local last = now
+      for j = 1, count do
+        local v = tonumber(ARGV[i + 1])
+        redis.call('ZADD', l.key, 'NX', num(v), ARGV[i])
+        last = math.max(last, v)
+        i = i + 2
+      end
+      if count > 0 then
+        keep(l.key, last + l.b)
+        if l.kind == 'f' then keep(l.aux, last + l.b) end
+      end
+    end
+  end
+  return {0, 0, epoch, num(now)}
+end
+
+local c = tonumber(ARGV[i]); i = i + 1
+for j = 1, c do
+  local l = L[tonumber(ARGV[i])]
+  local member, v = ARGV[i + 1], ARGV[i + 2]
+  i = i + 3
+  if l and l.kind ~= 't' then
+    if v == '' then
+      redis.call('ZREM', l.key, member)
+    else
+      redis.call('ZADD', l.key, 'XX', v, member)
+      keep(l.key, tonumber(v) + l.b)
+    end
+  end
+end
+-- A corrected entry may have left its window; an emptied fixed window is no window.
+for k = 1, n do expire(L[k]) end
+if op == 'flush' then
+  return {0, 0, epoch, num(now)}
+end
+
+-- The earliest instant at or after t that limit l admits one more.
+local function earliest(l, t)
+  if l.kind == 's' then
+    local alive = redis.call('ZCOUNT', l.key, '(' .. num(t - l.b), '+inf')
+    if alive < l.a then return t end
+    -- The entry whose expiry makes room: the (alive - permits + 1)-th to expire.
+    local r = redis.call('ZRANGEBYSCORE', l.key, '(' .. num(t - l.b), '+inf', 'WITHSCORES',
+                         'LIMIT', alive - l.a, 1)
+    return math.max(t, tonumber(r[2]) + l.b)
+  elseif l.kind == 'f' then
+    local opening = stored(l.aux)
+    local hi = lowest(l.key)
+    if not opening or not hi or t >= hi + l.b then return t end
+    -- The window was opened ahead, by a reservation for later: what came before it is
+    -- no longer counted here, so nothing may go before it opens.
+    if t < opening then return opening end
+    -- Inside the window for sure, while it has room: the arrival ends before the
+    -- earliest instant the provider's window may close.
+    if redis.call('ZCARD', l.key) < l.a and t + l.m < opening + l.b then
+      return t
+    end
+    return hi + l.b
+  else
+    local tat = stored(l.key)
+    if not tat then return t end
+    return math.max(t, tat - l.b)
+  end
+end
+
+local t = now
+local settled = false
+for round = 1, 16 do
+  local moved = false
+  for k = 1, n do
+    if L[k].pays then
+      local e = earliest(L[k], t)
+      if e > t then t = e; moved = true end
+    end
+  end
+  if not moved then settled = true; break end
+end
+-- Whole microseconds, later rather than sooner: the caller acts at now + wait, and so
+-- must what is recorded.
+t = math.ceil(t)
+local wait = t - now
+if not settled or wait > tonumber(ARGV[7]) then
+  return {2, wait, epoch, num(now)}
+end
+if wait > tonumber(ARGV[6]) then
+  return {1, wait, epoch, num(now)}
+end
+
+local id = ARGV[5]
+local out = {0, wait, epoch, num(now)}
+for k = 1, n do
+  local l = L[k]
+  local latest = t + l.m
+  out[4 + k] = '0'
+  if not l.pays then
+    -- only here for its corrections
+  elseif l.kind == 's' then
+    redis.call('ZADD', l.key, num(latest), id)
+    keep(l.key, latest + l.b)
+  elseif l.kind == 'f' then
+    local hi = lowest(l.key)
+    if not hi or t >= hi + l.b then
+      redis.call('DEL', l.key)
+      redis.call('SET', l.aux, num(t))
+    end
+    redis.call('ZADD', l.key, num(latest), id)
+    keep(l.key, latest + l.b)
+    keep(l.aux, latest + l.b)
+    out[4 + k] = redis.call('GET', l.aux)
+  else
+    local tat = math.max(stored(l.key) or latest, latest) + l.a
+    redis.call('SET', l.key, num(tat))
+    keep(l.key, tat)
+  end
+end
+return out

@@ -1,0 +1,491 @@
+//! Shared limits through a real `redis-server`. First the script on its own, driven with
+//! its clock override: it reserves exactly what the local limiter would admit, and a
+//! provider counting at arrival never refuses what it reserved, corrections included.
+//! Then sluice processes sharing limits, and Redis failing under them.
+
+mod support;
+
+use std::time::Duration;
+
+use proptest::prelude::*;
+use sluice::config::{Limit, Margin, Scope};
+use sluice::limit::kinds::LimitState;
+use support::provider::Counter;
+use support::redis::Redis;
+use tokio::time::Instant;
+
+/// One limit as the script takes it, with the same limit for the local model.
+#[derive(Debug, Clone)]
+struct Shape {
+    kind: char,
+    permits: u32,
+    window_us: u64,
+    burst: u32,
+    margin_us: u64,
+}
+
+impl Shape {
+    fn limit(&self) -> Limit {
+        let nz = |v| std::num::NonZeroU32::new(v).unwrap();
+        let window = Duration::from_micros(self.window_us);
+        let margin = Some(Margin::Duration(Duration::from_micros(self.margin_us)));
+        let scope = Scope::Local;
+        match self.kind {
+            's' => Limit::SlidingWindow {
+                permits: nz(self.permits),
+                window,
+                margin,
+                margin_max: None,
+                scope,
+            },
+            'f' => Limit::FixedWindow {
+                permits: nz(self.permits),
+                window,
+                margin,
+                margin_max: None,
+                scope,
+            },
+            _ => Limit::TokenBucket {
+                rate: nz(self.permits),
+                per: window,
+                burst: nz(self.burst),
+                margin,
+                margin_max: None,
+                scope,
+            },
+        }
+    }
+
+    /// The script's a and b (see reserve.lua).
+    fn ab(&self) -> (f64, f64) {
+        match self.kind {
+            's' | 'f' => (f64::from(self.permits), self.window_us as f64),
+            _ => {
+                let e = self.window_us as f64 / f64::from(self.permits);
+                (e, e * f64::from(self.burst - 1))
+            }
+        }
+    }
+
+    fn provider(&self) -> Counter {
+        let window = Duration::from_micros(self.window_us);
+        match self.kind {
+            's' => Counter::sliding(self.permits, window),
+            'f' => Counter::fixed(self.permits, window),
+            _ => Counter::token(self.permits, window, self.burst),
+        }
+    }
+}
+
+/// One limit's keys in Redis, and the script that keeps them.
+struct Keys<'a> {
+    script: &'a redis::Script,
+    tag: String,
+    shape: &'a Shape,
+}
+
+impl Keys<'_> {
+    /// Calls the script synchronously: a reservation at `now` (microseconds) for
+    /// `member`, carrying `corrections` (member, value; "" for never sent).
+    fn reserve(
+        &self,
+        con: &mut redis::Connection,
+        now: u64,
+        member: &str,
+        corrections: &[(String, String)],
+    ) -> Vec<redis::Value> {
+        call(con, self, "reserve", now, member, corrections)
+    }
+}
+
+fn call(
+    con: &mut redis::Connection,
+    keys: &Keys<'_>,
+    op: &str,
+    now: u64,
+    member: &str,
+    corrections: &[(String, String)],
+) -> Vec<redis::Value> {
+    let (tag, shape) = (&keys.tag, keys.shape);
+    let (a, b) = shape.ab();
+    let mut inv = keys.script.prepare_invoke();
+    inv.key(format!("{tag}:epoch"))
+        .key(format!("{tag}:l"))
+        .key(format!("{tag}:l:o"))
+        .arg(op)
+        .arg(now)
+        .arg("")
+        .arg("e1")
+        .arg(member)
+        .arg(u64::MAX / 4)
+        .arg(u64::MAX / 4)
+        .arg(1)
+        .arg(shape.kind.to_string())
+        .arg(format!("{a:.3}"))
+        .arg(format!("{b:.3}"))
+        .arg(shape.margin_us)
+        .arg("1")
+        .arg(corrections.len());
+    for (m, v) in corrections {
+        inv.arg(1).arg(m).arg(v);
+    }
+    inv.invoke(con).expect("the script runs")
+}
+
+fn int(v: &redis::Value) -> i64 {
+    match v {
+        redis::Value::Int(i) => *i,
+        other => panic!("expected an integer, got {other:?}"),
+    }
+}
+
+fn shape() -> impl Strategy<Value = Shape> {
+    (
+        prop_oneof![Just('s'), Just('f'), Just('t')],
+        1..5u32,
+        prop_oneof![Just(100_000u64), Just(1_000_000)],
+        1..4u32,
+        0..=400u64,
+    )
+        .prop_map(|(kind, permits, window_us, burst, m)| Shape {
+            kind,
+            permits,
+            window_us,
+            burst,
+            // Up to 40% of half the window: the same bound sluice check puts on it.
+            margin_us: window_us / 2 * m / 1000,
+        })
+}
+
+#[derive(Debug, Clone)]
+struct Req {
+    gap_us: u64,
+    /// Where in [T, T + margin] it reaches the provider, in [0, 1].
+    delay: f64,
+    /// After its arrival; `None`: never answered.
+    answer_us: Option<u64>,
+    /// Never went out.
+    unsent: bool,
+}
+
+fn req() -> impl Strategy<Value = Req> {
+    (
+        prop_oneof![2 => Just(0u64), 1 => 0..300_000u64],
+        prop_oneof![Just(0.0), Just(1.0), 0.0..=1.0f64],
+        prop_oneof![Just(None), (0..200_000u64).prop_map(Some)],
+        prop::bool::weighted(0.1),
+    )
+        .prop_map(|(gap_us, delay, answer_us, unsent)| Req {
+            gap_us,
+            delay,
+            answer_us,
+            unsent,
+        })
+}
+
+fn redis() -> &'static (Redis, std::sync::Mutex<redis::Connection>) {
+    static R: std::sync::OnceLock<(Redis, std::sync::Mutex<redis::Connection>)> =
+        std::sync::OnceLock::new();
+    R.get_or_init(|| {
+        let r = Redis::start();
+        let con = redis::Client::open(r.url())
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        (r, std::sync::Mutex::new(con))
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Reservations without corrections are the local limiter's admissions: the same
+    /// instants, to the microsecond, for sliding windows and token buckets, requests
+    /// queued FIFO. (Fixed windows differ by design: the script, choosing the instant
+    /// itself, never reserves one that may reach the provider after its window closes.)
+    #[test]
+    fn the_script_reserves_what_the_local_limiter_admits(
+        shape in shape().prop_filter("no fixed windows", |s| s.kind != 'f'),
+        gaps in prop::collection::vec(prop_oneof![2 => Just(0u64), 1 => 0..300_000u64], 1..40),
+    ) {
+        let script = redis::Script::new(sluice::cluster::SCRIPT);
+        let (_, con) = redis();
+        let mut con = con.lock().unwrap();
+        let keys = Keys { script: &script, tag: format!("{{m{}}}", rand_id()), shape: &shape };
+        let t0 = Instant::now();
+        let base = 1_000_000_000u64;
+        let mut local = LimitState::new(&shape.limit(), t0);
+        let (mut now, mut prev) = (base, base);
+        for (i, gap) in gaps.iter().enumerate() {
+            now += gap;
+            let reply = keys.reserve(&mut con, now, &format!("r{i}"), &[]);
+            prop_assert_eq!(int(&reply[0]), 0);
+            let reserved = now + int(&reply[1]) as u64;
+            // The local model: FIFO, each sent the instant it is admitted, never answered.
+            let mut t = t0 + Duration::from_micros(now.max(prev) - base);
+            while !local.can_take(t) {
+                t = local.ready_at(1, t).unwrap();
+            }
+            local.take(t);
+            local.sent(i as u64, Some(0), t);
+            let admitted = base + (t - t0).as_nanos().div_ceil(1000) as u64;
+            // The script works in whole microseconds, each reservation rounded up, so it
+            // may run up to a microsecond per request behind the exact local arithmetic.
+            prop_assert!(
+                reserved >= admitted.saturating_sub(1) && reserved <= admitted + i as u64 + 1,
+                "request {}: the script reserved {} us, the local limiter admits at {} us",
+                i, reserved - base, admitted - base
+            );
+            prev = reserved;
+        }
+    }
+
+    /// Calls from many replicas, each at its own pace (a call may come long before the
+    /// instants already reserved), each request reaching the provider anywhere between its
+    /// instant and the margin after, answers that come sooner and requests that never go
+    /// out, corrected as sluice corrects them: the provider refuses none.
+    #[test]
+    fn the_provider_never_refuses_what_the_script_reserved(
+        shape in shape(),
+        reqs in prop::collection::vec(req(), 1..50),
+    ) {
+        let script = redis::Script::new(sluice::cluster::SCRIPT);
+        let (_, con) = redis();
+        let mut con = con.lock().unwrap();
+        let keys = Keys { script: &script, tag: format!("{{p{}}}", rand_id()), shape: &shape };
+        let base = 1_000_000_000u64;
+        let mut now = base;
+        // Corrections known by `now`, waiting for the next call: (due, member, value).
+        let mut due: Vec<(u64, String, String)> = Vec::new();
+        let mut arrivals: Vec<u64> = Vec::new();
+        for (i, r) in reqs.iter().enumerate() {
+            now += r.gap_us;
+            let ready: Vec<(String, String)> = due
+                .iter()
+                .filter(|d| d.0 <= now)
+                .map(|d| (d.1.clone(), d.2.clone()))
+                .collect();
+            due.retain(|d| d.0 > now);
+            let member = format!("r{i}");
+            let reply = keys.reserve(&mut con, now, &member, &ready);
+            prop_assert_eq!(int(&reply[0]), 0);
+            let t = now + int(&reply[1]) as u64;
+            // The next call may come before this instant: another replica, or this one
+            // with its next request.
+            if r.unsent {
+                due.push((t, member, String::new()));
+                continue;
+            }
+            let arrival = t + (r.delay * shape.margin_us as f64) as u64;
+            arrivals.push(arrival);
+            if let Some(a) = r.answer_us {
+                let answered = arrival + a;
+                if answered < t + shape.margin_us {
+                    due.push((answered, member, answered.to_string()));
+                }
+            }
+        }
+        arrivals.sort();
+        let mut provider = shape.provider();
+        let t0 = Instant::now();
+        for (k, a) in arrivals.iter().enumerate() {
+            prop_assert!(
+                provider.arrive(t0 + Duration::from_micros(a - base)),
+                "the provider refused arrival {} at {} us", k, a - base
+            );
+        }
+    }
+}
+
+fn rand_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Three sluice processes sharing one Redis, each with its own clients, in front of
+/// one upstream that logs every arrival with the replica it came through.
+struct Three {
+    redis: Redis,
+    upstream: support::Upstream,
+    replicas: Vec<(support::Sluice, u16, u16)>,
+    /// Holds the replicas' config files.
+    _dir: tempfile::TempDir,
+}
+
+impl Three {
+    async fn start(limit: &str, cluster_extra: &str) -> Three {
+        let redis = Redis::start();
+        let upstream = support::Upstream::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let mut replicas = Vec::new();
+        for i in 0..3 {
+            let (port, admin) = (support::free_port(), support::free_port());
+            let path = dir.path().join(format!("sluice-{i}.toml"));
+            std::fs::write(
+                &path,
+                format!(
+                    "[proxy]\nlisten = \"127.0.0.1:{port}\"\nadmin = \"127.0.0.1:{admin}\"\n\
+                     [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1\"]\n\
+                     limits = [{limit}]\n[upstream.retry]\nmax_attempts = 1\n\
+                     [cluster]\nredis = \"{}\"\nreplicas = 3\n{cluster_extra}",
+                    redis.url()
+                ),
+            )
+            .unwrap();
+            let s =
+                support::Sluice::spawn(&["run", "--workers", "1", "-c", path.to_str().unwrap()]);
+            assert!(s.ready(admin).await, "replica {i} became ready");
+            replicas.push((s, port, admin));
+        }
+        Three {
+            redis,
+            upstream,
+            replicas,
+            _dir: dir,
+        }
+    }
+
+    /// `clients` closed-loop clients per replica until `until`; each response's status
+    /// by replica.
+    async fn load(&self, clients: usize, until: Instant) -> Vec<Vec<u16>> {
+        let mut tasks = Vec::new();
+        for (i, (_, port, _)) in self.replicas.iter().enumerate() {
+            for _ in 0..clients {
+                let client = reqwest::Client::builder()
+                    .proxy(reqwest::Proxy::all(format!("http://127.0.0.1:{port}")).unwrap())
+                    .timeout(Duration::from_secs(40))
+                    .build()
+                    .unwrap();
+                let url = self.upstream.url("/v1/items");
+                tasks.push(tokio::spawn(async move {
+                    let mut statuses = Vec::new();
+                    while Instant::now() < until {
+                        match client
+                            .get(&url)
+                            .header("x-replica", i.to_string())
+                            .send()
+                            .await
+                        {
+                            Ok(r) => {
+                                statuses.push(r.status().as_u16());
+                                let _ = r.bytes().await;
+                            }
+                            Err(_) => statuses.push(0),
+                        }
+                    }
+                    (i, statuses)
+                }));
+            }
+        }
+        let mut by = vec![Vec::new(); 3];
+        for t in tasks {
+            let (i, s) = t.await.unwrap();
+            by[i].extend(s);
+        }
+        by
+    }
+
+    /// The upstream's arrivals since `from`, with the replica each came through.
+    fn arrivals(&self, from: Instant) -> Vec<(Instant, usize)> {
+        let mut a: Vec<(Instant, usize)> = self
+            .upstream
+            .seen()
+            .iter()
+            .filter(|s| s.at >= from)
+            .map(|s| {
+                let r = s
+                    .header("x-replica")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(9);
+                (s.at, r)
+            })
+            .collect();
+        a.sort();
+        a
+    }
+}
+
+/// Judges arrivals as the provider would: the first refused, if any.
+fn first_refused(provider: &mut Counter, arrivals: &[(Instant, usize)]) -> Option<usize> {
+    arrivals.iter().position(|(at, _)| !provider.arrive(*at))
+}
+
+/// Three replicas, each offered far more than the whole limit, for each kind: the
+/// upstream never sees more than the limit in any window, gets close to it, and the
+/// replicas share it about equally.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_share_each_limit_kind() {
+    support::crypto();
+    let kinds = [
+        (
+            "{ kind = \"sliding_window\", permits = 20, window = \"1s\", scope = \"global\" }",
+            Counter::sliding(20, Duration::from_secs(1)),
+            20.0,
+        ),
+        (
+            "{ kind = \"fixed_window\", permits = 20, window = \"1s\", scope = \"global\" }",
+            Counter::fixed(20, Duration::from_secs(1)),
+            20.0,
+        ),
+        (
+            "{ kind = \"token_bucket\", rate = 20, per = \"1s\", burst = 5, scope = \"global\" }",
+            Counter::token(20, Duration::from_secs(1), 5),
+            20.0,
+        ),
+    ];
+    let seconds = 6;
+    let runs = kinds.iter().map(|(limit, counter, rate)| async move {
+        let three = Three::start(limit, "").await;
+        let from = Instant::now();
+        let statuses = three.load(4, from + Duration::from_secs(seconds)).await;
+        let arrivals = three.arrivals(from);
+        let calls = three.redis.calls("evalsha") + three.redis.calls("eval");
+        (limit, counter.clone(), *rate, statuses, arrivals, calls)
+    });
+    for (limit, mut counter, rate, statuses, arrivals, calls) in
+        futures_util::future::join_all(runs).await
+    {
+        let refused = first_refused(&mut counter, &arrivals);
+        if let Some(k) = refused {
+            let t0 = arrivals[0].0;
+            let around: Vec<String> = arrivals[k.saturating_sub(25)..(k + 3).min(arrivals.len())]
+                .iter()
+                .map(|(at, r)| format!("{:.1}ms/r{r}", (*at - t0).as_secs_f64() * 1000.0))
+                .collect();
+            panic!("{limit}: a window held more than the limit: arrival {k}, around it {around:?}");
+        }
+        let ok: usize = statuses
+            .iter()
+            .map(|s| s.iter().filter(|c| **c == 200).count())
+            .sum();
+        assert_eq!(
+            ok,
+            arrivals.len(),
+            "{limit}: every arrival answered its client"
+        );
+        let span = arrivals.last().unwrap().0 - arrivals[0].0;
+        let used = arrivals.len() as f64 / (rate * (span.as_secs_f64() + 1.0));
+        // Shares once every replica's clients are under way (the first to start may
+        // take the first window alone).
+        let settled: Vec<&(Instant, usize)> = arrivals
+            .iter()
+            .filter(|a| a.0 >= arrivals[0].0 + Duration::from_millis(1500))
+            .collect();
+        let shares: Vec<f64> = (0..3)
+            .map(|r| settled.iter().filter(|a| a.1 == r).count() as f64 / settled.len() as f64)
+            .collect();
+        eprintln!(
+            "{limit}: {} requests, {:.1}% of the limit, shares {:.2?}, {:.2} Redis calls per request",
+            arrivals.len(),
+            used * 100.0,
+            shares,
+            calls as f64 / arrivals.len() as f64
+        );
+        assert!(used > 0.8, "{limit}: {:.1}% of the limit", used * 100.0);
+        assert!(
+            shares.iter().all(|s| *s > 0.2),
+            "{limit}: shares {shares:?}"
+        );
+    }
+}
