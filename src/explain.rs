@@ -187,6 +187,28 @@ pub fn explain(
     for (i, l) in limits.iter().enumerate() {
         line(&mut out, if i == 0 { "limits" } else { "" }, l);
     }
+    let pays_global = u
+        .limits
+        .iter()
+        .chain(family.iter().flat_map(|f| f.limits.iter()))
+        .any(Limit::is_global);
+    if pays_global && let Some(c) = &config.cluster {
+        let fallback = match (c.on_redis_error, c.replicas) {
+            (crate::config::OnRedisError::Local, Some(n)) => {
+                format!("each replica holds 1/{n} of each global limit")
+            }
+            (crate::config::OnRedisError::Allow, _) => "global limits are not applied".into(),
+            _ => "503 cluster_unavailable".into(),
+        };
+        line(
+            &mut out,
+            "cluster",
+            &format!(
+                "global limits shared through {}; while it is away: {fallback}",
+                c.redis
+            ),
+        );
+    }
 
     let policy: &Policy = family.map_or(&u.policy, |f| &f.policy);
     line(
@@ -316,5 +338,35 @@ mod tests {
         )
         .unwrap();
         assert!(out.contains("unmatched = \"pass\""), "{out}");
+    }
+
+    #[test]
+    fn shows_shared_limits_and_where_they_are_decided() {
+        let c = Config::parse(
+            "[[upstream]]\nname = \"a\"\nhosts = [\"a.example\"]\n\
+             limits = [{ kind = \"fixed_window\", permits = 300, window = \"1m\", scope = \"global\" }]\n\
+             [cluster]\nredis = \"redis://app:s3cret@10.0.0.1:6379/0\"\nreplicas = 3\n",
+            "c.toml",
+        )
+        .unwrap();
+        let out = explain(
+            &c,
+            &Method::GET,
+            &"http://a.example/x".parse().unwrap(),
+            &HeaderMap::new(),
+        )
+        .unwrap();
+        assert!(
+            out.contains("fixed_window 300 per 1m, margin 1s (default) (global)  [upstream]"),
+            "{out}"
+        );
+        assert!(
+            out.contains(
+                "cluster     global limits shared through redis://app:***@10.0.0.1:6379/0; \
+                 while it is away: each replica holds 1/3 of each global limit"
+            ),
+            "{out}"
+        );
+        assert!(!out.contains("s3cret"), "{out}");
     }
 }

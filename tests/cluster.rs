@@ -349,6 +349,15 @@ impl Three {
     /// `clients` closed-loop clients per replica until `until`; each response's status
     /// by replica.
     async fn load(&self, clients: usize, until: Instant) -> Vec<Vec<u16>> {
+        self.load_timed(clients, until)
+            .await
+            .into_iter()
+            .map(|r| r.into_iter().map(|(s, _)| s).collect())
+            .collect()
+    }
+
+    /// As `load`, with how long each request took.
+    async fn load_timed(&self, clients: usize, until: Instant) -> Vec<Vec<(u16, Duration)>> {
         let mut tasks = Vec::new();
         for (i, (_, port, _)) in self.replicas.iter().enumerate() {
             for _ in 0..clients {
@@ -361,6 +370,7 @@ impl Three {
                 tasks.push(tokio::spawn(async move {
                     let mut statuses = Vec::new();
                     while Instant::now() < until {
+                        let t = Instant::now();
                         match client
                             .get(&url)
                             .header("x-replica", i.to_string())
@@ -368,10 +378,11 @@ impl Three {
                             .await
                         {
                             Ok(r) => {
-                                statuses.push(r.status().as_u16());
+                                let status = r.status().as_u16();
                                 let _ = r.bytes().await;
+                                statuses.push((status, t.elapsed()));
                             }
-                            Err(_) => statuses.push(0),
+                            Err(_) => statuses.push((0, t.elapsed())),
                         }
                     }
                     (i, statuses)
@@ -488,4 +499,195 @@ async fn three_replicas_share_each_limit_kind() {
             "{limit}: shares {shares:?}"
         );
     }
+}
+
+/// Redis killed and started again empty, frozen with SIGSTOP so that calls hang, and
+/// flushed, under three replicas' load, with `on_redis_error = "local"`: every window
+/// of the upstream's arrivals holds at most the limit throughout, no request waits past
+/// its timeouts, and the replicas are back on Redis, sharing, at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_failing_under_load_never_lets_the_limit_through() {
+    support::crypto();
+    let three = Three::start(
+        "{ kind = \"sliding_window\", permits = 12, window = \"1s\", scope = \"global\" }",
+        "open_for = \"1s\"\n",
+    )
+    .await;
+    let t0 = Instant::now();
+    let load = {
+        let three = &three;
+        async move { three.load_timed(3, t0 + Duration::from_secs(12)).await }
+    };
+    let chaos = async {
+        tokio::time::sleep_until(t0 + Duration::from_secs(2)).await;
+        three.redis.kill();
+        tokio::time::sleep_until(t0 + Duration::from_secs(4)).await;
+        three.redis.restart();
+        tokio::time::sleep_until(t0 + Duration::from_secs(6)).await;
+        three.redis.freeze();
+        tokio::time::sleep_until(t0 + Duration::from_millis(7500)).await;
+        three.redis.thaw();
+        tokio::time::sleep_until(t0 + Duration::from_secs(9)).await;
+        three.redis.cmd(&["FLUSHALL"]);
+    };
+    let (statuses, ()) = tokio::join!(load, chaos);
+    let arrivals = three.arrivals(t0);
+    let mut provider = Counter::sliding(12, Duration::from_secs(1));
+    if let Some(k) = first_refused(&mut provider, &arrivals) {
+        let at: Vec<f64> = arrivals[k.saturating_sub(13)..=k]
+            .iter()
+            .map(|a| (a.0 - t0).as_secs_f64())
+            .collect();
+        panic!("more than 12 in a second at arrival {k}: {at:?}");
+    }
+    let all: Vec<(u16, Duration)> = statuses.into_iter().flatten().collect();
+    assert!(
+        all.iter().all(|(s, _)| *s == 200 || *s == 429),
+        "only answers: {all:?}"
+    );
+    // Hung calls end at the cluster timeout; the drained fallback waits out a window.
+    let slowest = all.iter().map(|(_, d)| *d).max().unwrap_or_default();
+    assert!(
+        slowest < Duration::from_secs(5),
+        "a request waited {slowest:?}"
+    );
+    // Back on Redis and sharing in the last seconds.
+    let last: Vec<&(Instant, usize)> = arrivals
+        .iter()
+        .filter(|a| a.0 >= t0 + Duration::from_secs(10))
+        .collect();
+    assert!(
+        last.len() >= 12,
+        "about the limit again: {} in 2 s",
+        last.len()
+    );
+    assert!(
+        (0..3).all(|r| last.iter().any(|a| a.1 == r)),
+        "every replica shares"
+    );
+    for (_, _, admin) in &three.replicas {
+        let m = reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert_eq!(
+            support::metric(&m, r#"sluice_cluster_mode{mode="redis"}"#),
+            Some(1.0),
+            "{m}"
+        );
+        assert!(
+            support::metric(&m, r#"sluice_cluster_reservations_total{result="local"}"#)
+                .is_some_and(|n| n > 0.0),
+            "the local fallback admitted some"
+        );
+    }
+}
+
+fn client_via(port: u16, timeout: Duration) -> reqwest::Client {
+    reqwest::Client::builder()
+        .proxy(reqwest::Proxy::all(format!("http://127.0.0.1:{port}")).unwrap())
+        .timeout(timeout)
+        .build()
+        .unwrap()
+}
+
+/// `on_redis_error = "deny"` answers 503 `cluster_unavailable` with `Retry-After` while
+/// Redis is away, at once; `"allow"` lets requests through without the shared limit.
+/// Both are back on Redis, and limited, once it returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deny_and_allow_while_redis_is_away() {
+    support::crypto();
+    let limit = "{ kind = \"sliding_window\", permits = 5, window = \"1s\", scope = \"global\" }";
+    let (deny, allow) = tokio::join!(
+        Three::start(limit, "on_redis_error = \"deny\"\nopen_for = \"1s\"\n"),
+        Three::start(limit, "on_redis_error = \"allow\"\nopen_for = \"1s\"\n"),
+    );
+    deny.redis.kill();
+    allow.redis.kill();
+    let d = client_via(deny.replicas[0].1, Duration::from_secs(30));
+    let a = client_via(allow.replicas[0].1, Duration::from_secs(30));
+    // The first calls are refused at once (nothing listens): the breaker opens.
+    let t = Instant::now();
+    let r = d.get(deny.upstream.url("/x")).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["sluice-reason"], "cluster_unavailable");
+    assert!(r.headers().contains_key("retry-after"));
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    let body: serde_json::Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
+    assert_eq!(body["error"]["code"], "sluice_cluster_unavailable");
+    // Allow: more than the limit goes through within a second.
+    let t = Instant::now();
+    for _ in 0..12 {
+        let r = a.get(allow.upstream.url("/x")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "unlimited: {:?}",
+        t.elapsed()
+    );
+
+    deny.redis.restart();
+    allow.redis.restart();
+    // The breaker probes after open_for; from then on, limited again.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for (three, c) in [(&deny, &d), (&allow, &a)] {
+        let from = Instant::now();
+        let mut tasks = Vec::new();
+        for _ in 0..10 {
+            let (c, url) = (c.clone(), three.upstream.url("/y"));
+            tasks.push(tokio::spawn(async move {
+                c.get(url).send().await.unwrap().status()
+            }));
+        }
+        for t in tasks {
+            assert_eq!(t.await.unwrap(), 200);
+        }
+        let arrivals = three.arrivals(from);
+        assert_eq!(arrivals.len(), 10);
+        let mut provider = Counter::sliding(5, Duration::from_secs(1));
+        assert_eq!(first_refused(&mut provider, &arrivals), None);
+    }
+}
+
+/// Clients that give up while their requests hold reservations: each reservation goes
+/// to the next request in line, or back, and nothing leaks: the limit holds, and once
+/// they are gone the next requests go at the limit's pace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_leaving_with_reservations_hand_them_on() {
+    support::crypto();
+    let three = Three::start(
+        "{ kind = \"fixed_window\", permits = 4, window = \"1s\", scope = \"global\" }",
+        "",
+    )
+    .await;
+    let impatient = client_via(three.replicas[0].1, Duration::from_millis(300));
+    let from = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (c, url) = (impatient.clone(), three.upstream.url("/z"));
+        tasks.push(tokio::spawn(async move {
+            c.get(url).send().await.map(|r| r.status())
+        }));
+    }
+    let mut gave_up = 0;
+    for t in tasks {
+        if t.await.unwrap().is_err() {
+            gave_up += 1;
+        }
+    }
+    assert!(gave_up >= 8, "most gave up waiting: {gave_up}");
+    // Patient clients now, on every replica: the limit holds, at the limit's pace.
+    let statuses = three.load(2, Instant::now() + Duration::from_secs(4)).await;
+    assert!(statuses.iter().flatten().all(|s| *s == 200), "{statuses:?}");
+    let arrivals = three.arrivals(from);
+    let mut provider = Counter::fixed(4, Duration::from_secs(1));
+    assert_eq!(first_refused(&mut provider, &arrivals), None);
+    let late = arrivals
+        .iter()
+        .filter(|a| a.0 >= from + Duration::from_secs(2))
+        .count();
+    assert!(late >= 8, "the limit's pace after they left: {late}");
 }

@@ -391,11 +391,16 @@ impl Shared {
             if l.is_window() {
                 inv.arg(pairs.len());
                 if l.kind == Kind::Fixed {
+                    // The earliest of its own reservations, if it knows no opening; 0: none.
                     let first = pairs
                         .iter()
                         .map(|p| p.1 - micros(l.margin))
-                        .fold(f64::MAX, f64::min);
-                    inv.arg(num(opening.unwrap_or(first).min(first)));
+                        .reduce(f64::min);
+                    let o = match (opening, first) {
+                        (Some(o), Some(f)) => o.min(f),
+                        (o, f) => o.or(f).unwrap_or(0.0),
+                    };
+                    inv.arg(num(o));
                 }
                 for (member, value) in pairs {
                     inv.arg(member).arg(num(*value));

@@ -23,8 +23,8 @@
 --            its corrections
 -- then     c, the number of corrections; 3 each: limit (1-based), member, value:
 --            "" the request never went out; else the latest instant it may have arrived
--- absorb:  then per limit: windows: count, then count (member, value) pairs, and for a
---          fixed window its opening first; token buckets: the replica's own debt (us)
+-- absorb:  then per limit: windows: count, for a fixed window its opening, then count
+--          (member, value) pairs; token buckets: the replica's own debt (us)
 --
 -- Returns {status, us, epoch, now, opening of each limit}: status 0 reserved, `us` from
 -- now; 1 further than the horizon, not reserved; 2 further than max wait; 3 the epoch
@@ -99,31 +99,46 @@ end
 for k = 1, n do expire(L[k]) end
 
 if op == 'absorb' then
+  -- A replica writes back its own admissions still inside their windows. What the other
+  -- replicas admitted is not known here until they write theirs back, so the limits
+  -- start drained: a window is filled up to its limit with placeholders that may have
+  -- reached the provider just now, a bucket is emptied.
   for k = 1, n do
     local l = L[k]
     if l.kind == 't' then
       local debt = tonumber(ARGV[i]); i = i + 1
       local tat = math.max(stored(l.key) or now, now) + debt
+      tat = math.max(tat, now + l.m + l.b + l.a)
       redis.call('SET', l.key, num(tat))
       keep(l.key, tat)
     else
       local count = tonumber(ARGV[i]); i = i + 1
+      local opening = now
       if l.kind == 'f' then
-        local opening = tonumber(ARGV[i]); i = i + 1
-        local cur = stored(l.aux) or opening
-        if count > 0 then redis.call('SET', l.aux, num(math.min(cur, opening))) end
+        opening = tonumber(ARGV[i]) or 0; i = i + 1
+        if opening <= 0 then opening = now end
       end
-      local last = now
+      -- A fixed window's opening is unknown now: it may have opened just now.
+      local floor = (l.kind == 'f') and (now + l.m) or 0
       for j = 1, count do
-        local v = tonumber(ARGV[i + 1])
-        redis.call('ZADD', l.key, 'NX', num(v), ARGV[i])
-        last = math.max(last, v)
+        local v = math.max(tonumber(ARGV[i + 1]), floor)
+        if v + l.b > now then
+          redis.call('ZADD', l.key, 'NX', num(v), ARGV[i])
+        end
         i = i + 2
       end
-      if count > 0 then
-        keep(l.key, last + l.b)
-        if l.kind == 'f' then keep(l.aux, last + l.b) end
+      if l.kind == 'f' then
+        local cur = stored(l.aux)
+        redis.call('SET', l.aux, num(math.min(cur or opening, opening, now)))
       end
+      local alive = redis.call('ZCOUNT', l.key, '(' .. num(now - l.b), '+inf')
+      for j = alive + 1, l.a do
+        redis.call('ZADD', l.key, 'NX', num(now + l.m), 'drained:' .. ARGV[4] .. ':' .. j)
+      end
+      local last = redis.call('ZRANGE', l.key, -1, -1, 'WITHSCORES')
+      local until_us = tonumber(last[2] or now) + l.b
+      keep(l.key, until_us)
+      if l.kind == 'f' then keep(l.aux, until_us) end
     end
   end
   return {0, 0, epoch, num(now)}

@@ -376,7 +376,48 @@ impl Config {
                 ));
             }
         }
+        self.cluster_warnings(&mut out);
         out
+    }
+
+    /// Warnings about `[cluster]`: nothing to share, or limits too small to split between
+    /// the replicas when Redis is away.
+    fn cluster_warnings(&self, out: &mut Vec<String>) {
+        let Some(c) = &self.cluster else {
+            return;
+        };
+        let global = || {
+            self.upstreams.iter().flat_map(|u| {
+                u.limits
+                    .iter()
+                    .chain(u.families.iter().flat_map(|f| f.limits.iter()))
+                    .filter(|l| l.is_global())
+                    .map(move |l| (u, l))
+            })
+        };
+        if global().next().is_none() {
+            out.push(
+                "[cluster] is set but no limit has scope = \"global\": nothing is shared".into(),
+            );
+        }
+        if let (OnRedisError::Local, Some(n)) = (c.on_redis_error, c.replicas) {
+            for (u, l) in global() {
+                let count = match l {
+                    Limit::SlidingWindow { permits, .. } | Limit::FixedWindow { permits, .. } => {
+                        permits.get()
+                    }
+                    Limit::TokenBucket { burst, .. } => burst.get(),
+                    Limit::Concurrency { .. } => continue,
+                };
+                if count < n {
+                    out.push(format!(
+                        "upstream {:?}: {l} cannot be split between {n} replicas: while Redis is \
+                         away it admits nothing (on_redis_error = \"local\")",
+                        u.name
+                    ));
+                }
+            }
+        }
     }
 
     /// The effective config as JSON with secrets redacted, for `/config`.

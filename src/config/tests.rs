@@ -299,7 +299,24 @@ fn global_limits_need_a_cluster_and_a_rate() {
         "{e}"
     );
     let cluster = "[cluster]\nredis = \"redis://127.0.0.1:6379\"\nreplicas = 3\n";
-    assert!(Config::parse(&format!("{}{cluster}", up(sliding)), "s.toml").is_ok());
+    let c = Config::parse(&format!("{}{cluster}", up(sliding)), "s.toml").unwrap();
+    assert!(
+        !c.warnings()
+            .iter()
+            .any(|w| w.contains("cluster") || w.contains("replicas")),
+        "{:?}",
+        c.warnings()
+    );
+    let small =
+        up("{ kind = \"sliding_window\", permits = 2, window = \"1s\", scope = \"global\" }");
+    let c = Config::parse(&format!("{small}{cluster}"), "s.toml").unwrap();
+    assert!(
+        c.warnings()
+            .iter()
+            .any(|w| w.contains("cannot be split between 3 replicas"))
+    );
+    let c = Config::parse(&format!("{}{cluster}", up("")), "s.toml").unwrap();
+    assert!(c.warnings().iter().any(|w| w.contains("nothing is shared")));
     let e = err(&format!(
         "{}{cluster}",
         up("{ kind = \"concurrency\", max = 3, scope = \"global\" }")

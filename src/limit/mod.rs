@@ -1033,6 +1033,7 @@ impl Limiter {
     pub fn snapshot(&self) -> serde_json::Value {
         let now = Instant::now();
         let cells = self.all_cells();
+        let cluster = self.cluster();
         let mut out = Vec::new();
         for cell in cells {
             let mut st = cell.lock();
@@ -1044,14 +1045,45 @@ impl Limiter {
             let paused =
                 |t: Option<Instant>| t.filter(|t| *t > now).map(|t| (t - now).as_secs_f64());
             let spec = b.upstream_spec.clone();
-            out.push(json!({
+            let mut entry = json!({
                 "upstream": &*cell.name,
                 "family": null,
                 "partition": partition,
                 "limits": limits_json(&spec, &mut b.upstream, now),
                 "queue_depth": b.waiting(),
                 "paused_for_seconds": paused(b.paused_until),
-            }));
+            });
+            // The partition's shared limits (the upstream's and its families'), how they
+            // are decided now, and what this replica has of them.
+            let mut shared: Vec<&Arc<GlobalLimit>> = Vec::new();
+            for l in st.plan.global.iter().flat_map(|g| g.iter()) {
+                if !shared.iter().any(|s| s.id == l.id) {
+                    shared.push(l);
+                }
+            }
+            if !shared.is_empty()
+                && let Some(o) = entry.as_object_mut()
+            {
+                let limits: Vec<serde_json::Value> = shared
+                    .iter()
+                    .map(|l| {
+                        let mut v = serde_json::to_value(&l.spec).unwrap_or_default();
+                        if let Some(o) = v.as_object_mut() {
+                            o.insert("id".into(), l.id.to_string().into());
+                            o.insert("margin".into(), fmt_duration(l.margin).into());
+                        }
+                        v
+                    })
+                    .collect();
+                o.insert("shared_limits".into(), limits.into());
+                if let Some(c) = &cluster {
+                    o.insert("cluster".into(), c.describe());
+                }
+                if let Some(sh) = cell.shared.get() {
+                    o.insert("this_replica".into(), sh.describe());
+                }
+            }
+            out.push(entry);
             let ours = st.plan.family_index(None);
             let live = st.plan.spec.families.len();
             for (i, fb) in b.families.iter_mut().enumerate() {

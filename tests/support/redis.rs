@@ -2,23 +2,28 @@
 //! killed and started again on the same port, frozen with SIGSTOP, flushed.
 
 use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
 use std::time::Duration;
 
 pub struct Redis {
     pub port: u16,
-    child: Option<Child>,
+    /// Behind a lock so that a test can kill and restart it while others use it.
+    child: Mutex<Option<Child>>,
 }
 
 impl Redis {
     /// Needs `redis-server` on the PATH (`scripts/test` installs it).
     pub fn start() -> Redis {
         let port = super::free_port();
-        let mut r = Redis { port, child: None };
+        let r = Redis {
+            port,
+            child: Mutex::new(None),
+        };
         r.spawn();
         r
     }
 
-    fn spawn(&mut self) {
+    fn spawn(&self) {
         let child = Command::new("redis-server")
             .args([
                 "--port",
@@ -34,7 +39,7 @@ impl Redis {
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server runs (scripts/test installs it)");
-        self.child = Some(child);
+        *self.child.lock().unwrap() = Some(child);
         // Ready when it answers.
         for _ in 0..200 {
             if self.try_cmd(&["PING"]).is_ok_and(|r| r.contains("PONG")) {
@@ -50,7 +55,7 @@ impl Redis {
     }
 
     fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
+        self.child.lock().unwrap().as_ref().map(Child::id)
     }
 
     fn signal(&self, sig: &str) {
@@ -62,15 +67,16 @@ impl Redis {
     }
 
     /// SIGKILL: gone, with everything it held.
-    pub fn kill(&mut self) {
+    pub fn kill(&self) {
         self.signal("KILL");
-        if let Some(mut c) = self.child.take() {
+        let child = self.child.lock().unwrap().take();
+        if let Some(mut c) = child {
             let _ = c.wait();
         }
     }
 
     /// Started again, empty, on the same port.
-    pub fn restart(&mut self) {
+    pub fn restart(&self) {
         self.spawn();
     }
 
