@@ -270,6 +270,8 @@ pub struct Cluster {
     seq: AtomicU64,
     /// The mode last shown in `sluice_cluster_mode`.
     shown: AtomicU8,
+    /// A failed call is being confirmed (see `confirm`).
+    confirming: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -313,6 +315,7 @@ impl Cluster {
             replica: format!("{:08x}", rand::random::<u32>()),
             seq: AtomicU64::new(0),
             shown: AtomicU8::new(u8::MAX),
+            confirming: std::sync::atomic::AtomicBool::new(false),
         };
         c.show(Mode::Redis);
         Ok(Arc::new(c))
@@ -381,7 +384,7 @@ impl Cluster {
 
     /// Runs one script call, bounded by `timeout`, through the breaker.
     async fn run(
-        &self,
+        self: &Arc<Self>,
         op: &'static str,
         inv: redis::ScriptInvocation<'_>,
     ) -> Result<Reply, CallError> {
@@ -424,19 +427,71 @@ impl Cluster {
                 {
                     *conn = None;
                 }
-                if self.breaker().failure(Instant::now()) {
-                    tracing::warn!(
-                        redis = %self.config.redis, error = %e,
-                        fallback = self.fallback_mode().as_str(),
-                        retry_in = %crate::config::units::fmt_duration(self.config.open_for),
-                        "Redis failed {} times in a row: shared limits fall back", self.config.failures
-                    );
-                } else {
-                    tracing::debug!(error = %e, "a Redis call failed");
-                }
+                self.failed(e);
+                self.confirm();
             }
         }
         result
+    }
+
+    /// Counts a failure; the one that opens the breaker is logged.
+    fn failed(&self, e: &CallError) {
+        if self.breaker().failure(Instant::now()) {
+            tracing::warn!(
+                redis = %self.config.redis, error = %e,
+                fallback = self.fallback_mode().as_str(),
+                retry_in = %crate::config::units::fmt_duration(self.config.open_for),
+                "Redis failed {} times in a row: shared limits fall back", self.config.failures
+            );
+        } else {
+            tracing::debug!(error = %e, "a Redis call failed");
+        }
+    }
+
+    /// After a failed call, asks Redis again at once (PING) until it answers or the
+    /// breaker opens. Calls come at the pace of requests that need Redis, which may be
+    /// slow while replicas sleep on reservations; this keeps a dead Redis from being
+    /// noticed late: within `timeout × failures` of the first failure.
+    fn confirm(self: &Arc<Self>) {
+        if self.confirming.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            self.confirming.store(false, Ordering::Release);
+            return;
+        };
+        let me = self.clone();
+        rt.spawn(async move {
+            while me.breaker().state(Instant::now()) == breaker::State::Closed {
+                let ping = tokio::time::timeout(me.config.timeout, async {
+                    let mut conn = me.connection().await?;
+                    redis::cmd("PING")
+                        .query_async::<String>(&mut conn)
+                        .await
+                        .map_err(CallError::Io)
+                })
+                .await
+                .unwrap_or(Err(CallError::Timeout));
+                match ping {
+                    Ok(_) => {
+                        me.breaker().success();
+                        break;
+                    }
+                    Err(e) => {
+                        me.metrics
+                            .cluster_errors
+                            .with_label_values(&[e.kind()])
+                            .inc();
+                        if let Ok(mut conn) = me.conn.try_lock() {
+                            *conn = None;
+                        }
+                        me.failed(&e);
+                    }
+                }
+            }
+            me.mode(Instant::now());
+            me.confirming.store(false, Ordering::Release);
+        });
     }
 
     async fn connection(&self) -> Result<MultiplexedConnection, CallError> {

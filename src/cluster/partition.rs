@@ -261,7 +261,10 @@ impl Shared {
             turn,
             r: Some(r.clone()),
         };
-        tokio::time::sleep_until(at).await;
+        // A reservation for now goes at once: a timer would wait for the next tick.
+        if at > Instant::now() {
+            tokio::time::sleep_until(at).await;
+        }
         // Used: nothing to hand on.
         holding.r = None;
         drop(holding);
