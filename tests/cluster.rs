@@ -691,3 +691,51 @@ async fn clients_leaving_with_reservations_hand_them_on() {
         .count();
     assert!(late >= 8, "the limit's pace after they left: {late}");
 }
+
+/// `rediss://`: the same limits through a Redis that speaks only TLS, whose certificate
+/// a private CA signs (`ca`), with `on_redis_error = "deny"` so that any failure to talk
+/// to it would show as a 503. The URL comes from a file, as from a mounted Secret.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_limits_over_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = support::certs::for_localhost(dir.path(), &[]);
+    let redis = Redis::start_tls(&certs.cert_path, &certs.key_path);
+    let url_file = dir.path().join("redis-url");
+    std::fs::write(&url_file, redis.url()).unwrap();
+    let up = support::Upstream::start().await;
+    let proxy = support::Proxy::start(&format!(
+        "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1\"]\n\
+         limits = [{{ kind = \"sliding_window\", permits = 4, window = \"1s\", scope = \"global\" }}]\n\
+         [cluster]\nredis_file = {:?}\nca = {:?}\non_redis_error = \"deny\"\n",
+        url_file, certs.ca_path
+    ))
+    .await;
+    let client = proxy.client();
+    let from = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (c, url) = (client.clone(), up.url("/tls"));
+        tasks.push(tokio::spawn(async move {
+            c.get(url).send().await.unwrap().status()
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    assert!(
+        from.elapsed() >= Duration::from_millis(900),
+        "8 at 4/s take a second"
+    );
+    let m = proxy.metrics().await;
+    assert_eq!(
+        support::metric(
+            &m,
+            r#"sluice_cluster_reservations_total{result="reserved"}"#
+        ),
+        Some(8.0),
+        "{m}"
+    );
+    assert!(redis.cmd(&["KEYS", "*"]).contains("{sluice:api:-}"));
+    let (_, config) = proxy.admin_get("/config").await;
+    assert!(config.contains("file:"), "{config}");
+}

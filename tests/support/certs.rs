@@ -9,11 +9,14 @@ use rustls_pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 pub struct TestCerts {
     /// The CA's certificate (PEM), for `upstream_ca`.
     pub ca_path: PathBuf,
+    /// The 127.0.0.1 certificate and its key (PEM), for servers configured by file.
+    pub cert_path: PathBuf,
+    pub key_path: PathBuf,
     /// A server config presenting the 127.0.0.1 certificate, offering `alpn`.
     pub server: Arc<rustls::ServerConfig>,
 }
 
-/// Writes the CA to `dir/upstream-ca.pem`.
+/// Writes the CA to `dir/upstream-ca.pem`, the certificate and key beside it.
 pub fn for_localhost(dir: &Path, alpn: &[&[u8]]) -> TestCerts {
     let ca_key = KeyPair::generate().unwrap();
     let mut ca_params = CertificateParams::default();
@@ -29,6 +32,10 @@ pub fn for_localhost(dir: &Path, alpn: &[&[u8]]) -> TestCerts {
     let mut params = CertificateParams::default();
     params.subject_alt_names = vec![SanType::IpAddress("127.0.0.1".parse().unwrap())];
     let cert = params.signed_by(&key, &issuer).unwrap();
+    let cert_path = dir.join("server-cert.pem");
+    let key_path = dir.join("server-key.pem");
+    std::fs::write(&cert_path, cert.pem()).unwrap();
+    std::fs::write(&key_path, key.serialize_pem()).unwrap();
     let mut server = rustls::ServerConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
@@ -43,6 +50,8 @@ pub fn for_localhost(dir: &Path, alpn: &[&[u8]]) -> TestCerts {
     server.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     TestCerts {
         ca_path,
+        cert_path,
+        key_path,
         server: Arc::new(server),
     }
 }

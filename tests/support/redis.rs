@@ -9,6 +9,8 @@ pub struct Redis {
     pub port: u16,
     /// Behind a lock so that a test can kill and restart it while others use it.
     child: Mutex<Option<Child>>,
+    /// TLS only, with this certificate and key.
+    tls: Option<(String, String)>,
 }
 
 impl Redis {
@@ -18,23 +20,44 @@ impl Redis {
         let r = Redis {
             port,
             child: Mutex::new(None),
+            tls: None,
+        };
+        r.spawn();
+        r
+    }
+
+    /// Speaks only TLS (`rediss://`), presenting `cert` (PEM files); clients need no
+    /// certificate of their own.
+    pub fn start_tls(cert: &std::path::Path, key: &std::path::Path) -> Redis {
+        let port = super::free_port();
+        let r = Redis {
+            port,
+            child: Mutex::new(None),
+            tls: Some((cert.display().to_string(), key.display().to_string())),
         };
         r.spawn();
         r
     }
 
     fn spawn(&self) {
-        let child = Command::new("redis-server")
-            .args([
+        let mut cmd = Command::new("redis-server");
+        match &self.tls {
+            None => cmd.args(["--port", &self.port.to_string()]),
+            Some((cert, key)) => cmd.args([
                 "--port",
+                "0",
+                "--tls-port",
                 &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
+                "--tls-cert-file",
+                cert,
+                "--tls-key-file",
+                key,
+                "--tls-auth-clients",
                 "no",
-            ])
+            ]),
+        };
+        let child = cmd
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -51,7 +74,12 @@ impl Redis {
     }
 
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}/0", self.port)
     }
 
     fn pid(&self) -> Option<u32> {
@@ -95,10 +123,12 @@ impl Redis {
     }
 
     fn try_cmd(&self, args: &[&str]) -> std::io::Result<String> {
-        let out = Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()?;
+        let mut cmd = Command::new("redis-cli");
+        cmd.args(["-p", &self.port.to_string()]);
+        if self.tls.is_some() {
+            cmd.args(["--tls", "--insecure"]);
+        }
+        let out = cmd.args(args).output()?;
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
