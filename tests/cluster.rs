@@ -628,6 +628,13 @@ async fn deny_and_allow_while_redis_is_away() {
         "unlimited: {:?}",
         t.elapsed()
     );
+    // Still ready: the replicas keep serving whatever the fallback.
+    for three in [&deny, &allow] {
+        let ready = reqwest::get(format!("http://127.0.0.1:{}/readyz", three.replicas[0].2))
+            .await
+            .unwrap();
+        assert_eq!(ready.status(), 200);
+    }
 
     deny.redis.restart();
     allow.redis.restart();
