@@ -9,55 +9,21 @@
 //! earliest arrival relative to it: the gap is the limiter's timer lateness plus the
 //! forwarding time, less the fastest forwarding seen in the run.
 
-#[path = "support/binary.rs"]
-mod binary;
+#[path = "support/bench.rs"]
+mod bench;
+#[path = "support/upstream.rs"]
+mod upstream;
 
-use std::convert::Infallible;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
-
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::TcpListener;
 
 const PROXY: &str = "127.0.0.1:13168";
 const ADMIN: &str = "127.0.0.1:19941";
 const BURST: usize = 5;
 const CLIENTS: usize = 64;
-
-async fn upstream(listener: TcpListener, arrivals: Arc<Mutex<Vec<Instant>>>) {
-    loop {
-        let Ok((tcp, _)) = listener.accept().await else {
-            return;
-        };
-        let arrivals = arrivals.clone();
-        tokio::spawn(async move {
-            let svc = service_fn(move |_req| {
-                arrivals
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(Instant::now());
-                async {
-                    Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from_static(
-                        b"ok\n",
-                    ))))
-                }
-            });
-            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(tcp), svc)
-                .await;
-        });
-    }
-}
-
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
-}
 
 #[tokio::main]
 async fn main() {
@@ -74,10 +40,7 @@ async fn main() {
     println!("\n| rate | requests | gap p50 | gap p99 | gap max | forwarding p50 (unqueued) |");
     println!("| --- | --- | --- | --- | --- | --- |");
     for rate in rates {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let arrivals = Arc::new(Mutex::new(Vec::new()));
-        let server = tokio::spawn(upstream(listener, arrivals.clone()));
+        let (addr, arrivals) = upstream::start().await;
         let config = dir.path().join("sluice.toml");
         std::fs::write(
             &config,
@@ -88,7 +51,7 @@ async fn main() {
             ),
         )
         .expect("config");
-        let child = binary::Child(
+        let child = bench::Child(
             Command::new(&sluice)
                 .args(["run", "-c", config.to_str().expect("path")])
                 .env("RUST_LOG", "error")
@@ -96,7 +59,7 @@ async fn main() {
                 .spawn()
                 .expect("start sluice"),
         );
-        binary::ready(ADMIN).await;
+        bench::ready(ADMIN).await;
         let client = reqwest::Client::builder()
             .proxy(reqwest::Proxy::all(format!("http://{PROXY}")).expect("proxy"))
             .build()
@@ -110,7 +73,7 @@ async fn main() {
             let before = arrivals.lock().expect("lock").len();
             let t = Instant::now();
             client.get(&url).send().await.expect("request");
-            let arrived = arrivals.lock().expect("lock")[before];
+            let arrived = arrivals.lock().expect("lock")[before].0;
             fwd.push((arrived - t).as_secs_f64() * 1000.0);
         }
         fwd.sort_by(f64::total_cmp);
@@ -139,9 +102,8 @@ async fn main() {
             t.await.expect("client task");
         }
         drop(child);
-        server.abort();
 
-        let mut seen = arrivals.lock().expect("lock").clone();
+        let mut seen: Vec<Instant> = arrivals.lock().expect("lock").iter().map(|a| a.0).collect();
         seen.sort();
         let period = Duration::from_secs(1) / rate;
         // Request k >= BURST is due at T0 + (k - BURST + 1)·T.
@@ -164,10 +126,10 @@ async fn main() {
         println!(
             "| {rate}/s | {} | {:.3} ms | {:.3} ms | {:.3} ms | {:.3} ms |",
             seen.len(),
-            pct(&gaps, 0.5),
-            pct(&gaps, 0.99),
+            bench::pct(&gaps, 0.5),
+            bench::pct(&gaps, 0.99),
             gaps[gaps.len() - 1],
-            pct(&fwd, 0.5),
+            bench::pct(&fwd, 0.5),
         );
     }
 }

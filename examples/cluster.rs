@@ -18,63 +18,26 @@
 //! Usage: cluster [seconds of saturation per kind] [saturation|latency|failover]
 
 #[allow(dead_code)]
-#[path = "support/binary.rs"]
-mod binary;
+#[path = "support/bench.rs"]
+mod bench;
 #[allow(dead_code)]
 #[path = "../tests/support/provider.rs"]
 mod provider;
+#[path = "support/upstream.rs"]
+mod upstream;
 
-use std::convert::Infallible;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use provider::Counter;
-use tokio::net::TcpListener;
 use tokio::time::Instant;
-
-type Log = Arc<Mutex<Vec<(Instant, usize)>>>;
 
 /// How many requests a limit allows over a span of arrivals.
 type Allowed = Box<dyn Fn(Duration) -> f64>;
 
-async fn upstream() -> (u16, Log) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let port = listener.local_addr().expect("addr").port();
-    let log: Log = Arc::default();
-    let l = log.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((tcp, _)) = listener.accept().await else {
-                return;
-            };
-            let log = l.clone();
-            tokio::spawn(async move {
-                let svc = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                    let replica = req
-                        .headers()
-                        .get("x-replica")
-                        .and_then(|v| v.to_str().ok())
-                        .and_then(|v| v.parse().ok())
-                        .unwrap_or(9);
-                    log.lock().expect("log").push((Instant::now(), replica));
-                    async {
-                        Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from_static(
-                            b"ok\n",
-                        ))))
-                    }
-                });
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(tcp), svc)
-                    .await;
-            });
-        }
-    });
-    (port, log)
+async fn upstream() -> (u16, upstream::Log) {
+    let (addr, log) = upstream::start().await;
+    (addr.port(), log)
 }
 
 fn free_port() -> u16 {
@@ -148,7 +111,7 @@ impl Drop for Redis {
 }
 
 struct Replica {
-    _child: binary::Child,
+    _child: bench::Child,
     port: u16,
     admin: String,
 }
@@ -190,9 +153,9 @@ async fn replicas(
                 {}
             });
         }
-        binary::ready(&admin).await;
+        bench::ready(&admin).await;
         out.push(Replica {
-            _child: binary::Child(child),
+            _child: bench::Child(child),
             port,
             admin,
         });
@@ -237,10 +200,6 @@ async fn metric(admin: &str, series: &str) -> Option<f64> {
         .ok()?;
     text.lines()
         .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-}
-
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
 }
 
 #[tokio::main]
@@ -364,10 +323,10 @@ async fn latency(sluice: &str, dir: &std::path::Path) {
         println!(
             "| {scope} | {} | {:.3} | {:.3} | {calls:.2} |",
             took.len(),
-            pct(&took, 0.5),
-            pct(&took, 0.99)
+            bench::pct(&took, 0.5),
+            bench::pct(&took, 0.99)
         );
-        p.push((pct(&took, 0.5), pct(&took, 0.99)));
+        p.push((bench::pct(&took, 0.5), bench::pct(&took, 0.99)));
     }
     println!(
         "\nAdded by the shared limit: p50 {:.3} ms, p99 {:.3} ms\n",

@@ -24,8 +24,10 @@ mod certs;
 #[path = "../tests/support/provider.rs"]
 mod provider;
 
-#[path = "support/binary.rs"]
-mod binary;
+// Shared with the other drivers; this one uses part of it.
+#[allow(dead_code)]
+#[path = "support/bench.rs"]
+mod bench;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -98,7 +100,7 @@ async fn run(sluice: &str, case: &Case, windows: u32, clients: usize, margin: &s
         ),
     )
     .expect("config");
-    let mut child = binary::Child(
+    let mut child = bench::Child(
         Command::new(sluice)
             .args(["run", "-c", config.to_str().expect("path")])
             .stdout(Stdio::null())
@@ -119,7 +121,7 @@ async fn run(sluice: &str, case: &Case, windows: u32, clients: usize, margin: &s
         }
         (lines, hints)
     });
-    binary::ready(ADMIN).await;
+    bench::ready(ADMIN).await;
 
     let url = format!("http://{}/v1/orders", relay.addr);
     let total = (PERMITS * windows) as usize;

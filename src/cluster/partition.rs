@@ -842,19 +842,7 @@ impl Hold {
             // The margin covers a send a little after its instant (scheduling); one later
             // than a quarter of it (a slow connect) holds the permit longer.
             if late > NOISE_US.max(micros(l.margin) / 4.0) {
-                let latest = self.us(at) + micros(l.margin);
-                self.shared.update_mine(&l.id, &self.r.member, latest);
-                if self.fallback.is_none() {
-                    self.shared.correct(
-                        &self.cluster,
-                        Correction {
-                            limit: l.clone(),
-                            member: self.r.member.clone(),
-                            value: Some(latest),
-                        },
-                        true,
-                    );
-                }
+                self.report(l, Some(self.us(at) + micros(l.margin)), true);
             }
         }
     }
@@ -868,18 +856,7 @@ impl Hold {
             let held = self.r.at_us.max(self.us(sent)) + micros(l.margin);
             let latest = self.us(at).min(self.us(sent) + micros(l.margin));
             if latest + NOISE_US < held {
-                self.shared.update_mine(&l.id, &self.r.member, latest);
-                if self.fallback.is_none() {
-                    self.shared.correct(
-                        &self.cluster,
-                        Correction {
-                            limit: l.clone(),
-                            member: self.r.member.clone(),
-                            value: Some(latest),
-                        },
-                        false,
-                    );
-                }
+                self.report(l, Some(latest), false);
             }
         }
     }
@@ -890,19 +867,29 @@ impl Hold {
             self.fallback_event(|s| s.unsent(0));
         }
         for l in self.r.limits.iter().filter(|l| l.is_window()) {
-            self.shared.forget(&l.id, &self.r.member);
-            if self.fallback.is_none() {
-                self.shared.correct(
-                    &self.cluster,
-                    Correction {
-                        limit: l.clone(),
-                        member: self.r.member.clone(),
-                        value: None,
-                    },
-                    // A fixed window's opening may move later: soon.
-                    l.kind == Kind::Fixed,
-                );
-            }
+            // A fixed window's opening may move later: soon.
+            self.report(l, None, l.kind == Kind::Fixed);
+        }
+    }
+
+    /// The latest instant this request may reach the provider under `l` is now `value`
+    /// (`None`: never): noted in this replica's own admissions, and sent to Redis unless
+    /// the local fallback admitted it.
+    fn report(&self, l: &Arc<GlobalLimit>, value: Option<f64>, urgent: bool) {
+        match value {
+            Some(v) => self.shared.update_mine(&l.id, &self.r.member, v),
+            None => self.shared.forget(&l.id, &self.r.member),
+        }
+        if self.fallback.is_none() {
+            self.shared.correct(
+                &self.cluster,
+                Correction {
+                    limit: l.clone(),
+                    member: self.r.member.clone(),
+                    value,
+                },
+                urgent,
+            );
         }
     }
 

@@ -1,5 +1,6 @@
-//! The release binary as the benchmark drivers run it: started with a config file, awaited
-//! on `/readyz`, stopped with SIGTERM even when a panic unwinds past it.
+//! What the benchmark drivers share: the release binary, started with a config file,
+//! awaited on `/readyz` and stopped with SIGTERM even when a panic unwinds past it; and
+//! percentiles.
 
 use std::process::Command;
 use std::time::Duration;
@@ -24,4 +25,9 @@ pub async fn ready(admin: &str) {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// The `p` quantile (0 to 1) of `sorted` samples.
+pub fn pct(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
 }
