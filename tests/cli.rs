@@ -52,6 +52,24 @@ fn check_reports_file_line_col_and_fails() {
     let out = sluice(&["check", "-c", "/nonexistent/sluice.toml"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read config"));
+
+    // A shared limit with nothing to share it through.
+    std::fs::write(
+        &path,
+        "[[upstream]]\nname = \"m\"\nhosts = [\"a.example\"]\n\
+         limits = [{ kind = \"fixed_window\", permits = 300, window = \"1m\", scope = \"global\" }]\n",
+    )
+    .unwrap();
+    let out = sluice(&["check", "-c", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with(&format!(
+            "{}:4:11: scope = \"global\" needs a [cluster]",
+            path.display()
+        )),
+        "{err}"
+    );
 }
 
 #[test]
