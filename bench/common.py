@@ -136,6 +136,9 @@ limits = [{{ kind = "token_bucket", rate = 100000000, per = "1s", burst = 100000
   [[upstream.family]]
   name = "all"
   paths = ["/**"]
+# The unmatched target is on loopback too, which the egress rules refuse unless allowed.
+[egress]
+allow = ["127.0.0.1"]
 """)
     return path
 

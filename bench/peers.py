@@ -88,7 +88,10 @@ MaxClients 256
 LogLevel Critical
 PidFile "{work}/tinyproxy.pid"
 """)
-    sluice_conf = write("sluice.toml", f'[proxy]\nlisten = "127.0.0.1:{PORTS["sluice"]}"\nadmin = "127.0.0.1:{ADMIN}"\n')
+    # The upstream is on loopback, which sluice's egress rules refuse unless allowed (the
+    # baseline build predates them).
+    sluice_conf = write("sluice.toml", f'[proxy]\nlisten = "127.0.0.1:{PORTS["sluice"]}"\nadmin = "127.0.0.1:{ADMIN}"\n'
+                        '[egress]\nallow = ["127.0.0.1"]\n')
     pids = {
         "sluice": procs.start([SLUICE, "run", "-c", sluice_conf], env={**os.environ, "RUST_LOG": "warn"}).pid,
         "squid": procs.start(["squid", "-N", "-f", squid]).pid,

@@ -36,7 +36,9 @@ def sluice(config):
     path = os.path.join(work, "sluice.toml")
     with open(path, "w") as f:
         f.write(f'[proxy]\nlisten = "127.0.0.1:{PROXY_PORT}"\nadmin = "127.0.0.1:{ADMIN_PORT}"\n'
-                f'drain_timeout = "1s"\n{config}')
+                f'drain_timeout = "1s"\n{config}\n'
+                # Unmatched targets on loopback, which the egress rules refuse unless allowed.
+                '[egress]\nallow = ["127.0.0.1"]\n')
     p = procs.start([SLUICE, "run", "-c", path], env={**os.environ, "RUST_LOG": "warn"})
     wait_http(f"http://127.0.0.1:{ADMIN_PORT}/readyz")
     return p

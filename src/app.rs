@@ -13,7 +13,7 @@ use tokio::sync::watch;
 
 use crate::cluster::{Cluster, ClusterError};
 use crate::config::Config;
-use crate::egress::{Lookup, Resolver};
+use crate::egress::{Lookup, Resolver, Rules};
 use crate::limit::{Limiter, Plans};
 use crate::metrics::Metrics;
 use crate::policy::Policies;
@@ -30,12 +30,18 @@ pub struct Live {
     /// The limiter's view of each upstream, by upstream index.
     pub plans: Plans,
     pub policies: Policies,
+    /// The client for upstreams without an `upstream_ca`: carried across reloads, with
+    /// its pooled connections, unless the egress rules changed (connections they would
+    /// now refuse must not be reused).
+    client: UpstreamClient,
     /// Clients for upstreams that trust an extra CA (`upstream_ca`), by upstream index.
     upstream_clients: Vec<Option<UpstreamClient>>,
     /// The interception CA, when an upstream intercepts.
     pub(crate) authority: Option<Arc<Authority>>,
     /// Where shared limits are decided, with `[cluster]`.
     pub cluster: Option<Arc<Cluster>>,
+    /// `[egress]` with the upstreams' host names, as the resolver applies them.
+    pub egress_rules: Arc<Rules>,
 }
 
 impl Deref for Live {
@@ -50,9 +56,6 @@ pub struct App {
     live: watch::Sender<Arc<Live>>,
     pub metrics: Metrics,
     pub limiter: Limiter,
-    /// The client for upstreams without an `upstream_ca`: kept across reloads, with its
-    /// pooled connections.
-    pub(crate) client: UpstreamClient,
     /// Plain-HTTP upstream connections whose client connection has closed.
     pub(crate) idle_conns: Arc<crate::proxy::affine::IdleConns>,
     pub(crate) resolver: Resolver,
@@ -101,7 +104,11 @@ impl AppBuilder {
         limiter.set_cluster(cluster.clone());
         let policies = Policies::new(&self.config, &metrics);
         metrics.config_info(&self.config.sha256, None);
+        let egress_rules = Arc::new(Rules::new(&self.config));
+        self.resolver.set_rules(egress_rules.clone());
         let live = Live {
+            egress_rules,
+            client,
             plans: limiter.plans(),
             config: self.config,
             policies,
@@ -114,7 +121,6 @@ impl AppBuilder {
             live,
             metrics,
             limiter,
-            client,
             idle_conns: Arc::default(),
             resolver: self.resolver,
             handshake_log: HandshakeLog::default(),
@@ -240,7 +246,7 @@ impl App {
     ) -> &'a UpstreamClient {
         upstream
             .and_then(|u| live.upstream_clients.get(u)?.as_ref())
-            .unwrap_or(&self.client)
+            .unwrap_or(&live.client)
     }
 
     /// Plain-HTTP upstream connections parked by clients that left, waiting for the next.
@@ -303,6 +309,13 @@ impl App {
         // Everything that can fail, before anything changes.
         let (upstream_clients, authority) = build_tls(&config, &self.resolver)?;
         let cluster = build_cluster(&config, old.cluster.as_ref(), &self.metrics)?;
+        let egress_rules = Arc::new(Rules::new(&config));
+        let client = if *egress_rules == *old.egress_rules {
+            old.client.clone()
+        } else {
+            let tls = crate::tls::client::client_config(None).map_err(BuildError::from)?;
+            UpstreamClient::new(self.resolver.clone(), tls)
+        };
 
         let policies = Policies::carry(&config, &self.metrics, Some((&old, &old.policies)));
         let plans = crate::limit::plans(&config, &self.metrics);
@@ -317,7 +330,10 @@ impl App {
             let families: Vec<&str> = u.families.iter().map(|f| f.name.as_str()).collect();
             self.metrics.forget_upstream(&u.name, &families);
         }
+        self.resolver.set_rules(egress_rules.clone());
         self.live.send_replace(Arc::new(Live {
+            egress_rules,
+            client,
             config,
             plans,
             policies,

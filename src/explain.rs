@@ -68,6 +68,25 @@ pub enum ExplainError {
     Scheme(String),
 }
 
+/// What the egress rules say about the destination, as far as is known without a lookup
+/// (names are checked on the addresses they resolve to when the request is made).
+fn egress(config: &Config, scheme: &str, host: &str, port: u16) -> String {
+    let rules = crate::egress::Rules::new(config);
+    // An https:// URL reaches sluice as CONNECT.
+    if scheme == "https"
+        && let Err(e) = rules.connect_port(host, port)
+    {
+        return format!("refused with 403 sluice_denied: {e}");
+    }
+    match host.parse::<std::net::IpAddr>() {
+        Ok(ip) => match crate::egress::Resolver::default().check(&rules, host, ip, port) {
+            Ok(()) => "allowed".into(),
+            Err(e) => format!("refused with 403 sluice_denied: {e}"),
+        },
+        Err(_) => format!("checked on the addresses {host} resolves to, when it is requested"),
+    }
+}
+
 pub fn explain(
     config: &Config,
     method: &Method,
@@ -90,6 +109,7 @@ pub fn explain(
         let _ = writeln!(out, "{k:<11} {v}");
     };
     line(&mut out, "request", &format!("{method} {url}"));
+    line(&mut out, "egress", &egress(config, scheme, &host, port));
 
     let Some(upstream_idx) = config.router.upstream(&host, port) else {
         let what = match config.proxy.unmatched {
@@ -338,6 +358,28 @@ mod tests {
         )
         .unwrap();
         assert!(out.contains("unmatched = \"pass\""), "{out}");
+        assert!(
+            out.contains("egress      checked on the addresses elsewhere.example resolves to"),
+            "{out}"
+        );
+        for (url, verdict) in [
+            (
+                "http://127.1:6379/",
+                "refused with 403 sluice_denied: destination 127.0.0.1:6379 is a loopback address",
+            ),
+            (
+                "https://example.org:22/",
+                "refused with 403 sluice_denied: CONNECT to port 22",
+            ),
+            (
+                "http://[64:ff9b::a9fe:a9fe]/",
+                "refused with 403 sluice_denied: destination 169.254.169.254:80 is a link-local",
+            ),
+            ("https://93.184.216.34/", "allowed"),
+        ] {
+            let out = explain(&c, &Method::GET, &url.parse().unwrap(), &h).unwrap();
+            assert!(out.contains(&format!("egress      {verdict}")), "{out}");
+        }
     }
 
     #[test]

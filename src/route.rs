@@ -8,6 +8,7 @@ use std::fmt;
 use http::{HeaderMap, Method};
 use sha2::{Digest, Sha256};
 
+use crate::config::pattern::ip_literal;
 use crate::config::{Config, HostPattern, KeySource, Upstream};
 
 /// Host index built once per config. Exact names win over wildcards, a longer wildcard
@@ -67,14 +68,18 @@ impl Router {
     }
 }
 
-/// Lower-case, no trailing dot, no IPv6 brackets: the form host patterns are stored in.
+/// Lower-case, no trailing dot, no IPv6 brackets, IP literals in one spelling
+/// ([`ip_literal`]): the form host patterns are stored in.
 pub fn normalize_host(host: &str) -> String {
     let h = host.trim_end_matches('.');
     let h = h
         .strip_prefix('[')
         .and_then(|h| h.strip_suffix(']'))
         .unwrap_or(h);
-    h.to_ascii_lowercase()
+    match ip_literal(h) {
+        Some(ip) => ip.to_string(),
+        None => h.to_ascii_lowercase(),
+    }
 }
 
 /// The subject a request is counted against: a 128-bit prefix of SHA-256 over the key's

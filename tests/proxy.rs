@@ -3,8 +3,6 @@
 
 mod support;
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -334,52 +332,6 @@ async fn unreachable_upstream_is_502() {
     )
     .await;
     assert_eq!(tunnel.status, 502);
-}
-
-#[tokio::test]
-async fn link_local_destinations_are_denied_even_behind_a_name() {
-    let lookup = StaticLookup(BTreeMap::from([
-        (
-            "metadata.test".to_string(),
-            vec!["169.254.169.254".parse().unwrap()],
-        ),
-        (
-            "v6meta.test".to_string(),
-            vec!["127.0.0.1".parse().unwrap(), "fe80::1".parse().unwrap()],
-        ),
-    ]));
-    let proxy = Proxy::start_with("", Some(Arc::new(lookup))).await;
-    let client = proxy.client();
-    for url in [
-        "http://169.254.169.254/latest/meta-data/",
-        "http://metadata.test/latest/meta-data/",
-        "http://v6meta.test:8080/",
-        "http://[fe80::1]/",
-        "http://[::ffff:169.254.169.254]/",
-    ] {
-        let resp = tokio::time::timeout(Duration::from_secs(5), client.get(url).send())
-            .await
-            .expect("refused at once")
-            .unwrap();
-        assert_eq!(resp.status(), 403, "{url}");
-        assert_eq!(resp.headers()["sluice-reason"], "denied", "{url}");
-    }
-    for target in ["169.254.169.254:443", "metadata.test:443", "[fe80::1]:443"] {
-        let resp = raw(
-            proxy.addr,
-            format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes(),
-        )
-        .await;
-        assert_eq!(resp.status, 403, "{target}");
-        assert_eq!(resp.header("sluice-reason").as_deref(), Some("denied"));
-    }
-    let m = proxy.metrics().await;
-    assert!(
-        m.contains(
-            r#"sluice_requests_total{family="-",outcome="sluice_denied",upstream="unmatched"} 8"#
-        ),
-        "{m}"
-    );
 }
 
 #[tokio::test]

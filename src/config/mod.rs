@@ -69,6 +69,7 @@ pub struct Config {
     pub upstreams: Vec<Upstream>,
     pub tls: Option<TlsConfig>,
     pub cluster: Option<ClusterConfig>,
+    pub egress: EgressConfig,
     /// SHA-256 of the file's bytes, to tell which config is live.
     pub sha256: String,
     #[serde(skip)]
@@ -210,6 +211,41 @@ pub struct ClassifyRule {
 pub struct TlsConfig {
     pub ca_cert: Option<PathBuf>,
     pub ca_key: Option<PathBuf>,
+}
+
+/// `[egress]`, see `egress::Rules` for how it combines with the built-in list.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EgressConfig {
+    pub allow: Vec<ipnet::IpNet>,
+    pub deny: Vec<ipnet::IpNet>,
+    /// Ports CONNECT may open besides those an upstream's host pattern names.
+    pub connect_ports: Vec<PortRange>,
+}
+
+/// Inclusive; one port is a range of one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortRange(pub u16, pub u16);
+
+impl PortRange {
+    pub fn contains(&self, port: u16) -> bool {
+        (self.0..=self.1).contains(&port)
+    }
+}
+
+impl fmt::Display for PortRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0 == self.1 {
+            write!(f, "{}", self.0)
+        } else {
+            write!(f, "{}-{}", self.0, self.1)
+        }
+    }
+}
+
+impl Serialize for PortRange {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -741,6 +777,8 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
         Some(c) => Some(check_cluster(c)?),
     };
 
+    let egress = check_egress(&spec.egress)?;
+
     let router = Router::new(&upstreams);
     Ok(Config {
         proxy,
@@ -748,8 +786,61 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
         upstreams,
         tls,
         cluster,
+        egress,
         sha256,
         router,
+    })
+}
+
+fn check_egress(e: &spec::EgressSpec) -> Result<EgressConfig> {
+    let nets = |list: &Option<Vec<toml::Spanned<String>>>| -> Result<Vec<ipnet::IpNet>> {
+        let Some(list) = list else {
+            return Ok(Vec::new());
+        };
+        list.iter()
+            .map(|s| {
+                let text = s.get_ref().trim();
+                text.parse::<ipnet::IpNet>()
+                    .or_else(|_| text.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+                    .map(|n| n.trunc())
+                    .map_err(|_| {
+                        invalid(
+                            s.span(),
+                            format!(
+                                "{text:?} is not an address or CIDR range like \"10.0.0.0/8\" \
+                                 or \"::1\""
+                            ),
+                        )
+                    })
+            })
+            .collect()
+    };
+    let connect_ports = match &e.connect_ports {
+        None => vec![PortRange(443, 443)],
+        Some(ports) => ports
+            .iter()
+            .map(|p| {
+                let range = match p.get_ref() {
+                    spec::PortSpec::One(n) => Some(PortRange(*n, *n)),
+                    spec::PortSpec::Range(r) => r.split_once('-').and_then(|(lo, hi)| {
+                        Some(PortRange(lo.trim().parse().ok()?, hi.trim().parse().ok()?))
+                    }),
+                };
+                match range {
+                    Some(r) if r.0 != 0 && r.0 <= r.1 => Ok(r),
+                    _ => Err(invalid(
+                        p.span(),
+                        "a port is a number from 1 to 65535 or a range \"8000-8999\" \
+                         (\"1-65535\" for any)",
+                    )),
+                }
+            })
+            .collect::<Result<_>>()?,
+    };
+    Ok(EgressConfig {
+        allow: nets(&e.allow)?,
+        deny: nets(&e.deny)?,
+        connect_ports,
     })
 }
 

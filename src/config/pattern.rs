@@ -3,6 +3,7 @@
 //! and matching on the request path never has to deal with malformed patterns.
 
 use std::fmt;
+use std::net::{IpAddr, Ipv4Addr};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer, de};
 
@@ -34,7 +35,8 @@ impl HostPattern {
             Some(rest) => (true, rest),
             None => (false, host.as_str()),
         };
-        let is_ip = name.parse::<std::net::IpAddr>().is_ok();
+        let ip = ip_literal(name);
+        let is_ip = ip.is_some();
         let valid_name = !name.is_empty()
             && name.split('.').all(|label| {
                 !label.is_empty()
@@ -49,10 +51,11 @@ impl HostPattern {
                  (a wildcard only as the whole first label)"
             ));
         }
-        let host = if wildcard {
-            format!(".{name}")
-        } else {
-            name.to_string()
+        let host = match (wildcard, ip) {
+            (true, _) => format!(".{name}"),
+            // One spelling per address, the one requests are normalised to.
+            (false, Some(ip)) => ip.to_string(),
+            (false, None) => name.to_string(),
         };
         Ok(HostPattern {
             host,
@@ -73,6 +76,54 @@ impl HostPattern {
             host == self.host
         }
     }
+}
+
+/// An IP literal in every spelling the system resolver accepts, so that a host cannot
+/// dodge its upstream by writing its address differently: IPv6 (IPv4-mapped becomes IPv4),
+/// and IPv4 as `inet_aton` reads it: one to four parts, each decimal, `0x` hex or
+/// `0`-prefixed octal, the last filling the remaining bytes (`127.1`, `2130706433`,
+/// `0x7f000001`, `0177.0.0.1`).
+pub fn ip_literal(host: &str) -> Option<IpAddr> {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Some(match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            v4 => v4,
+        });
+    }
+    if !host.bytes().next()?.is_ascii_digit() {
+        return None;
+    }
+    let parts: Vec<&str> = host.split('.').collect();
+    if parts.len() > 4 {
+        return None;
+    }
+    let mut value: u32 = 0;
+    for (i, part) in parts.iter().enumerate() {
+        let n = if let Some(hex) = part.strip_prefix("0x").or_else(|| part.strip_prefix("0X")) {
+            u32::from_str_radix(hex, 16).ok()?
+        } else if part.len() > 1 && part.starts_with('0') {
+            u32::from_str_radix(&part[1..], 8).ok()?
+        } else {
+            part.parse::<u32>().ok()?
+        };
+        if !part
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() || b == b'x' || b == b'X')
+        {
+            return None;
+        }
+        let last = i + 1 == parts.len();
+        let room = if last { 8 * (4 - i as u32) } else { 8 };
+        if room < 32 && n >> room != 0 {
+            return None;
+        }
+        value = if last {
+            value | n
+        } else {
+            value | (n << (8 * (3 - i as u32)))
+        };
+    }
+    Some(IpAddr::V4(Ipv4Addr::from(value)))
 }
 
 /// Splits `host`, `host:port`, `[v6]` or `[v6]:port`. A bare IPv6 literal has no port.
@@ -330,7 +381,7 @@ mod tests {
     #[test]
     fn many_double_stars_take_linear_time() {
         let path = "/a".repeat(2_000) + "/c";
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         for pattern in [
             "/**/a/**/a/**/a/**/a/**/a/**/b",
             "/**/*/**/*/**/*/**/*/**/b/**",
@@ -352,6 +403,45 @@ mod tests {
         assert!(PathGlob::parse("/v1/ord*").is_err());
         assert!(PathGlob::parse("/v1/***").is_err());
         assert!(PathGlob::parse("/v1?x=1").is_err());
+    }
+
+    #[test]
+    fn ip_literals_in_every_spelling() {
+        for s in [
+            "127.0.0.1",
+            "127.1",
+            "127.0.1",
+            "2130706433",
+            "0x7f000001",
+            "0X7F.1",
+            "0177.0.0.1",
+            "0x7f.0.0.0x1",
+            "::ffff:127.0.0.1",
+        ] {
+            assert_eq!(ip_literal(s), Some("127.0.0.1".parse().unwrap()), "{s}");
+        }
+        assert_eq!(ip_literal("::1"), Some("::1".parse().unwrap()));
+        for s in [
+            "example.com",
+            "1e100.net",
+            "256.0.0.1",
+            "1.2.3.4.5",
+            "1.2.3.256",
+            "4294967296",
+            "08.1.1.1",
+            "1..2",
+            "",
+            "0x",
+            "1.2.3.-4",
+        ] {
+            assert_eq!(ip_literal(s), None, "{s}");
+        }
+        let p = HostPattern::parse("127.1:8080").unwrap();
+        assert_eq!(p.host, "127.0.0.1");
+        let p = HostPattern::parse("[::ffff:10.0.0.1]").unwrap();
+        assert_eq!(p.host, "10.0.0.1");
+        let p = HostPattern::parse("[2001:DB8:0::1]").unwrap();
+        assert_eq!(p.host, "2001:db8::1");
     }
 
     #[test]

@@ -20,6 +20,25 @@ pub struct ConfigSpec {
     pub upstream: Vec<UpstreamSpec>,
     pub tls: Option<TlsSpec>,
     pub cluster: Option<Spanned<ClusterSpec>>,
+    #[serde(default)]
+    pub egress: EgressSpec,
+}
+
+/// `[egress]`: which destinations the proxy may connect to (docs/security.md).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EgressSpec {
+    pub allow: Option<Vec<Spanned<String>>>,
+    pub deny: Option<Vec<Spanned<String>>>,
+    pub connect_ports: Option<Vec<Spanned<PortSpec>>>,
+}
+
+/// `443` or `"8000-8999"`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PortSpec {
+    One(u16),
+    Range(String),
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -29,21 +29,18 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
-use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::body::Outbound;
 use super::client::AttemptError;
 use super::server::Graceful;
 use super::timer::{ConnTimer, Deadline};
-use crate::egress::{EgressError, Resolver};
+use crate::egress::{Resolver, Rules};
+use crate::route::normalize_host;
 
 /// An idle upstream connection older than this is closed rather than reused: shorter than
 /// the common 60 s+ server keep-alive, so we rarely send on one the upstream is closing.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(50);
-
-/// How long a connect to one of a name's addresses may take before the next is tried.
-const NEXT_ADDRESS_AFTER: Duration = Duration::from_millis(300);
 
 /// Idle connections kept per upstream address in the shared list; more are closed.
 const MAX_IDLE_PER_ADDR: usize = 256;
@@ -63,6 +60,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct Conn {
     host: Box<str>,
     port: u16,
+    peer: Peer,
     sender: Sender,
     driver: Driver,
     idle_since: Instant,
@@ -74,11 +72,34 @@ impl Conn {
     }
 }
 
+/// Where a connection went, and the egress rules it was last found allowed by: after a
+/// reload changes them, a kept connection is checked again before it is reused.
+struct Peer {
+    ip: IpAddr,
+    rules: Arc<Rules>,
+}
+
+impl Peer {
+    fn allowed(&mut self, resolver: &Resolver, rules: &Arc<Rules>, host: &str, port: u16) -> bool {
+        if Arc::ptr_eq(&self.rules, rules) {
+            return true;
+        }
+        let ok = resolver
+            .check(rules, &normalize_host(host), self.ip, port)
+            .is_ok();
+        if ok {
+            self.rules = rules.clone();
+        }
+        ok
+    }
+}
+
 /// A connection of a client connection, with its sender out while a request holds it.
 struct Slot {
     id: u64,
     host: Box<str>,
     port: u16,
+    peer: Peer,
     sender: Option<(Sender, Instant)>,
     driver: Driver,
 }
@@ -114,15 +135,24 @@ pub struct IdleConns {
 }
 
 impl IdleConns {
-    fn take(&self, worker: usize, host: &str, port: u16, now: Instant) -> Option<Conn> {
+    fn take(
+        &self,
+        worker: usize,
+        (host, port): (&str, u16),
+        (resolver, rules): (&Resolver, &Arc<Rules>),
+        now: Instant,
+    ) -> Option<Conn> {
         let mut map = lock(&self.by_addr);
         // Allocation-free lookup would need a borrowed key type; this runs once per client
         // connection and address, not per request.
         let key = (worker, Box::<str>::from(host), port);
         let list = map.get_mut(&key)?;
         let conn = loop {
-            let c = list.pop()?;
-            if !c.expired(now) && !c.sender.is_closed() {
+            let mut c = list.pop()?;
+            if !c.expired(now)
+                && !c.sender.is_closed()
+                && c.peer.allowed(resolver, rules, host, port)
+            {
                 break c;
             }
         };
@@ -205,7 +235,7 @@ impl Affine {
     /// `forward::forward`).
     pub fn send<'a>(
         &'a self,
-        resolver: &'a Resolver,
+        (resolver, rules): (&'a Resolver, &'a Arc<Rules>),
         mut req: Request<Outbound>,
     ) -> impl Future<Output = Result<(Response<Incoming>, Option<Lease>), AttemptError>> + 'a {
         let origin = origin_form(req.uri());
@@ -218,11 +248,14 @@ impl Affine {
                 .ok_or_else(|| AttemptError::Connect("the request has no host".into()))?;
             let port = absolute.port_u16().unwrap_or(80);
             loop {
-                let ((id, mut sender), reused) = match self.checkout(host, port) {
+                let ((id, mut sender), reused) = match self.checkout(host, port, resolver, rules) {
                     Some(conn) => (conn, true),
                     // Boxed: connecting is rare next to sending on a kept connection, and
                     // its future would otherwise size every request's.
-                    None => (Box::pin(self.connect(resolver, host, port)).await?, false),
+                    None => (
+                        Box::pin(self.connect(resolver, rules, host, port)).await?,
+                        false,
+                    ),
                 };
                 if let Err(e) = sender.ready().await {
                     if reused {
@@ -255,70 +288,55 @@ impl Affine {
     }
 
     /// Takes this client's idle connection to `host:port`, else one from the shared list.
-    fn checkout(&self, host: &str, port: u16) -> Option<(u64, Sender)> {
+    fn checkout(
+        &self,
+        host: &str,
+        port: u16,
+        resolver: &Resolver,
+        rules: &Arc<Rules>,
+    ) -> Option<(u64, Sender)> {
         let now = Instant::now();
         let mut st = lock(&self.state);
         for s in st.slots.iter_mut() {
             if s.port != port || *s.host != *host {
                 continue;
             }
-            // An expired sender is dropped here, so its connection closes and the drive
-            // forgets it, rather than risk the upstream closing it under a request.
+            // An expired sender, or one the egress rules no longer allow, is dropped here,
+            // so its connection closes and the drive forgets it.
             if let Some((sender, since)) = s.sender.take()
                 && now.saturating_duration_since(since) < IDLE_TIMEOUT
+                && s.peer.allowed(resolver, rules, host, port)
             {
                 return Some((s.id, sender));
             }
         }
-        let conn = self.shared.take(self.worker, host, port, now)?;
-        Some(adopt(
-            &mut st,
-            conn.host,
-            conn.port,
-            conn.sender,
-            conn.driver,
-        ))
+        let conn = self
+            .shared
+            .take(self.worker, (host, port), (resolver, rules), now)?;
+        Some(adopt(&mut st, conn))
     }
 
     async fn connect(
         &self,
         resolver: &Resolver,
+        rules: &Arc<Rules>,
         host: &str,
         port: u16,
     ) -> Result<(u64, Sender), AttemptError> {
-        let addrs = resolver.resolve(host, port).await.map_err(|e| match e {
-            EgressError::Denied { addr } => AttemptError::Denied(EgressError::Denied { addr }),
-            other => AttemptError::Connect(Box::new(other)),
-        })?;
-        let mut last = None;
-        let mut stream = None;
-        let count = addrs.len();
-        for (i, addr) in addrs.into_iter().enumerate() {
-            // An address that does not answer (say an IPv6 route that drops packets) must
-            // not use up the whole attempt: the next one gets its turn after a moment, as
-            // in happy eyeballs (RFC 8305). The last one has the attempt's own timeout.
-            let attempt = TcpStream::connect(addr);
-            let result = if i + 1 < count {
-                tokio::time::timeout(NEXT_ADDRESS_AFTER, attempt)
-                    .await
-                    .unwrap_or_else(|_| Err(io::Error::from(io::ErrorKind::TimedOut)))
-            } else {
-                attempt.await
-            };
-            match result {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
-                }
-                Err(e) => last = Some(e),
-            }
-        }
-        let stream = match (stream, last) {
-            (Some(s), _) => s,
-            (None, Some(e)) => return Err(AttemptError::Connect(Box::new(e))),
-            (None, None) => return Err(AttemptError::Connect(Box::new(EgressError::NoAddresses))),
+        let addrs = resolver
+            .resolve(host, port)
+            .await
+            .map_err(|e| match e.refusal() {
+                Some(refusal) => AttemptError::Denied(refusal),
+                None => AttemptError::Connect(Box::new(e)),
+            })?;
+        let stream = crate::egress::connect(&addrs)
+            .await
+            .map_err(|e| AttemptError::Connect(Box::new(e)))?;
+        let peer = Peer {
+            ip: stream.peer_addr().map_or(addrs[0].ip(), |a| a.ip()),
+            rules: rules.clone(),
         };
-        let _ = stream.set_nodelay(true);
         let (sender, conn) = http1::Builder::new()
             .writev(false) // as on the client-facing side (server.rs)
             .handshake(TokioIo::new(stream))
@@ -330,7 +348,17 @@ impl Affine {
             }
         });
         let mut st = lock(&self.state);
-        Ok(adopt(&mut st, host.into(), port, sender, driver))
+        Ok(adopt(
+            &mut st,
+            Conn {
+                host: host.into(),
+                port,
+                peer,
+                sender,
+                driver,
+                idle_since: Instant::now(),
+            },
+        ))
     }
 
     /// Polls every upstream connection; the ones that ended are forgotten.
@@ -352,6 +380,7 @@ impl Affine {
                     Conn {
                         host: s.host,
                         port: s.port,
+                        peer: s.peer,
                         sender,
                         driver: s.driver,
                         idle_since,
@@ -363,26 +392,21 @@ impl Affine {
 }
 
 /// Makes a connection one of this client's, held by the request that asked for it.
-fn adopt(
-    st: &mut State,
-    host: Box<str>,
-    port: u16,
-    sender: Sender,
-    driver: Driver,
-) -> (u64, Sender) {
+fn adopt(st: &mut State, conn: Conn) -> (u64, Sender) {
     let id = st.next_id;
     st.next_id += 1;
     st.slots.push(Slot {
         id,
-        host,
-        port,
+        host: conn.host,
+        port: conn.port,
+        peer: conn.peer,
         sender: None,
-        driver,
+        driver: conn.driver,
     });
     if let Some(w) = &st.waker {
         w.wake_by_ref();
     }
-    (id, sender)
+    (id, conn.sender)
 }
 
 /// The request target as an upstream expects it (`/path?query`), the way a client talking

@@ -1,6 +1,5 @@
-//! The pooled upstream client: hyper-util's client over an `HttpConnector` whose name
-//! resolution goes through the egress [`Resolver`], so every pooled connection has passed
-//! the egress rules.
+//! The pooled upstream client: hyper-util's client over the egress [`Connector`], so every
+//! pooled connection has passed the egress rules.
 
 use std::time::Duration;
 
@@ -8,7 +7,6 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use super::BoxError;
@@ -16,26 +14,23 @@ use super::affine::Lease;
 use super::body::Outbound;
 use super::error::{ProxyError, chain, find_cause};
 use crate::config::RetryOn;
-use crate::egress::{EgressError, Resolver};
+use crate::egress::{Connector, EgressError, Resolver};
 
 #[derive(Clone)]
 pub struct UpstreamClient {
-    inner: Client<HttpsConnector<HttpConnector<Resolver>>, Outbound>,
+    inner: Client<HttpsConnector<Connector>, Outbound>,
 }
 
 impl UpstreamClient {
     /// A pooled client for http:// and https:// upstreams (HTTP/2 when the upstream
     /// offers it by ALPN), trusting what `tls` trusts.
     pub fn new(resolver: Resolver, tls: rustls::ClientConfig) -> UpstreamClient {
-        let mut connector = HttpConnector::new_with_resolver(resolver);
-        connector.set_nodelay(true);
-        connector.enforce_http(false);
         let https = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()
             .enable_http1()
             .enable_http2()
-            .wrap_connector(connector);
+            .wrap_connector(Connector(resolver));
         let inner = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .timer(TokioTimer::new())
@@ -54,8 +49,8 @@ impl UpstreamClient {
         req: Request<Outbound>,
     ) -> Result<(Response<Incoming>, Option<Lease>), AttemptError> {
         let resp = self.inner.request(req).await.map_err(|e| {
-            if let Some(EgressError::Denied { addr }) = find_cause::<EgressError>(&e) {
-                AttemptError::Denied(EgressError::Denied { addr: *addr })
+            if let Some(refusal) = find_cause::<EgressError>(&e).and_then(EgressError::refusal) {
+                AttemptError::Denied(refusal)
             } else if find_cause::<rustls::Error>(&e).is_some() {
                 AttemptError::Tls(Box::new(e))
             } else if e.is_connect() {

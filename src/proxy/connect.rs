@@ -68,6 +68,9 @@ pub(crate) async fn tunnel(
     let upstream = route.as_ref().map(|r| &config.upstreams[r.upstream]);
     let policy = upstream.map_or(&config.defaults, |u| &u.policy);
     // Refuse forbidden destinations before anything else happens, intercepted or not.
+    if let Err(e) = config.egress_rules.connect_port(&host, port) {
+        return done(Err(ProxyError::Egress(e)));
+    }
     let addrs = match app.resolver.resolve(&host, port).await {
         Ok(a) => a,
         Err(e) => return done(Err(ProxyError::Egress(e))),
@@ -134,21 +137,7 @@ fn ok_response() -> Response<Body> {
 
 /// Tries each address in turn, each bounded by `timeout`.
 async fn connect_any(addrs: &[SocketAddr], timeout: Duration) -> io::Result<TcpStream> {
-    let mut last = io::Error::new(io::ErrorKind::NotFound, "no address to connect to");
-    for addr in addrs {
-        match tokio::time::timeout(timeout, TcpStream::connect(addr)).await {
-            Ok(Ok(s)) => {
-                let _ = s.set_nodelay(true);
-                return Ok(s);
-            }
-            Ok(Err(e)) => last = e,
-            Err(_) => {
-                last = io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("connect to {addr} timed out"),
-                )
-            }
-        }
-    }
-    Err(last)
+    tokio::time::timeout(timeout, crate::egress::connect(addrs))
+        .await
+        .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out")))
 }

@@ -43,9 +43,8 @@ impl ProxyError {
     pub fn reason(&self) -> &'static str {
         match self {
             ProxyError::NotProxyRequest | ProxyError::BadRequest(_) => "bad_request",
-            ProxyError::UnmatchedDenied | ProxyError::Egress(EgressError::Denied { .. }) => {
-                "denied"
-            }
+            ProxyError::UnmatchedDenied => "denied",
+            ProxyError::Egress(e) if e.is_refusal() => "denied",
             ProxyError::Egress(_) | ProxyError::UpstreamUnreachable(_) => "upstream_unreachable",
             ProxyError::TotalTimeout(_) => "total_timeout",
             ProxyError::BreakerOpen { .. } => "breaker_open",
@@ -177,9 +176,12 @@ mod tests {
             StatusCode::GATEWAY_TIMEOUT
         );
         let denied = ProxyError::Egress(EgressError::Denied {
-            addr: "169.254.169.254".parse().unwrap(),
+            addr: "169.254.169.254:80".parse().unwrap(),
+            why: crate::egress::Why::Configured,
         });
         assert_eq!(denied.status(), StatusCode::FORBIDDEN);
+        let port = ProxyError::Egress(EgressError::Port { port: 22 });
+        assert_eq!(port.reason(), "denied");
         let dns = ProxyError::Egress(EgressError::NoAddresses);
         assert_eq!(dns.status(), StatusCode::BAD_GATEWAY);
         assert_eq!(dns.outcome(), "sluice_upstream_unreachable");

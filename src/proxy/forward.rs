@@ -19,7 +19,6 @@ use super::{Body, empty, pipeline, stream};
 use crate::app::App;
 use crate::app::Live;
 use crate::config::{Config, Scheme, Unmatched};
-use crate::egress::{EgressError, is_denied};
 use crate::route::{Route, normalize_host};
 
 /// Where an absolute-form request is going.
@@ -179,7 +178,7 @@ fn route_and_send<'a>(
         };
         // Not a `match` around the await: its scrutinee (the request, 240 bytes) would
         // stay in the future while the upstream answers.
-        let req = match admit(&config, route.as_ref(), &target, req) {
+        let req = match admit(app, &config, route.as_ref(), &target, req) {
             Ok(req) => req,
             Err(e) => return done(Err(e)),
         };
@@ -190,6 +189,7 @@ fn route_and_send<'a>(
 
 /// The egress rules, then the request as the upstream will see it.
 fn admit(
+    app: &App,
     config: &Live,
     route: Option<&Route>,
     target: &Target,
@@ -198,11 +198,11 @@ fn admit(
     if route.is_none() && config.proxy.unmatched == Unmatched::Deny {
         return Err(ProxyError::UnmatchedDenied);
     }
-    // Names are checked by the connector's resolver; literals never reach it.
-    if let Ok(ip) = target.host.parse::<IpAddr>()
-        && is_denied(ip)
-    {
-        return Err(ProxyError::Egress(EgressError::Denied { addr: ip }));
+    // A literal address is refused before it is queued; names are checked once resolved.
+    if let Ok(ip) = target.host.parse::<IpAddr>() {
+        app.resolver
+            .check(&config.egress_rules, &target.host, ip, target.port)
+            .map_err(ProxyError::Egress)?;
     }
     to_upstream(req, target)
 }

@@ -370,7 +370,7 @@ fn attempt<'a>(
         };
         let mut send = pin!(match upstreams {
             Some(own) if req.uri().scheme() == Some(&Scheme::HTTP) => {
-                Either::Left(own.send(&app.resolver, req))
+                Either::Left(own.send((&app.resolver, &config.egress_rules), req))
             }
             _ => Either::Right(app.client_for(config, route.map(|r| r.upstream)).send(req)),
         });

@@ -183,6 +183,14 @@ impl Server {
         };
         let proxy = bind(config.proxy.listen, "proxy listener").await?;
         let admin = bind(config.proxy.admin, "admin listener").await?;
+        // Never a destination: a request through the proxy must not reach the admin API
+        // or loop back into the proxy.
+        app.resolver.set_own(
+            [&proxy, &admin]
+                .iter()
+                .filter_map(|l| l.local_addr().ok())
+                .collect(),
+        );
         let reloads = crate::reload::Triggers::new(&app);
         Ok(Server {
             app,
