@@ -55,11 +55,15 @@ pub async fn handle(app: &Arc<App>, req: &Request<Incoming>) -> Response<Body> {
         return reload(app, req.method()).await;
     }
     match (req.uri().path(), get) {
-        ("/metrics", true) => reply(
-            StatusCode::OK,
-            "text/plain; version=0.0.4",
-            app.metrics.render(),
-        ),
+        ("/metrics", true) => {
+            let replay = i64::try_from(app.replay_budget.used()).unwrap_or(i64::MAX);
+            app.metrics.replay_bytes.set(replay);
+            reply(
+                StatusCode::OK,
+                "text/plain; version=0.0.4",
+                app.metrics.render(),
+            )
+        }
         ("/healthz", true) => reply(StatusCode::OK, "text/plain", "ok\n".into()),
         ("/readyz", true) if app.is_draining() => reply(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -56,6 +56,8 @@ pub struct App {
     live: watch::Sender<Arc<Live>>,
     pub metrics: Metrics,
     pub limiter: Limiter,
+    /// Replay copies of request bodies, against `proxy.max_replay_memory`.
+    pub(crate) replay_budget: Arc<crate::proxy::replay::ReplayBudget>,
     /// Plain-HTTP upstream connections whose client connection has closed.
     pub(crate) idle_conns: Arc<crate::proxy::affine::IdleConns>,
     pub(crate) resolver: Resolver,
@@ -106,6 +108,7 @@ impl AppBuilder {
         metrics.config_info(&self.config.sha256, None);
         let egress_rules = Arc::new(Rules::new(&self.config));
         self.resolver.set_rules(egress_rules.clone());
+        let replay_limit = self.config.proxy.max_replay_memory;
         let live = Live {
             egress_rules,
             client,
@@ -121,6 +124,7 @@ impl AppBuilder {
             live,
             metrics,
             limiter,
+            replay_budget: Arc::new(crate::proxy::replay::ReplayBudget::new(replay_limit)),
             idle_conns: Arc::default(),
             resolver: self.resolver,
             handshake_log: HandshakeLog::default(),
@@ -331,6 +335,7 @@ impl App {
             self.metrics.forget_upstream(&u.name, &families);
         }
         self.resolver.set_rules(egress_rules.clone());
+        self.replay_budget.set_limit(config.proxy.max_replay_memory);
         self.live.send_replace(Arc::new(Live {
             egress_rules,
             client,

@@ -37,6 +37,8 @@ pub struct Metrics {
     pub tls_handshake_failures: prometheus::IntCounter,
     /// Live partitions (sets of buckets) over all upstreams, as of the last sweep.
     pub partitions: IntGauge,
+    /// Request body bytes held for replay, as of the scrape.
+    pub replay_bytes: IntGauge,
     /// `{op}`: Redis script calls (reserve, flush, absorb), from sending to the answer.
     pub cluster_calls: HistogramVec,
     /// `{kind}`: failed Redis calls: timeout, connect, io, script, breaker_open.
@@ -105,6 +107,10 @@ impl Metrics {
         let partitions = IntGauge::new(
             "sluice_partitions",
             "Live partitions (one per upstream and key value) as of the last idle sweep",
+        )?;
+        let replay_bytes = IntGauge::new(
+            "sluice_replay_buffered_bytes",
+            "Request body bytes held so that a retry can resend them (bounded by proxy.max_replay_memory)",
         )?;
         let upstream_429 = IntCounterVec::new(
             Opts::new(
@@ -217,6 +223,7 @@ impl Metrics {
         registry.register(Box::new(breaker_state.clone()))?;
         registry.register(Box::new(family_breaker_state.clone()))?;
         registry.register(Box::new(partitions.clone()))?;
+        registry.register(Box::new(replay_bytes.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(upstream_responses.clone()))?;
         registry.register(Box::new(upstream_duration.clone()))?;
@@ -232,6 +239,7 @@ impl Metrics {
             queue_depth,
             rejections,
             partitions,
+            replay_bytes,
             upstream_429,
             edge_429,
             retries,

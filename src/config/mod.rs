@@ -82,6 +82,8 @@ pub struct ProxyConfig {
     pub admin: SocketAddr,
     pub unmatched: Unmatched,
     pub max_replay_body: u64,
+    /// Replay copies held at once across the process; beyond it requests are not retried.
+    pub max_replay_memory: u64,
     #[serde(serialize_with = "ser_duration")]
     pub drain_timeout: Duration,
     #[serde(serialize_with = "ser_duration")]
@@ -653,6 +655,7 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
         admin: parse_addr(&p.admin, "127.0.0.1:9901")?,
         unmatched: p.unmatched.unwrap_or_default(),
         max_replay_body: p.max_replay_body.map_or(1 << 20, |b| b.0),
+        max_replay_memory: p.max_replay_memory.map_or(64 << 20, |b| b.0),
         drain_timeout: p.drain_timeout.map_or(Duration::from_secs(25), |d| d.0),
         shutdown_delay: p.shutdown_delay.map_or(Duration::ZERO, |d| d.0),
     };

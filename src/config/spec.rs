@@ -48,6 +48,7 @@ pub struct ProxySpec {
     pub admin: Option<Spanned<String>>,
     pub unmatched: Option<Unmatched>,
     pub max_replay_body: Option<Bytes>,
+    pub max_replay_memory: Option<Bytes>,
     pub drain_timeout: Option<Dur>,
     pub shutdown_delay: Option<Dur>,
 }

@@ -1,5 +1,5 @@
-//! Body plumbing for the pipeline: buffering a request body so a retry can resend it,
-//! the request body that reports when the request is handed to its upstream connection,
+//! Body plumbing for the pipeline (the replayable request body is `replay`'s): the
+//! request body that reports when the request is handed to its upstream connection,
 //! peeking at a response body for classification without losing a byte, and the response
 //! body that carries its concurrency permit and enforces the idle timeout between chunks.
 
@@ -14,61 +14,8 @@ use http_body_util::BodyExt;
 use tokio::time::{Instant, Sleep};
 
 use super::affine::Lease;
-use super::{Body, BoxError, full};
+use super::{Body, BoxError};
 use crate::limit::{Permit, SendHook};
-
-/// A request body as the retry loop holds it.
-pub enum RequestBody {
-    /// Read whole (no trailers) and small enough to send again.
-    Replayable(Bytes),
-    /// Streams through once; the request cannot be retried after it was sent.
-    Once(Option<Body>),
-}
-
-impl RequestBody {
-    /// Reads up to `limit` bytes: a body that ends within them becomes replayable, a
-    /// longer one (or one with trailers) streams on with nothing lost.
-    pub async fn buffer(mut body: Body, limit: u64) -> Result<RequestBody, BoxError> {
-        if body.size_hint().lower() > limit {
-            return Ok(RequestBody::Once(Some(body)));
-        }
-        let mut seen: VecDeque<Frame<Bytes>> = VecDeque::new();
-        let mut len = 0u64;
-        loop {
-            match body.frame().await {
-                None => break,
-                Some(Err(e)) => return Err(e),
-                Some(Ok(frame)) => {
-                    let is_trailers = frame.is_trailers();
-                    len += frame.data_ref().map_or(0, |d| d.len() as u64);
-                    seen.push_back(frame);
-                    if is_trailers || len > limit {
-                        return Ok(RequestBody::Once(Some(Prefixed::body(seen, Some(body)))));
-                    }
-                }
-            }
-        }
-        let mut data = BytesMut::with_capacity(len as usize);
-        for f in seen {
-            if let Ok(d) = f.into_data() {
-                data.extend_from_slice(&d);
-            }
-        }
-        Ok(RequestBody::Replayable(data.freeze()))
-    }
-
-    pub fn replayable(&self) -> bool {
-        matches!(self, RequestBody::Replayable(_))
-    }
-
-    /// The body for the next attempt; `None` once a streamed body has been used.
-    pub fn for_attempt(&mut self) -> Option<Body> {
-        match self {
-            RequestBody::Replayable(b) => Some(full(b.clone())),
-            RequestBody::Once(b) => b.take(),
-        }
-    }
-}
 
 /// A request body on its way upstream, carrying the hook that reports the instant the
 /// request is handed to its connection: when hyper takes a request to write its head, it
@@ -302,35 +249,6 @@ mod tests {
         stream(http_body_util::StreamBody::new(futures_util::stream::iter(
             frames,
         )))
-    }
-
-    #[tokio::test]
-    async fn small_bodies_replay_large_ones_stream_whole() {
-        let b = RequestBody::buffer(chunks(&["ab", "cd"]), 4).await.unwrap();
-        let mut b = match b {
-            RequestBody::Replayable(ref d) => {
-                assert_eq!(d.as_ref(), b"abcd");
-                b
-            }
-            RequestBody::Once(_) => panic!("4 bytes fit in 4"),
-        };
-        for _ in 0..2 {
-            let again = b.for_attempt().unwrap().collect().await.unwrap().to_bytes();
-            assert_eq!(again.as_ref(), b"abcd");
-        }
-        let mut big = RequestBody::buffer(chunks(&["ab", "cd", "e", "fg"]), 4)
-            .await
-            .unwrap();
-        assert!(!big.replayable());
-        let all = big
-            .for_attempt()
-            .unwrap()
-            .collect()
-            .await
-            .unwrap()
-            .to_bytes();
-        assert_eq!(all.as_ref(), b"abcdefg", "nothing lost");
-        assert!(big.for_attempt().is_none(), "a streamed body goes once");
     }
 
     #[tokio::test]

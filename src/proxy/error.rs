@@ -36,13 +36,22 @@ pub enum ProxyError {
     UpstreamUnreachable(#[source] BoxError),
     #[error("total_timeout of {} ran out", fmt_duration(*.0))]
     TotalTimeout(Duration),
+    /// The client's request body broke (malformed framing, disconnect mid-upload).
+    #[error("{0}")]
+    ClientBody(String),
+    /// The client sent its body too slowly for the upstream's timeout.
+    #[error("the request body did not arrive within {}", fmt_duration(*.0))]
+    ClientTimeout(Duration),
 }
 
 impl ProxyError {
     /// The `sluice-reason` value; metrics use `sluice_<reason>` as the outcome.
     pub fn reason(&self) -> &'static str {
         match self {
-            ProxyError::NotProxyRequest | ProxyError::BadRequest(_) => "bad_request",
+            ProxyError::NotProxyRequest | ProxyError::BadRequest(_) | ProxyError::ClientBody(_) => {
+                "bad_request"
+            }
+            ProxyError::ClientTimeout(_) => "client_timeout",
             ProxyError::UnmatchedDenied => "denied",
             ProxyError::Egress(e) if e.is_refusal() => "denied",
             ProxyError::Egress(_) | ProxyError::UpstreamUnreachable(_) => "upstream_unreachable",
@@ -59,6 +68,7 @@ impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self.reason() {
             "bad_request" => StatusCode::BAD_REQUEST,
+            "client_timeout" => StatusCode::REQUEST_TIMEOUT,
             "denied" => StatusCode::FORBIDDEN,
             "total_timeout" | "upstream_timeout" => StatusCode::GATEWAY_TIMEOUT,
             "breaker_open" | "shutting_down" | "cluster_unavailable" => {
@@ -104,6 +114,14 @@ impl ProxyError {
                 header::RETRY_AFTER,
                 HeaderValue::from(whole_seconds(after).as_secs()),
             );
+        }
+        if matches!(
+            self,
+            ProxyError::ClientBody(_) | ProxyError::ClientTimeout(_)
+        ) {
+            // The rest of the request body is in no known state: nothing more can be read
+            // off this connection.
+            h.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         resp
     }

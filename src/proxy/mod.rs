@@ -13,6 +13,7 @@ pub mod error;
 pub mod forward;
 pub mod headers;
 pub mod pipeline;
+pub mod replay;
 pub mod server;
 pub(crate) mod timer;
 

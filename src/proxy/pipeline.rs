@@ -26,9 +26,10 @@ use tokio_util::either::Either;
 
 use super::Body;
 use super::affine::Affine;
-use super::body::{Outbound, RequestBody, ResponseBody, peek};
+use super::body::{Outbound, ResponseBody, peek};
 use super::client::AttemptError;
 use super::error::ProxyError;
+use super::replay::{ClientFault, Replay};
 use super::timer::ConnTimer;
 use crate::app::App;
 use crate::app::Live;
@@ -54,30 +55,84 @@ pub fn run<'a>(
     route: Option<&'a Route>,
     req: Request<Body>,
 ) -> impl Future<Output = Result<Response<Body>, ProxyError>> + 'a {
+    // Taken apart before the future is built, so that it holds the parts only once.
+    let (parts, body) = req.into_parts();
+    let mut head = Head {
+        method: parts.method,
+        uri: parts.uri,
+        version: parts.version,
+        headers: parts.headers,
+    };
     async move {
         let Some(route) = route else {
             // Unmatched hosts pass through with [defaults] timeouts: no limits, retries or
             // breaker.
             let p = &config.defaults;
-            let once = attempt(app, config, upstreams, None, p.attempt_timeout, req, None);
-            if p.attempt_timeout <= p.total_timeout {
+            let body = Replay::new(body, false, 0, &app.replay_budget);
+            let once = attempt(
+                app,
+                config,
+                upstreams,
+                None,
+                p.attempt_timeout,
+                head.request(body.for_attempt()),
+                None,
+            );
+            let result = if p.attempt_timeout <= p.total_timeout {
                 // The single attempt's own timer always fires first: a second one would
                 // only cost a timer-wheel insert and removal on every request.
-                return Ok(once.await?);
-            }
-            return match tokio::time::timeout(p.total_timeout, once).await {
-                Ok(result) => Ok(result?),
-                Err(_) => Err(ProxyError::TotalTimeout(p.total_timeout)),
+                once.await
+            } else {
+                match tokio::time::timeout(p.total_timeout, once).await {
+                    Ok(result) => result,
+                    Err(_) => return Err(timed_out(&body, p.total_timeout, true)),
+                }
             };
+            return result.map_err(|e| blame(&body, e));
         };
         let policy = config.policy(route);
+        let upstream = &config.upstreams[route.upstream];
+        let retry = &policy.retry;
+        if upstream.idempotency_generate
+            && head.method == Method::POST
+            && !head.headers.contains_key(&retry.idempotency_header)
+        {
+            head.headers
+                .insert(retry.idempotency_header.clone(), idempotency_key());
+        }
+        let safe =
+            is_idempotent(&head.method) || head.headers.contains_key(&retry.idempotency_header);
+        let keep = safe && retry.max_attempts > 1;
+        let body = Replay::new(body, keep, config.proxy.max_replay_body, &app.replay_budget);
         let deadline = Instant::now() + policy.total_timeout;
         tokio::time::timeout_at(
             deadline,
-            retry_loop(app, config, upstreams, route, policy, req, deadline),
+            retry_loop(
+                app, config, upstreams, route, policy, &head, &body, deadline,
+            ),
         )
         .await
-        .unwrap_or(Err(ProxyError::TotalTimeout(policy.total_timeout)))
+        .unwrap_or_else(|_| Err(timed_out(&body, policy.total_timeout, true)))
+    }
+}
+
+/// A failed attempt, charged to the client when its body is what failed.
+fn blame(body: &Replay, e: AttemptError) -> ProxyError {
+    if let Some(ClientFault::Broken(why)) = body.fault() {
+        return ProxyError::ClientBody(why);
+    }
+    match e {
+        AttemptError::Timeout(t) => timed_out(body, t, false),
+        e => e.into(),
+    }
+}
+
+/// A timeout is the client's when it is still sending the body the upstream waits for.
+fn timed_out(body: &Replay, after: Duration, total: bool) -> ProxyError {
+    match (body.waiting_on_client(), total) {
+        (true, _) => ProxyError::ClientTimeout(after),
+        (false, true) => ProxyError::TotalTimeout(after),
+        (false, false) => ProxyError::UpstreamTimeout(after),
     }
 }
 
@@ -100,189 +155,162 @@ impl Head {
     }
 }
 
-fn retry_loop<'a>(
-    app: &'a App,
-    config: &'a Live,
-    upstreams: Option<&'a Affine>,
-    route: &'a Route,
-    policy: &'a Policy,
-    req: Request<Body>,
+#[allow(clippy::too_many_arguments)]
+async fn retry_loop(
+    app: &App,
+    config: &Live,
+    upstreams: Option<&Affine>,
+    route: &Route,
+    policy: &Policy,
+    head: &Head,
+    body: &Replay,
     deadline: Instant,
-) -> impl Future<Output = Result<Response<Body>, ProxyError>> + 'a {
-    // Taken apart before the future is built, so that it holds the parts only once.
-    let (parts, body) = req.into_parts();
-    let mut head = Head {
-        method: parts.method,
-        uri: parts.uri,
-        version: parts.version,
-        headers: parts.headers,
+) -> Result<Response<Body>, ProxyError> {
+    let upstream = &config.upstreams[route.upstream];
+    let (up_label, fam_label) = config.labels(Some(route));
+    let retry = &policy.retry;
+    let shared = &config.policies.upstreams[route.upstream];
+    let plan = &config.plans[route.upstream];
+    let circuit = shared.circuit(route.family);
+    let retry_metric = |reason: &str| {
+        app.metrics
+            .retries
+            .with_label_values(&[up_label, fam_label, reason])
+            .inc()
     };
-    async move {
-        let upstream = &config.upstreams[route.upstream];
-        let (up_label, fam_label) = config.labels(Some(route));
-        let retry = &policy.retry;
-        let shared = &config.policies.upstreams[route.upstream];
-        let plan = &config.plans[route.upstream];
-        let circuit = shared.circuit(route.family);
-        let retry_metric = |reason: &str| {
-            app.metrics
-                .retries
-                .with_label_values(&[up_label, fam_label, reason])
-                .inc()
+
+    shared.budget().record_request(Instant::now());
+
+    let mut prev_delay = retry.backoff.base;
+    let mut attempt_no = 1u32;
+    loop {
+        let probe = match circuit.with(|b| b.admit(Instant::now())) {
+            Admit::Yes => false,
+            Admit::Probe => true,
+            Admit::No { retry_after } => return Err(ProxyError::BreakerOpen { retry_after }),
         };
-
-        if upstream.idempotency_generate
-            && head.method == Method::POST
-            && !head.headers.contains_key(&retry.idempotency_header)
-        {
-            head.headers
-                .insert(retry.idempotency_header.clone(), idempotency_key());
-        }
-        let safe =
-            is_idempotent(&head.method) || head.headers.contains_key(&retry.idempotency_header);
-        let mut body = if safe && retry.max_attempts > 1 {
-            RequestBody::buffer(body, config.proxy.max_replay_body)
-                .await
-                .map_err(|e| {
-                    ProxyError::BadRequest(format!("reading the request body failed: {e}"))
-                })?
-        } else {
-            RequestBody::Once(Some(body))
+        let mut probe_guard = ProbeGuard {
+            circuit,
+            armed: probe,
         };
-        shared.budget().record_request(Instant::now());
+        let permit = app.limiter.acquire(plan, route).await?;
+        let result = attempt(
+            app,
+            config,
+            upstreams,
+            Some(route),
+            policy.attempt_timeout,
+            head.request(body.for_attempt()),
+            permit,
+        )
+        .await;
+        let now = Instant::now();
+        let may_retry = body.replayable() && attempt_no < retry.max_attempts;
 
-        let mut prev_delay = retry.backoff.base;
-        let mut attempt_no = 1u32;
-        loop {
-            let probe = match circuit.with(|b| b.admit(Instant::now())) {
-                Admit::Yes => false,
-                Admit::Probe => true,
-                Admit::No { retry_after } => return Err(ProxyError::BreakerOpen { retry_after }),
-            };
-            let mut probe_guard = ProbeGuard {
-                circuit,
-                armed: probe,
-            };
-            let permit = app.limiter.acquire(plan, route).await?;
-            let Some(attempt_body) = body.for_attempt() else {
-                return Err(ProxyError::BadRequest("request body already sent".into()));
-            };
-            let result = attempt(
-                app,
-                config,
-                upstreams,
-                Some(route),
-                policy.attempt_timeout,
-                head.request(attempt_body),
-                permit,
-            )
-            .await;
-            let now = Instant::now();
-            let may_retry = body.replayable() && attempt_no < retry.max_attempts;
-
-            let (wants_retry, hint, outcome) = match result {
-                Ok(resp) => {
-                    let status = resp.status().as_u16();
-                    circuit.with(|b| b.record(status >= 500, probe, now));
-                    probe_guard.armed = false;
-                    let (resp, action) = if classify::needs_body(&upstream.classify, status) {
-                        let (parts, body) = resp.into_parts();
-                        match peek(body, classify::BODY_LIMIT).await {
-                            Ok((prefix, body)) => (
-                                Response::from_parts(parts, body),
-                                classify::classify(&upstream.classify, status, Some(&prefix)),
-                            ),
-                            Err(e) => return Err(ProxyError::UpstreamUnreachable(e)),
-                        }
-                    } else {
-                        (resp, classify::classify(&upstream.classify, status, None))
+        let (wants_retry, hint, outcome) = match result {
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                circuit.with(|b| b.record(status >= 500, probe, now));
+                probe_guard.armed = false;
+                let (resp, action) = if classify::needs_body(&upstream.classify, status) {
+                    let (parts, body) = resp.into_parts();
+                    match peek(body, classify::BODY_LIMIT).await {
+                        Ok((prefix, body)) => (
+                            Response::from_parts(parts, body),
+                            classify::classify(&upstream.classify, status, Some(&prefix)),
+                        ),
+                        Err(e) => return Err(ProxyError::UpstreamUnreachable(e)),
+                    }
+                } else {
+                    (resp, classify::classify(&upstream.classify, status, None))
+                };
+                // Only responses that may be retried or cooled down are read for hints.
+                let hint = (status == 429 || status >= 500 || action.is_some())
+                    .then(|| hints::server_hint(resp.headers(), SystemTime::now()))
+                    .flatten();
+                if let Some(action) = action
+                    && status == 429
+                {
+                    let name = match action {
+                        Action::Retry => "retry",
+                        Action::Cooldown => "cooldown",
+                        Action::Fail => "fail",
                     };
-                    // Only responses that may be retried or cooled down are read for hints.
-                    let hint = (status == 429 || status >= 500 || action.is_some())
-                        .then(|| hints::server_hint(resp.headers(), SystemTime::now()))
-                        .flatten();
-                    if let Some(action) = action
-                        && status == 429
-                    {
-                        let name = match action {
-                            Action::Retry => "retry",
-                            Action::Cooldown => "cooldown",
-                            Action::Fail => "fail",
-                        };
-                        app.metrics
-                            .upstream_429
-                            .with_label_values(&[up_label, fam_label, name])
-                            .inc();
-                    }
-                    if action == Some(Action::Cooldown) {
-                        let pause = hint.map_or_else(
-                            || backoff_delay(policy, attempt_no, prev_delay),
-                            |h| h.wait,
-                        );
-                        let whole_family = upstream.cooldown == CooldownScope::Family;
-                        app.limiter
-                            .pause(plan, route, whole_family, now + pause.min(MAX_PAUSE));
-                        tracing::info!(
-                            upstream = up_label,
-                            family = fam_label,
-                            pause_ms = pause.as_millis() as u64,
-                            scope = if whole_family { "family" } else { "upstream" },
-                            "429: cooling the bucket down"
-                        );
-                    }
-                    (
-                        wants_retry(Some(status), None, action, &retry.on),
-                        hint,
-                        Ok(resp),
-                    )
+                    app.metrics
+                        .upstream_429
+                        .with_label_values(&[up_label, fam_label, name])
+                        .inc();
                 }
-                Err(e) => {
-                    if matches!(e, AttemptError::Denied(_)) {
-                        probe_guard.armed = false;
-                        circuit.with(|b| b.abandon_probe());
-                        return Err(e.into());
-                    }
-                    circuit.with(|b| b.record(true, probe, now));
+                if action == Some(Action::Cooldown) {
+                    let pause = hint
+                        .map_or_else(|| backoff_delay(policy, attempt_no, prev_delay), |h| h.wait);
+                    let whole_family = upstream.cooldown == CooldownScope::Family;
+                    app.limiter
+                        .pause(plan, route, whole_family, now + pause.min(MAX_PAUSE));
+                    tracing::info!(
+                        upstream = up_label,
+                        family = fam_label,
+                        pause_ms = pause.as_millis() as u64,
+                        scope = if whole_family { "family" } else { "upstream" },
+                        "429: cooling the bucket down"
+                    );
+                }
+                (
+                    wants_retry(Some(status), None, action, &retry.on),
+                    hint,
+                    Ok(resp),
+                )
+            }
+            Err(e) => {
+                // Neither a refusal nor the client's own failure says anything about
+                // the upstream: no breaker, no retry.
+                let clients = body.fault().is_some()
+                    || (matches!(e, AttemptError::Timeout(_)) && body.waiting_on_client());
+                if clients || matches!(e, AttemptError::Denied(_)) {
                     probe_guard.armed = false;
-                    (
-                        wants_retry(None, e.retry_on(), None, &retry.on),
-                        None,
-                        Err(e),
-                    )
+                    circuit.with(|b| b.abandon_probe());
+                    return Err(blame(body, e));
                 }
-            };
+                circuit.with(|b| b.record(true, probe, now));
+                probe_guard.armed = false;
+                (
+                    wants_retry(None, e.retry_on(), None, &retry.on),
+                    None,
+                    Err(e),
+                )
+            }
+        };
 
-            let reason = match &outcome {
-                Ok(resp) => resp.status().as_str().to_string(),
-                Err(e) => e.label().to_string(),
-            };
-            if !(wants_retry && may_retry) {
-                return finish(outcome, attempt_no);
-            }
-            let (delay, why) = match hint {
-                Some(h) => (h.wait, h.source),
-                None => (backoff_delay(policy, attempt_no, prev_delay), "backoff"),
-            };
-            if hint.is_some_and(|h| h.wait > retry.max_retry_after) || now + delay >= deadline {
-                tracing::info!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
-                wait_ms = delay.as_millis() as u64, why, "not retrying: the wait is longer than allowed");
-                return finish(outcome, attempt_no);
-            }
-            if !shared.budget().try_retry(now) {
-                retry_metric("budget_exhausted");
-                tracing::warn!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
-                "not retrying: the retry budget is exhausted");
-                return finish(outcome, attempt_no);
-            }
-            retry_metric(&reason);
-            tracing::info!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
-            delay_ms = delay.as_millis() as u64, why, "retrying");
-            // The response (and its concurrency permit) goes before we wait.
-            drop(outcome);
-            tokio::time::sleep(delay).await;
-            prev_delay = delay;
-            attempt_no += 1;
+        let reason = match &outcome {
+            Ok(resp) => resp.status().as_str().to_string(),
+            Err(e) => e.label().to_string(),
+        };
+        if !(wants_retry && may_retry) {
+            return finish(outcome, attempt_no);
         }
+        let (delay, why) = match hint {
+            Some(h) => (h.wait, h.source),
+            None => (backoff_delay(policy, attempt_no, prev_delay), "backoff"),
+        };
+        if hint.is_some_and(|h| h.wait > retry.max_retry_after) || now + delay >= deadline {
+            tracing::info!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
+            wait_ms = delay.as_millis() as u64, why, "not retrying: the wait is longer than allowed");
+            return finish(outcome, attempt_no);
+        }
+        if !shared.budget().try_retry(now) {
+            retry_metric("budget_exhausted");
+            tracing::warn!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
+            "not retrying: the retry budget is exhausted");
+            return finish(outcome, attempt_no);
+        }
+        retry_metric(&reason);
+        tracing::info!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
+        delay_ms = delay.as_millis() as u64, why, "retrying");
+        // The response (and its concurrency permit) goes before we wait.
+        drop(outcome);
+        tokio::time::sleep(delay).await;
+        prev_delay = delay;
+        attempt_no += 1;
     }
 }
 

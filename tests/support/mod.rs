@@ -59,7 +59,8 @@ impl Seen {
 }
 
 /// A hyper server answering by path:
-/// `/echo` streams the request body back; `/chunked/N` sends N chunks without a length;
+/// `/echo` streams the request body back; `/read` reads the whole body, then answers its
+/// length (400 if it broke); `/chunked/N` sends N chunks without a length;
 /// `/status/NNN` answers that status; `/slow/MS` waits before answering; `/drip/N/MS`
 /// sends N chunks MS milliseconds apart; anything else
 /// answers 200 `hello`. Every response carries hop-by-hop fields sluice must strip.
@@ -147,6 +148,18 @@ async fn respond(req: Request<Incoming>, seen: &Mutex<Vec<Seen>>) -> Response<Te
     let (head, arg) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let mut resp = match head {
         "echo" => Response::new(req.into_body().map_err(Into::into).boxed()),
+        "read" => match req.into_body().collect().await {
+            Ok(b) => Response::new(
+                Full::new(Bytes::from(b.to_bytes().len().to_string()))
+                    .map_err(|n| match n {})
+                    .boxed(),
+            ),
+            Err(_) => {
+                let mut r = text("broken body");
+                *r.status_mut() = StatusCode::BAD_REQUEST;
+                r
+            }
+        },
         "chunked" => {
             let n: usize = arg.parse().unwrap_or(3);
             let chunks =

@@ -1,0 +1,218 @@
+//! What a broken client or a broken upstream can do to sluice, and what it gets instead:
+//! the regression tests of the hardening review (issue 15), against real sockets.
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// An upstream whose breaker opens after four failures out of at least four attempts.
+fn touchy(up: &Upstream) -> String {
+    format!(
+        "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\nattempt_timeout = \"500ms\"\n\
+         [upstream.breaker]\nmin_requests = 4\nfailure_ratio = 0.5\nwindow = \"1m\"\nopen_for = \"1m\"\n",
+        up.addr.port()
+    )
+}
+
+/// Sends `head` and `body` on a new connection to the proxy, and reads what comes back
+/// (nothing if the proxy closes first).
+async fn send(proxy: &Proxy, head: &str, body: &[u8], then_close: bool) -> Option<RawResponse> {
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body).await.unwrap();
+    if then_close {
+        drop(s);
+        return None;
+    }
+    let resp = tokio::time::timeout(Duration::from_secs(10), read_response(&mut s))
+        .await
+        .expect("an answer in time");
+    // The connection is closed after a client failure: nothing more can be read on it.
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await;
+    assert!(
+        closed.is_ok(),
+        "the connection is closed after {}",
+        resp.status
+    );
+    Some(resp)
+}
+
+/// Broken uploads from one client (a malformed chunk, a disconnect halfway, an upload
+/// slower than attempt_timeout) are the client's: 400 or 408, never retried, never
+/// counted against the upstream, whose breaker stays closed for everyone else.
+#[tokio::test]
+async fn a_clients_broken_body_never_trips_the_upstreams_breaker() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&touchy(&up)).await;
+    let url = up.url("/read");
+    let chunked = format!("POST {url} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n");
+    let sized = format!("POST {url} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n");
+    for _ in 0..5 {
+        let r = send(&proxy, &chunked, b"5\r\nhello\r\nzz\r\n", false)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 400, "{}", r.head);
+        assert_eq!(r.header("sluice-reason").as_deref(), Some("bad_request"));
+
+        send(&proxy, &sized, b"0123456789", true).await;
+
+        // Ten bytes of a hundred, then nothing: the upstream waits for the rest.
+        let r = send(&proxy, &sized, b"0123456789", false).await.unwrap();
+        assert_eq!(r.status, 408, "{}", r.head);
+        assert_eq!(r.header("sluice-reason").as_deref(), Some("client_timeout"));
+    }
+    // Let the disconnected uploads finish on sluice's side.
+    let settled = eventually(Duration::from_secs(5), || async {
+        let m = proxy.metrics().await;
+        metric(
+            &m,
+            r#"sluice_requests_total{family="-",outcome="sluice_bad_request",upstream="api"}"#,
+        ) == Some(10.0)
+    })
+    .await;
+    let m = proxy.metrics().await;
+    assert!(settled, "{m}");
+
+    let ok = proxy
+        .client()
+        .post(up.url("/read"))
+        .body("fine")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    assert_eq!(ok.text().await.unwrap(), "4");
+    let m = proxy.metrics().await;
+    assert_eq!(
+        metric(&m, r#"sluice_breaker_state{state="closed",upstream="api"}"#),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"sluice_requests_total{family="-",outcome="sluice_client_timeout",upstream="api"}"#
+        ),
+        Some(5.0),
+        "{m}"
+    );
+    assert!(!m.contains("sluice_retries_total{"), "nothing retried: {m}");
+    for status in ["502", "504"] {
+        assert!(!m.contains(&format!("outcome=\"{status}\"")), "{m}");
+    }
+}
+
+/// A request body slower than total_timeout (shorter than attempt_timeout here) is 408
+/// too, not 504.
+#[tokio::test]
+async fn a_body_slower_than_total_timeout_is_408() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n\
+         attempt_timeout = \"5s\"\ntotal_timeout = \"400ms\"\n",
+        up.addr.port()
+    ))
+    .await;
+    let head = format!(
+        "PUT {} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n",
+        up.url("/read")
+    );
+    let r = send(&proxy, &head, b"0123456789", false).await.unwrap();
+    assert_eq!(r.status, 408, "{}", r.head);
+    assert_eq!(r.header("sluice-reason").as_deref(), Some("client_timeout"));
+    // The upstream that is slow itself still gets 504.
+    let slow = proxy
+        .client()
+        .get(up.url("/slow/2000"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(slow.status(), 504);
+}
+
+/// Queued requests read nothing of their bodies: a queue full of large PUTs holds no
+/// replay copies, and each body is read only once its request is admitted (then copied
+/// while it streams, so it can still be retried).
+#[tokio::test]
+async fn queued_bodies_are_not_read_before_admission() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n\
+         limits = [{{ kind = \"concurrency\", max = 1 }}]\n",
+        up.addr.port()
+    ))
+    .await;
+    let client = proxy.client();
+    let hold = tokio::spawn({
+        let c = client.clone();
+        let url = up.url("/slow/1500");
+        async move { c.get(url).send().await.unwrap().status() }
+    });
+    let holding = eventually(Duration::from_secs(5), || async { up.seen().len() == 1 }).await;
+    assert!(holding);
+    const BODY: usize = 256 * 1024;
+    let puts: Vec<_> = (0..12)
+        .map(|_| {
+            let c = client.clone();
+            let url = up.url("/read");
+            tokio::spawn(async move {
+                let r = c.put(url).body(vec![b'x'; BODY]).send().await.unwrap();
+                (r.status().as_u16(), r.text().await.unwrap())
+            })
+        })
+        .collect();
+    let all_queued = eventually(Duration::from_secs(5), || async {
+        let m = proxy.metrics().await;
+        metric(&m, r#"sluice_queue_depth{family="-",upstream="api"}"#) == Some(12.0)
+    })
+    .await;
+    let m = proxy.metrics().await;
+    assert!(all_queued, "{m}");
+    assert_eq!(metric(&m, "sluice_replay_buffered_bytes"), Some(0.0), "{m}");
+    assert_eq!(hold.await.unwrap(), 200);
+    for p in puts {
+        assert_eq!(p.await.unwrap(), (200, BODY.to_string()));
+    }
+    let m = proxy.metrics().await;
+    assert_eq!(
+        metric(&m, "sluice_replay_buffered_bytes"),
+        Some(0.0),
+        "all given back: {m}"
+    );
+}
+
+/// Replay copies have a process-wide budget: beyond it a request streams once and is not
+/// retried; within it, a retry resends the whole body.
+#[tokio::test]
+async fn replay_memory_is_bounded_process_wide() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&format!(
+        "max_replay_memory = \"100KiB\"\n\
+         [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n\
+         retry = {{ backoff = {{ base = \"10ms\", max = \"10ms\" }} }}\n",
+        up.addr.port()
+    ))
+    .await;
+    let client = proxy.client();
+    let big = client
+        .put(up.url("/seq/big/503,200"))
+        .body(vec![b'x'; 200 * 1024])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(big.status(), 503, "not retried: its copy did not fit");
+    assert!(big.headers().get("sluice-attempts").is_none());
+    let small = client
+        .put(up.url("/seq/small/503,200"))
+        .body(vec![b'x'; 50 * 1024])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(small.status(), 200);
+    assert_eq!(small.headers()["sluice-attempts"], "2");
+}
