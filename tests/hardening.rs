@@ -216,3 +216,77 @@ async fn replay_memory_is_bounded_process_wide() {
     assert_eq!(small.status(), 200);
     assert_eq!(small.headers()["sluice-attempts"], "2");
 }
+
+/// A raw upstream: accepts connections and answers every request head it reads with
+/// `response`, as many times as asked on one connection.
+async fn raw_upstream(response: &'static [u8]) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    let Ok(n) = s.read(&mut chunk).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        buf.drain(..end + 4);
+                        if s.write_all(response).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// RFC 9112 §6.3: with both Transfer-Encoding and Content-Length, the length is ignored
+/// and must not be passed on; the client gets the whole body, and the connection stays
+/// usable.
+#[tokio::test]
+async fn a_content_length_beside_transfer_encoding_is_dropped() {
+    let up = raw_upstream(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n\
+          5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+    )
+    .await;
+    let proxy = Proxy::start("").await;
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    for _ in 0..2 {
+        s.write_all(format!("GET http://{up}/ HTTP/1.1\r\nHost: {up}\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let head = read_head(&mut s).await;
+        assert_eq!(head.status, 200, "{}", head.head);
+        assert_eq!(head.header("content-length"), None, "{}", head.head);
+        assert_eq!(
+            head.header("transfer-encoding").as_deref(),
+            Some("chunked"),
+            "{}",
+            head.head
+        );
+        let mut body = Vec::new();
+        while !body.ends_with(b"0\r\n\r\n") {
+            let mut chunk = [0u8; 256];
+            let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut chunk))
+                .await
+                .expect("the body in time")
+                .unwrap();
+            assert!(n > 0, "connection closed");
+            body.extend_from_slice(&chunk[..n]);
+        }
+        let text = String::from_utf8_lossy(&body);
+        assert!(text.contains("hello") && text.contains(" world"), "{text}");
+    }
+}

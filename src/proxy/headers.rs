@@ -75,6 +75,13 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for (name, _) in HOP_BY_HOP.iter().zip(present).filter(|(_, p)| *p) {
         headers.remove(name);
     }
+    if present[5] {
+        // RFC 9112 §6.3: with Transfer-Encoding the length is the decoded body's, and a
+        // Content-Length alongside it must be removed before forwarding. Left in, it
+        // would frame the body we send re-encoded: truncated, with the rest of it read as
+        // the next response.
+        headers.remove(header::CONTENT_LENGTH);
+    }
 }
 
 /// RFC 9110 §7.6.3: a proxy adds itself to `Via` on what it forwards.
@@ -107,6 +114,7 @@ mod tests {
             ("te", "trailers"),
             ("trailer", "x-sum"),
             ("transfer-encoding", "chunked"),
+            ("content-length", "3"),
             ("upgrade", "websocket"),
             ("proxy-authorization", "Basic eDp5"),
             ("authorization", "Bearer keep-me"),
