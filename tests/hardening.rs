@@ -290,3 +290,49 @@ async fn a_content_length_beside_transfer_encoding_is_dropped() {
         assert!(text.contains("hello") && text.contains(" world"), "{text}");
     }
 }
+
+/// A client that stops reading a large response loses it after send_timeout, and the
+/// concurrency permit it held goes to the next client.
+#[tokio::test]
+async fn a_client_that_stops_reading_gives_its_permit_back() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&format!(
+        "send_timeout = \"500ms\"\n\
+         [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\nmax_wait = \"20s\"\n\
+         limits = [{{ kind = \"concurrency\", max = 2 }}]\n",
+        up.addr.port()
+    ))
+    .await;
+    // Two clients ask for 64 MiB each and read none of it.
+    let mut stalled = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+        let req = format!("GET {} HTTP/1.1\r\nHost: x\r\n\r\n", up.url("/big/65536"));
+        s.write_all(req.as_bytes()).await.unwrap();
+        stalled.push(s);
+    }
+    let both = eventually(Duration::from_secs(5), || async { up.seen().len() == 2 }).await;
+    assert!(both);
+    let started = tokio::time::Instant::now();
+    let resp = proxy.client().get(up.url("/")).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "admitted once the stalled responses were cut, not after max_wait: {:?}",
+        started.elapsed()
+    );
+    // The stalled clients' connections were closed.
+    for mut s in stalled {
+        let mut sink = vec![0u8; 1 << 20];
+        let closed = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match s.read(&mut sink).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        assert!(closed.is_ok(), "the stalled connection ends");
+    }
+}

@@ -84,6 +84,9 @@ pub struct ProxyConfig {
     pub max_replay_body: u64,
     /// Replay copies held at once across the process; beyond it requests are not retried.
     pub max_replay_memory: u64,
+    /// How long a write to a client may stay blocked (nginx's `send_timeout`).
+    #[serde(serialize_with = "ser_duration")]
+    pub send_timeout: Duration,
     #[serde(serialize_with = "ser_duration")]
     pub drain_timeout: Duration,
     #[serde(serialize_with = "ser_duration")]
@@ -656,6 +659,7 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
         unmatched: p.unmatched.unwrap_or_default(),
         max_replay_body: p.max_replay_body.map_or(1 << 20, |b| b.0),
         max_replay_memory: p.max_replay_memory.map_or(64 << 20, |b| b.0),
+        send_timeout: p.send_timeout.map_or(Duration::from_secs(30), |d| d.0),
         drain_timeout: p.drain_timeout.map_or(Duration::from_secs(25), |d| d.0),
         shutdown_delay: p.shutdown_delay.map_or(Duration::ZERO, |d| d.0),
     };

@@ -49,6 +49,7 @@ pub struct ProxySpec {
     pub unmatched: Option<Unmatched>,
     pub max_replay_body: Option<Bytes>,
     pub max_replay_memory: Option<Bytes>,
+    pub send_timeout: Option<PosDur>,
     pub drain_timeout: Option<Dur>,
     pub shutdown_delay: Option<Dur>,
 }

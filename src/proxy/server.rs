@@ -415,6 +415,7 @@ async fn serve_connection(
     lc: Lifecycle,
     worker: usize,
 ) {
+    let send_timeout = app.config().proxy.send_timeout;
     let affine = Affine::new(app.idle_conns.clone(), worker);
     let shared = Arc::new(ConnShared {
         app,
@@ -430,11 +431,114 @@ async fn serve_connection(
         .timer(ConnTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT)
         .max_header_size(MAX_HEAD_BYTES)
-        .serve_connection(TokioIo::new(stream), svc)
+        .serve_connection(TokioIo::new(SendTimeout::new(stream, send_timeout)), svc)
         .with_upgrades();
     let result = lc.until_drained(Driven::new(conn, affine)).await;
     if let Err(e) = result {
         tracing::debug!(%peer, error = %e, "client connection ended with an error");
+    }
+}
+
+/// A client socket whose writes may not stay blocked for longer than `limit` (nginx's
+/// `send_timeout`): a client that stops reading would otherwise keep its response, and
+/// the concurrency permit that goes with it, forever. The error ends the connection,
+/// which drops the response and gives the permits back. It stays with the socket after
+/// an upgrade, so a tunnel whose client stops reading ends the same way.
+pub(crate) struct SendTimeout<T> {
+    inner: T,
+    limit: Duration,
+    /// Armed when a write finds the socket full, disarmed by the next write that goes
+    /// through: most responses never block and never touch the timer wheel.
+    blocked: Option<Pin<Box<tokio::time::Sleep>>>,
+    armed: bool,
+}
+
+impl<T> SendTimeout<T> {
+    pub(crate) fn new(inner: T, limit: Duration) -> SendTimeout<T> {
+        SendTimeout {
+            inner,
+            limit,
+            blocked: None,
+            armed: false,
+        }
+    }
+
+    /// On a write that made no progress: whether the client has been stuck too long.
+    fn stalled(&mut self, cx: &mut std::task::Context<'_>) -> bool {
+        let deadline = tokio::time::Instant::now() + self.limit;
+        let sleep = self
+            .blocked
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if !self.armed {
+            sleep.as_mut().reset(deadline);
+            self.armed = true;
+        }
+        sleep.as_mut().poll(cx).is_ready()
+    }
+
+    fn timed_out(&self) -> io::Error {
+        io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "the client read nothing for {} (send_timeout)",
+                crate::config::units::fmt_duration(self.limit)
+            ),
+        )
+    }
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for SendTimeout<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for SendTimeout<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<io::Result<usize>> {
+        use std::task::Poll;
+        match Pin::new(&mut self.inner).poll_write(cx, buf) {
+            Poll::Pending => {
+                if self.stalled(cx) {
+                    return Poll::Ready(Err(self.timed_out()));
+                }
+                Poll::Pending
+            }
+            done => {
+                self.armed = false;
+                done
+            }
+        }
+    }
+
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        use std::task::Poll;
+        match Pin::new(&mut self.inner).poll_flush(cx) {
+            Poll::Pending => {
+                if self.stalled(cx) {
+                    return Poll::Ready(Err(self.timed_out()));
+                }
+                Poll::Pending
+            }
+            done => done,
+        }
+    }
+
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 

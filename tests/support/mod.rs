@@ -61,7 +61,7 @@ impl Seen {
 /// A hyper server answering by path:
 /// `/echo` streams the request body back; `/read` reads the whole body, then answers its
 /// length (400 if it broke); `/chunked/N` sends N chunks without a length;
-/// `/status/NNN` answers that status; `/slow/MS` waits before answering; `/drip/N/MS`
+/// `/big/N` sends N KiB; `/status/NNN` answers that status; `/slow/MS` waits before answering; `/drip/N/MS`
 /// sends N chunks MS milliseconds apart; anything else
 /// answers 200 `hello`. Every response carries hop-by-hop fields sluice must strip.
 pub struct Upstream {
@@ -167,6 +167,15 @@ async fn respond(req: Request<Incoming>, seen: &Mutex<Vec<Seen>>) -> Response<Te
             Response::new(BodyExt::boxed(StreamBody::new(futures_util::stream::iter(
                 chunks,
             ))))
+        }
+        "big" => {
+            // N KiB in 64 KiB chunks, made as they are read.
+            let kib: usize = arg.parse().unwrap_or(1024);
+            let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
+            let chunks = futures_util::stream::iter(
+                (0..kib.div_ceil(64)).map(move |_| Ok::<_, BoxError>(Frame::data(chunk.clone()))),
+            );
+            Response::new(BodyExt::boxed(StreamBody::new(chunks)))
         }
         "drip" => {
             let (n, gap) = arg.split_once('/').unwrap_or(("3", "100"));
