@@ -18,7 +18,12 @@ use crate::app::App;
 use crate::proxy::{Body, full};
 
 /// Serves admin requests until `stop` is cancelled.
+/// Admin connections served at once; more are closed at once. The admin listener keeps
+/// its own small share of descriptors, so it answers while the proxy is at its cap.
+const MAX_ADMIN_CONNECTIONS: usize = 64;
+
 pub async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken) {
+    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
         let (stream, _) = tokio::select! {
             r = listener.accept() => match r {
@@ -31,8 +36,13 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken
             },
             _ = stop.cancelled() => return,
         };
+        if open.fetch_add(1, std::sync::atomic::Ordering::AcqRel) >= MAX_ADMIN_CONNECTIONS {
+            open.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            continue;
+        }
         let app = app.clone();
         let stop = stop.clone();
+        let open = open.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req| {
                 let app = app.clone();
@@ -45,6 +55,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken
                 _ = conn => {}
                 _ = stop.cancelled() => {}
             }
+            open.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
         });
     }
 }
@@ -58,6 +69,12 @@ pub async fn handle(app: &Arc<App>, req: &Request<Incoming>) -> Response<Body> {
         ("/metrics", true) => {
             let replay = i64::try_from(app.replay_budget.used()).unwrap_or(i64::MAX);
             app.metrics.replay_bytes.set(replay);
+            let open = app
+                .client_connections
+                .load(std::sync::atomic::Ordering::Relaxed);
+            app.metrics
+                .client_connections
+                .set(i64::try_from(open).unwrap_or(i64::MAX));
             reply(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",

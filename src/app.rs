@@ -56,6 +56,8 @@ pub struct App {
     live: watch::Sender<Arc<Live>>,
     pub metrics: Metrics,
     pub limiter: Limiter,
+    /// Client connections open now (proxy listener), against `proxy.max_connections`.
+    pub(crate) client_connections: Arc<std::sync::atomic::AtomicUsize>,
     /// Replay copies of request bodies, against `proxy.max_replay_memory`.
     pub(crate) replay_budget: Arc<crate::proxy::replay::ReplayBudget>,
     /// Plain-HTTP upstream connections whose client connection has closed.
@@ -124,6 +126,7 @@ impl AppBuilder {
             live,
             metrics,
             limiter,
+            client_connections: Arc::default(),
             replay_budget: Arc::new(crate::proxy::replay::ReplayBudget::new(replay_limit)),
             idle_conns: Arc::default(),
             resolver: self.resolver,

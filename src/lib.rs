@@ -39,6 +39,7 @@ pub mod metrics;
 pub mod policy;
 pub mod proxy;
 pub mod reload;
+pub mod rlimit;
 pub mod route;
 pub mod tls;
 

@@ -182,6 +182,17 @@ fn explain(path: &Path, method: &str, url: &str, headers: &[String]) -> anyhow::
 
 fn run(path: &Path, workers: Option<u16>) -> anyhow::Result<()> {
     let config = Config::load(path)?;
+    match sluice::rlimit::raise_nofile() {
+        Ok((before, after)) if after > before => {
+            tracing::info!(
+                from = before,
+                to = after,
+                "raised the open-file limit to its hard limit"
+            )
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit"),
+    }
     for w in config.warnings() {
         tracing::warn!(config = %path.display(), "{w}");
     }

@@ -39,6 +39,10 @@ pub struct Metrics {
     pub partitions: IntGauge,
     /// Request body bytes held for replay, as of the scrape.
     pub replay_bytes: IntGauge,
+    /// Client connections open, as of the scrape.
+    pub client_connections: IntGauge,
+    /// Client connections answered 503 because `max_connections` were open.
+    pub connections_refused: prometheus::IntCounter,
     /// `{op}`: Redis script calls (reserve, flush, absorb), from sending to the answer.
     pub cluster_calls: HistogramVec,
     /// `{kind}`: failed Redis calls: timeout, connect, io, script, breaker_open.
@@ -111,6 +115,14 @@ impl Metrics {
         let replay_bytes = IntGauge::new(
             "sluice_replay_buffered_bytes",
             "Request body bytes held so that a retry can resend them (bounded by proxy.max_replay_memory)",
+        )?;
+        let client_connections = IntGauge::new(
+            "sluice_client_connections",
+            "Client connections open on the proxy listener, tunnels included",
+        )?;
+        let connections_refused = prometheus::IntCounter::new(
+            "sluice_connections_refused_total",
+            "Client connections answered 503 connection_limit because proxy.max_connections were open",
         )?;
         let upstream_429 = IntCounterVec::new(
             Opts::new(
@@ -224,6 +236,8 @@ impl Metrics {
         registry.register(Box::new(family_breaker_state.clone()))?;
         registry.register(Box::new(partitions.clone()))?;
         registry.register(Box::new(replay_bytes.clone()))?;
+        registry.register(Box::new(client_connections.clone()))?;
+        registry.register(Box::new(connections_refused.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(upstream_responses.clone()))?;
         registry.register(Box::new(upstream_duration.clone()))?;
@@ -240,6 +254,8 @@ impl Metrics {
             rejections,
             partitions,
             replay_bytes,
+            client_connections,
+            connections_refused,
             upstream_429,
             edge_429,
             retries,

@@ -84,6 +84,11 @@ pub struct ProxyConfig {
     pub max_replay_body: u64,
     /// Replay copies held at once across the process; beyond it requests are not retried.
     pub max_replay_memory: u64,
+    /// Client connections served at once; `None`: from the open-file limit (`rlimit`).
+    pub max_connections: Option<u64>,
+    /// A CONNECT tunnel with no bytes either way for this long is closed.
+    #[serde(serialize_with = "ser_duration")]
+    pub tunnel_idle_timeout: Duration,
     /// How long a write to a client may stay blocked (nginx's `send_timeout`).
     #[serde(serialize_with = "ser_duration")]
     pub send_timeout: Duration,
@@ -659,6 +664,10 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
         unmatched: p.unmatched.unwrap_or_default(),
         max_replay_body: p.max_replay_body.map_or(1 << 20, |b| b.0),
         max_replay_memory: p.max_replay_memory.map_or(64 << 20, |b| b.0),
+        max_connections: p.max_connections.map(|n| n.get()),
+        tunnel_idle_timeout: p
+            .tunnel_idle_timeout
+            .map_or(Duration::from_secs(300), |d| d.0),
         send_timeout: p.send_timeout.map_or(Duration::from_secs(30), |d| d.0),
         drain_timeout: p.drain_timeout.map_or(Duration::from_secs(25), |d| d.0),
         shutdown_delay: p.shutdown_delay.map_or(Duration::ZERO, |d| d.0),

@@ -49,6 +49,8 @@ pub struct ProxySpec {
     pub unmatched: Option<Unmatched>,
     pub max_replay_body: Option<Bytes>,
     pub max_replay_memory: Option<Bytes>,
+    pub max_connections: Option<std::num::NonZeroU64>,
+    pub tunnel_idle_timeout: Option<PosDur>,
     pub send_timeout: Option<PosDur>,
     pub drain_timeout: Option<Dur>,
     pub shutdown_delay: Option<Dur>,

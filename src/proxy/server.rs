@@ -236,8 +236,10 @@ impl Server {
         let admin_task = tokio::spawn(admin::serve(app.clone(), admin, lc.stop.clone()));
         let sweeper = tokio::spawn(sweep_idle_partitions(app.clone(), lc.stop.clone()));
         reloads.start(&app, &lc.stop);
+        let default_cap = crate::rlimit::default_max_connections(crate::rlimit::nofile());
         tracing::info!(
             listen = %proxy.local_addr().map_or("?".into(), |a| a.to_string()),
+            max_connections = app.config().proxy.max_connections.unwrap_or(default_cap),
             "sluice is ready"
         );
 
@@ -254,7 +256,7 @@ impl Server {
             .collect();
         let accept = tokio::spawn(accept_loop(
             app.clone(),
-            proxy,
+            (proxy, default_cap),
             lc.clone(),
             accepting.clone(),
             workers,
@@ -340,9 +342,10 @@ impl Drop for Counted {
     }
 }
 
+/// `default_cap`: the connection cap when the config names none.
 async fn accept_loop(
     app: Arc<App>,
-    listener: TcpListener,
+    (listener, default_cap): (TcpListener, u64),
     lc: Lifecycle,
     accepting: CancellationToken,
     workers: Vec<Worker>,
@@ -354,8 +357,18 @@ async fn accept_loop(
         };
         match accepted {
             Ok((stream, peer)) => {
+                let cap = app.config().proxy.max_connections.unwrap_or(default_cap);
+                let Some(slot) = Slot::take(&app.client_connections, cap) else {
+                    app.metrics.connections_refused.inc();
+                    // Answering takes a descriptor for up to a second: under a flood,
+                    // beyond a few dozen at once the connection is just closed.
+                    if let Some(answering) = Slot::take(&REFUSING, MAX_REFUSING) {
+                        tokio::spawn(refuse(stream, cap, answering));
+                    }
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
-                hand_out(&app, stream, peer, &lc, &workers);
+                hand_out(&app, (stream, slot), peer, &lc, &workers);
             }
             Err(e) => {
                 // Typically EMFILE: back off a little instead of spinning.
@@ -369,11 +382,61 @@ async fn accept_loop(
     }
 }
 
+/// Over-the-cap connections being answered at once, at most [`MAX_REFUSING`].
+static REFUSING: std::sync::LazyLock<Arc<AtomicUsize>> = std::sync::LazyLock::new(Arc::default);
+const MAX_REFUSING: u64 = 64;
+
+/// A client connection's place under `max_connections`.
+pub(crate) struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    fn take(count: &Arc<AtomicUsize>, cap: u64) -> Option<Slot> {
+        let cap = usize::try_from(cap).unwrap_or(usize::MAX);
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < cap).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Slot(count.clone()))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Answers a connection beyond the cap with a 503 it can read (rather than a reset), then
+/// closes it. The request is not read: a second is given for it to arrive so that
+/// closing does not reset the connection before the client has our answer.
+async fn refuse(mut stream: TcpStream, cap: u64, _answering: Slot) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = format!(
+        "{{\"error\": {{\"code\": \"sluice_connection_limit\", \"message\": \"sluice serves \
+         {cap} client connections at most (proxy.max_connections); retry shortly\"}}}}\n"
+    );
+    let resp = format!(
+        "HTTP/1.1 503 Service Unavailable\r\nsluice-reason: connection_limit\r\n\
+         retry-after: 1\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+         connection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        stream.write_all(resp.as_bytes()).await?;
+        stream.shutdown().await?;
+        let mut sink = [0u8; 4096];
+        while stream.read(&mut sink).await? > 0 {}
+        Ok::<_, io::Error>(())
+    })
+    .await;
+}
+
 /// Gives a new connection to the worker with the fewest, where it stays to its end. (With
 /// a shared accept queue, whichever thread wakes first would take a whole burst.)
 fn hand_out(
     app: &Arc<App>,
-    stream: TcpStream,
+    (stream, slot): (TcpStream, Slot),
     peer: SocketAddr,
     lc: &Lifecycle,
     workers: &[Worker],
@@ -383,8 +446,13 @@ fn hand_out(
         .enumerate()
         .min_by_key(|(_, w)| w.live.load(Ordering::Relaxed))
     else {
-        lc.tracker
-            .spawn(serve_connection(app.clone(), stream, peer, lc.clone(), 0));
+        lc.tracker.spawn(serve_connection(
+            app.clone(),
+            (stream, slot),
+            peer,
+            lc.clone(),
+            0,
+        ));
         return;
     };
     // Re-registered with the worker's event loop on arrival.
@@ -401,7 +469,7 @@ fn hand_out(
     worker.handle.spawn(lc.tracker.track_future(async move {
         let _live = live;
         match TcpStream::from_std(stream) {
-            Ok(stream) => serve_connection(app, stream, peer, lc2, index).await,
+            Ok(stream) => serve_connection(app, (stream, slot), peer, lc2, index).await,
             Err(e) => tracing::warn!(%peer, error = %e, "a worker cannot take a connection"),
         }
     }));
@@ -410,7 +478,7 @@ fn hand_out(
 /// `worker`: the index of the worker running it (0 without workers).
 async fn serve_connection(
     app: Arc<App>,
-    stream: TcpStream,
+    (stream, slot): (TcpStream, Slot),
     peer: SocketAddr,
     lc: Lifecycle,
     worker: usize,
@@ -431,7 +499,7 @@ async fn serve_connection(
         .timer(ConnTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT)
         .max_header_size(MAX_HEAD_BYTES)
-        .serve_connection(TokioIo::new(SendTimeout::new(stream, send_timeout)), svc)
+        .serve_connection(TokioIo::new(ClientIo::new(stream, slot, send_timeout)), svc)
         .with_upgrades();
     let result = lc.until_drained(Driven::new(conn, affine)).await;
     if let Err(e) = result {
@@ -443,9 +511,11 @@ async fn serve_connection(
 /// `send_timeout`): a client that stops reading would otherwise keep its response, and
 /// the concurrency permit that goes with it, forever. The error ends the connection,
 /// which drops the response and gives the permits back. It stays with the socket after
-/// an upgrade, so a tunnel whose client stops reading ends the same way.
-pub(crate) struct SendTimeout<T> {
+/// an upgrade, so a tunnel whose client stops reading ends the same way, and so does the
+/// connection's place under `max_connections`, given back when the socket closes.
+pub(crate) struct ClientIo<T> {
     inner: T,
+    _slot: Slot,
     limit: Duration,
     /// Armed when a write finds the socket full, disarmed by the next write that goes
     /// through: most responses never block and never touch the timer wheel.
@@ -453,10 +523,11 @@ pub(crate) struct SendTimeout<T> {
     armed: bool,
 }
 
-impl<T> SendTimeout<T> {
-    pub(crate) fn new(inner: T, limit: Duration) -> SendTimeout<T> {
-        SendTimeout {
+impl<T> ClientIo<T> {
+    pub(crate) fn new(inner: T, slot: Slot, limit: Duration) -> ClientIo<T> {
+        ClientIo {
             inner,
+            _slot: slot,
             limit,
             blocked: None,
             armed: false,
@@ -487,7 +558,7 @@ impl<T> SendTimeout<T> {
     }
 }
 
-impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for SendTimeout<T> {
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for ClientIo<T> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
@@ -497,7 +568,7 @@ impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for SendTimeout<T> {
     }
 }
 
-impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for SendTimeout<T> {
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for ClientIo<T> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,

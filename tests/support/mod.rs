@@ -473,8 +473,34 @@ pub struct Sluice {
 
 impl Sluice {
     pub fn spawn(args: &[&str]) -> Sluice {
+        Sluice::spawn_command(
+            std::process::Command::new(env!("CARGO_BIN_EXE_sluice")),
+            args,
+        )
+    }
+
+    /// Runs with the open-file limit (soft and hard) set to `nofile`, through the shell's
+    /// `ulimit`; the shell execs the binary, so the PID is sluice's.
+    pub fn spawn_with_nofile(nofile: u32, args: &[&str]) -> Sluice {
+        let mut sh = std::process::Command::new("sh");
+        sh.arg("-c")
+            .arg(format!("ulimit -n {nofile} && exec \"$0\" \"$@\""))
+            .arg(env!("CARGO_BIN_EXE_sluice"));
+        Sluice::spawn_command(sh, args)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Runs `command` (a shell that execs the binary) with `args`.
+    pub fn spawn_shell(command: std::process::Command, args: &[&str]) -> Sluice {
+        Sluice::spawn_command(command, args)
+    }
+
+    fn spawn_command(mut command: std::process::Command, args: &[&str]) -> Sluice {
         use std::io::BufRead;
-        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        let mut child = command
             .args(args)
             .env("RUST_LOG", "info")
             .stdout(std::process::Stdio::null())
