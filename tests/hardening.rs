@@ -525,3 +525,50 @@ async fn the_soft_descriptor_limit_is_raised() {
         "{log:?}"
     );
 }
+
+/// The first request after a 429 and when it reached the upstream.
+async fn after_429(proxy: &Proxy, up: &Upstream) -> Duration {
+    let client = proxy.client();
+    let first = client
+        .get(up.url("/seq/day/429ra86400,200"))
+        .send()
+        .await
+        .unwrap();
+    // Longer than max_retry_after: not retried, the 429 goes back to the client.
+    assert_eq!(first.status(), 429);
+    let t429 = up.seen()[0].at;
+    let next = client.get(up.url("/next")).send().await.unwrap();
+    assert_eq!(next.status(), 200);
+    up.seen()[1].at - t429
+}
+
+/// `Retry-After: 86400` pauses the bucket for max_cooldown at most, which follows
+/// max_retry_after unless set: a bogus header does not lock a bucket for an hour.
+#[tokio::test]
+async fn a_bogus_retry_after_pauses_a_bucket_for_max_cooldown_at_most() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n\
+         retry = {{ max_retry_after = \"1s\" }}\n",
+        up.addr.port()
+    ))
+    .await;
+    let waited = after_429(&proxy, &up).await;
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(10),
+        "paused for {waited:?}"
+    );
+
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n\
+         retry = {{ max_retry_after = \"1s\", max_cooldown = \"2s\" }}\n",
+        up.addr.port()
+    ))
+    .await;
+    let waited = after_429(&proxy, &up).await;
+    assert!(
+        waited >= Duration::from_millis(1900) && waited < Duration::from_secs(10),
+        "paused for {waited:?}"
+    );
+}

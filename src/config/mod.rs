@@ -25,7 +25,7 @@ pub use spec::{
 };
 use spec::{BreakerSpec, ConfigSpec, PolicySpec, RetrySpec};
 pub use units::Margin;
-use units::ser_duration;
+use units::{ser_duration, ser_opt_duration};
 
 use crate::route::Router;
 
@@ -118,9 +118,20 @@ pub struct RetryPolicy {
     pub on: Vec<RetryOn>,
     #[serde(serialize_with = "ser_duration")]
     pub max_retry_after: Duration,
+    /// The longest a 429 may pause the bucket; `None`: `max_retry_after`.
+    #[serde(serialize_with = "ser_opt_duration")]
+    pub max_cooldown: Option<Duration>,
     #[serde(serialize_with = "ser_header_name")]
     pub idempotency_header: HeaderName,
     pub budget: BudgetPolicy,
+}
+
+impl RetryPolicy {
+    /// How long a provider's wait hint may pause a bucket: a bogus `Retry-After: 86400`
+    /// must not freeze a queue for a day.
+    pub fn cooldown_cap(&self) -> Duration {
+        self.max_cooldown.unwrap_or(self.max_retry_after)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -515,6 +526,7 @@ fn builtin_policy() -> Policy {
                 RetryOn::Timeout,
             ],
             max_retry_after: Duration::from_secs(60),
+            max_cooldown: None,
             idempotency_header: HeaderName::from_static("idempotency-key"),
             budget: BudgetPolicy {
                 ratio: 0.2,
@@ -596,6 +608,7 @@ fn merge_retry(base: &RetryPolicy, over: &RetrySpec) -> Result<RetryPolicy> {
         backoff,
         on: over.on.clone().unwrap_or_else(|| base.on.clone()),
         max_retry_after: over.max_retry_after.map_or(base.max_retry_after, |d| d.0),
+        max_cooldown: over.max_cooldown.map(|d| d.0).or(base.max_cooldown),
         idempotency_header,
         budget,
     })

@@ -83,6 +83,7 @@ pub struct RetrySpec {
     pub backoff: Option<Spanned<BackoffSpec>>,
     pub on: Option<Vec<RetryOn>>,
     pub max_retry_after: Option<Dur>,
+    pub max_cooldown: Option<Dur>,
     pub idempotency_header: Option<Spanned<String>>,
     pub budget: Option<BudgetSpec>,
 }

@@ -175,6 +175,14 @@ pub fn ser_duration<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error
     s.serialize_str(&fmt_duration(*d))
 }
 
+/// `None` as null: "not set, see the key it falls back to".
+pub fn ser_opt_duration<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => ser_duration(d, s),
+        None => s.serialize_none(),
+    }
+}
+
 pub fn fmt_duration(d: Duration) -> String {
     humantime::format_duration(d).to_string().replace(' ', "")
 }

@@ -39,10 +39,6 @@ use crate::policy::breaker::Admit;
 use crate::policy::{Circuit, backoff, classify, hints, is_idempotent, wants_retry};
 use crate::route::Route;
 
-/// A provider's wait hint longer than this does not pause a bucket for longer: a bogus
-/// `Retry-After` must not freeze a queue for days.
-const MAX_PAUSE: Duration = Duration::from_secs(3600);
-
 /// Sends `req` (already stripped and addressed to the upstream) under the route's policy.
 ///
 /// The functions here return `async move` blocks rather than being `async fn`s, which
@@ -245,8 +241,12 @@ async fn retry_loop(
                     let pause = hint
                         .map_or_else(|| backoff_delay(policy, attempt_no, prev_delay), |h| h.wait);
                     let whole_family = upstream.cooldown == CooldownScope::Family;
-                    app.limiter
-                        .pause(plan, route, whole_family, now + pause.min(MAX_PAUSE));
+                    app.limiter.pause(
+                        plan,
+                        route,
+                        whole_family,
+                        now + pause.min(retry.cooldown_cap()),
+                    );
                     tracing::info!(
                         upstream = up_label,
                         family = fam_label,
