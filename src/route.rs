@@ -8,7 +8,7 @@ use std::fmt;
 use http::{HeaderMap, Method};
 use sha2::{Digest, Sha256};
 
-use crate::config::pattern::ip_literal;
+use crate::config::pattern::{ip_literal, normalize_path};
 use crate::config::{Config, HostPattern, KeySource, Upstream};
 
 /// Host index built once per config. Exact names win over wildcards, a longer wildcard
@@ -129,7 +129,8 @@ impl Config {
     ) -> Option<Route> {
         let upstream = self.router.upstream(host, port)?;
         let u = &self.upstreams[upstream];
-        let family = u.families.iter().position(|f| f.matches(method, path));
+        let path = normalize_path(path);
+        let family = u.families.iter().position(|f| f.matches(method, &path));
         let partition = u.key.as_ref().and_then(|k| partition_of(k, headers));
         Some(Route {
             upstream,

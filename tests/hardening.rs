@@ -572,3 +572,68 @@ async fn a_bogus_retry_after_pauses_a_bucket_for_max_cooldown_at_most() {
         "paused for {waited:?}"
     );
 }
+
+/// Spelling does not sidestep a limit: an IP-literal host in any form reaches its
+/// upstream, and a path with `//`, dot segments or encoded unreserved characters its
+/// family; the request goes upstream exactly as sent.
+#[tokio::test]
+async fn hosts_and_paths_are_matched_however_they_are_spelled() {
+    let up = Upstream::start().await;
+    let port = up.addr.port();
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{port}\"]\n\
+         [[upstream.family]]\nname = \"orders\"\npaths = [\"/v1/orders/**\"]\n"
+    ))
+    .await;
+    let hosts = [
+        "127.0.0.1",
+        "127.1",
+        "2130706433",
+        "0x7f000001",
+        "0177.0.0.1",
+        "[::ffff:127.0.0.1]",
+    ];
+    for host in hosts {
+        let url = format!("http://{host}:{port}/v1/orders/1");
+        let r = raw(
+            proxy.addr,
+            format!("GET {url} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes(),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{url}: {}", r.head);
+    }
+    let paths = [
+        "//v1/orders/2",
+        "/v1//orders/2",
+        "/v1/./orders/2",
+        "/v1/x/../orders/2",
+        "/v1/%6Frders/2",
+        "/%76%31/orders/2",
+    ];
+    for path in paths {
+        let url = format!("http://127.0.0.1:{port}{path}");
+        let r = raw(
+            proxy.addr,
+            format!("GET {url} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes(),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{url}: {}", r.head);
+    }
+    let m = proxy.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"sluice_requests_total{family="orders",outcome="200",upstream="api"}"#
+        ),
+        Some((hosts.len() + paths.len()) as f64),
+        "{m}"
+    );
+    assert!(!m.contains(r#"upstream="unmatched""#), "{m}");
+    let seen: Vec<String> = up.seen().iter().map(|s| s.uri.clone()).collect();
+    for path in paths {
+        assert!(
+            seen.iter().any(|u| u == path),
+            "{path} forwarded as sent: {seen:?}"
+        );
+    }
+}

@@ -184,7 +184,16 @@ impl PathGlob {
             ));
         }
         let mut segments = Vec::new();
-        for seg in rest.split('/') {
+        let count = rest.split('/').count();
+        for (i, seg) in rest.split('/').enumerate() {
+            // Requests are matched with dot segments resolved and slashes merged: such a
+            // glob could never match.
+            if matches!(seg, "." | "..") || (seg.is_empty() && i + 1 < count && count > 1) {
+                return Err(format!(
+                    "invalid path glob {s:?}: paths are matched with \"//\", \"/./\" and \
+                     \"/../\" resolved, so a glob cannot contain them"
+                ));
+            }
             let parsed = match seg {
                 "**" => Segment::Any,
                 "*" => Segment::One,
@@ -195,7 +204,8 @@ impl PathGlob {
                         rest
                     ));
                 }
-                lit => Segment::Literal(lit.to_string()),
+                // Written as requests are matched: `/v1/%6Frders` is `/v1/orders`.
+                lit => Segment::Literal(decode_unreserved(lit)),
             };
             // Two `**` in a row mean the same as one; keep matching linear.
             if parsed == Segment::Any && segments.last() == Some(&Segment::Any) {
@@ -228,6 +238,81 @@ impl PathGlob {
 /// resume point instead of a backtracking stack (the classic wildcard argument, here over
 /// segments instead of characters).
 ///
+/// The path as globs see it, so that spelling cannot move a request out of its family:
+/// percent-encoded unreserved characters decoded and other escapes in upper case
+/// (RFC 3986 §6.2.2.1-2), dot segments removed (§5.2.4), repeated slashes merged (as
+/// nginx's `merge_slashes`). The request itself is forwarded as sent. Borrows when there
+/// is nothing to do, which is almost always.
+pub fn normalize_path(path: &str) -> std::borrow::Cow<'_, str> {
+    let bytes = path.as_bytes();
+    let dotted = bytes
+        .windows(2)
+        .any(|w| w[0] == b'/' && (w[1] == b'/' || w[1] == b'.'));
+    if !dotted && !bytes.contains(&b'%') {
+        return std::borrow::Cow::Borrowed(path);
+    }
+    let decoded = decode_unreserved(path);
+    let mut out: Vec<&str> = Vec::new();
+    let rest = decoded.strip_prefix('/').unwrap_or(&decoded);
+    let mut segments = rest.split('/').peekable();
+    // A trailing `.`, `..` or empty segment leaves the path ending in `/`, as RFC 3986
+    // has it; globs treat `/a` and `/a/` alike anyway.
+    let mut trailing = false;
+    while let Some(seg) = segments.next() {
+        let last = segments.peek().is_none();
+        match seg {
+            "." | "" => trailing = last,
+            ".." => {
+                out.pop();
+                trailing = last;
+            }
+            s => {
+                out.push(s);
+                trailing = false;
+            }
+        }
+    }
+    let mut normal = String::with_capacity(decoded.len());
+    for seg in &out {
+        normal.push('/');
+        normal.push_str(seg);
+    }
+    if trailing || out.is_empty() {
+        normal.push('/');
+    }
+    std::borrow::Cow::Owned(normal)
+}
+
+/// `%41` → `A` for unreserved characters; other escapes keep their meaning, in upper case.
+fn decode_unreserved(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = String::with_capacity(s.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%'
+            && let (Some(h), Some(l)) = (
+                b.get(i + 1).and_then(|c| (*c as char).to_digit(16)),
+                b.get(i + 2).and_then(|c| (*c as char).to_digit(16)),
+            )
+        {
+            let c = (h * 16 + l) as u8;
+            if c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b'~') {
+                out.push(c as char);
+            } else {
+                out.push('%');
+                out.push_str(&format!("{c:02X}"));
+            }
+            i += 3;
+            continue;
+        }
+        // Paths reach here as valid URI text: ASCII, but stay safe on anything else.
+        let ch = s[i..].chars().next().unwrap_or('\u{fffd}');
+        out.push(ch);
+        i += ch.len_utf8().max(1);
+    }
+    out
+}
+
 /// `parts` always yields at least one segment (`""` for an empty path).
 fn match_segments(pat: &[Segment], mut parts: std::str::Split<'_, char>) -> bool {
     let mut at = 0;
@@ -398,11 +483,54 @@ mod tests {
     }
 
     #[test]
+    fn paths_are_normalised_for_matching() {
+        for (raw, normal) in [
+            ("/v1/orders/1", "/v1/orders/1"),
+            ("//v1//orders/1", "/v1/orders/1"),
+            ("/v1/./orders/1", "/v1/orders/1"),
+            ("/v1/x/../orders/1", "/v1/orders/1"),
+            ("/../../v1/orders", "/v1/orders"),
+            ("/v1/%6Frders/%31", "/v1/orders/1"),
+            ("/%76%31/orders", "/v1/orders"),
+            ("/v1/orders/%2e%2e/admin", "/v1/admin"),
+            ("/v1/a%2fb", "/v1/a%2Fb"),
+            ("/v1/caf%c3%a9", "/v1/caf%C3%A9"),
+            ("/v1/orders/.", "/v1/orders/"),
+            ("/v1/orders/..", "/v1/"),
+            ("/.", "/"),
+            ("/", "/"),
+            ("/.well-known/x", "/.well-known/x"),
+            ("/v1/100%", "/v1/100%"),
+        ] {
+            assert_eq!(normalize_path(raw), normal, "{raw}");
+        }
+        assert!(matches!(
+            normalize_path("/v1/orders/1"),
+            std::borrow::Cow::Borrowed(_)
+        ));
+        let g = glob("/v1/orders/**");
+        for raw in [
+            "//v1/orders/1",
+            "/v1/./orders",
+            "/x/../v1/orders/9",
+            "/v1/%6frders/2",
+        ] {
+            assert!(g.matches(&normalize_path(raw)), "{raw}");
+        }
+        assert!(glob("/v1/%6Frders/*").matches(&normalize_path("/v1/orders/3")));
+    }
+
+    #[test]
     fn bad_globs_rejected() {
         assert!(PathGlob::parse("v1/orders").is_err());
         assert!(PathGlob::parse("/v1/ord*").is_err());
         assert!(PathGlob::parse("/v1/***").is_err());
         assert!(PathGlob::parse("/v1?x=1").is_err());
+        assert!(PathGlob::parse("/v1/../admin").is_err());
+        assert!(PathGlob::parse("/v1/./x").is_err());
+        assert!(PathGlob::parse("/v1//x").is_err());
+        assert!(PathGlob::parse("/v1/orders/").is_ok());
+        assert!(PathGlob::parse("/").is_ok());
     }
 
     #[test]
