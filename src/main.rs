@@ -109,8 +109,15 @@ fn main() -> ExitCode {
 }
 
 fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // The file watcher traces every inotify event it sees: with RUST_LOG=trace and the
+    // log written next to the config file, each line would make another event. Only a
+    // filter that names it lets it say more than info.
+    let named = std::env::var("RUST_LOG").is_ok_and(|v| v.contains("notify"));
+    if !named && let Ok(quiet) = "notify=info".parse() {
+        filter = filter.add_directive(quiet);
+    }
     // Colours only for a person at a terminal: a pipe (a container runtime, a file) gets
     // plain text, without escape codes around every field.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());

@@ -6,9 +6,12 @@
 //! and rename it over the old one, and Kubernetes updates a mounted ConfigMap by pointing
 //! the `..data` symlink at a new directory. Neither changes the inode a file watch would
 //! follow, but both show up as events in the directory. When the path is a symlink to a
-//! file elsewhere, that file's directory is watched too (and followed if the link moves). Events come in bursts, so a
-//! reload waits until the directory has been quiet for [`DEBOUNCE`], and only runs when
-//! the bytes behind the path differ from the last ones tried.
+//! file elsewhere, that file's directory is watched too (and followed if the link moves).
+//! Only events that name the config file, the ConfigMap's `..data` link or the symlink's
+//! target count: other files in the directory (a log written there, say) are none of our
+//! business. Events come in bursts, so a reload waits until they have been quiet for
+//! [`DEBOUNCE`], never longer than [`MAX_DELAY`] after the first, and only runs when the
+//! bytes behind the path differ from the last ones tried.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -21,15 +24,18 @@ use tokio_util::sync::CancellationToken;
 use crate::app::App;
 use crate::config::text_sha256;
 
-/// How long the directory must stay quiet before a change is read.
+/// How long the config file must stay quiet before a change is read.
 pub const DEBOUNCE: Duration = Duration::from_millis(250);
+
+/// A file that never stays quiet is read this long after its first change anyway.
+pub const MAX_DELAY: Duration = Duration::from_secs(2);
 
 /// The watch on the config's directory and the SIGHUP handler, for an app loaded from a
 /// file. Both are registered by [`Triggers::new`], so nothing that happens after it is
 /// missed; [`Triggers::start`] begins acting on them.
 pub struct Triggers {
     path: Option<PathBuf>,
-    watch: Option<(notify::RecommendedWatcher, Events)>,
+    watch: Option<(notify::RecommendedWatcher, Events, Names)>,
     hup: Option<tokio::signal::unix::Signal>,
 }
 
@@ -61,12 +67,11 @@ impl Triggers {
     /// Acts on the triggers until `stop` is cancelled.
     pub fn start(self, app: &Arc<App>, stop: &CancellationToken) {
         let Some(path) = self.path else { return };
-        if let Some((watcher, events)) = self.watch {
+        if let Some((watcher, events, names)) = self.watch {
             tokio::spawn(on_file_change(
                 app.clone(),
                 path,
-                watcher,
-                events,
+                (watcher, events, names),
                 stop.clone(),
             ));
         }
@@ -77,6 +82,22 @@ impl Triggers {
 }
 
 type Events = mpsc::UnboundedReceiver<()>;
+
+/// The file names whose events count: the config file's, `..data`, and the symlink
+/// target's when it lives elsewhere.
+type Names = Arc<std::sync::RwLock<Vec<std::ffi::OsString>>>;
+
+fn names_of(path: &Path) -> Vec<std::ffi::OsString> {
+    let mut names = vec![std::ffi::OsString::from("..data")];
+    names.extend(path.file_name().map(ToOwned::to_owned));
+    if let Some(target) = std::fs::canonicalize(path)
+        .ok()
+        .and_then(|t| t.file_name().map(ToOwned::to_owned))
+    {
+        names.push(target);
+    }
+    names
+}
 
 fn dir_of(path: &Path) -> PathBuf {
     match path.parent() {
@@ -94,7 +115,13 @@ fn target_dir(path: &Path) -> Option<PathBuf> {
 }
 
 /// Keeps the watch on the symlink target's directory in step with where it points now.
-fn follow(watcher: &mut notify::RecommendedWatcher, followed: &mut Option<PathBuf>, path: &Path) {
+fn follow(
+    watcher: &mut notify::RecommendedWatcher,
+    followed: &mut Option<PathBuf>,
+    names: &Names,
+    path: &Path,
+) {
+    *names.write().unwrap_or_else(|e| e.into_inner()) = names_of(path);
     let now = target_dir(path);
     if now == *followed {
         return;
@@ -112,28 +139,40 @@ fn follow(watcher: &mut notify::RecommendedWatcher, followed: &mut Option<PathBu
     }
 }
 
-fn watch(path: &Path) -> notify::Result<(notify::RecommendedWatcher, Events)> {
+fn watch(path: &Path) -> notify::Result<(notify::RecommendedWatcher, Events, Names)> {
     let dir = dir_of(path);
     let (tx, rx) = mpsc::unbounded_channel();
+    let names: Names = Arc::new(std::sync::RwLock::new(names_of(path)));
+    let ours = names.clone();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        let Ok(event) = event else { return };
         // Access events (reads, our own included) change nothing.
-        if event.is_ok_and(|e| !e.kind.is_access()) {
+        if event.kind.is_access() {
+            return;
+        }
+        let names = ours.read().unwrap_or_else(|e| e.into_inner());
+        let relevant = event.need_rescan()
+            || event
+                .paths
+                .iter()
+                .filter_map(|p| p.file_name())
+                .any(|n| names.iter().any(|m| m == n));
+        if relevant {
             let _ = tx.send(());
         }
     })?;
     watcher.watch(&dir, RecursiveMode::NonRecursive)?;
-    Ok((watcher, rx))
+    Ok((watcher, rx, names))
 }
 
 async fn on_file_change(
     app: Arc<App>,
     path: PathBuf,
-    mut watcher: notify::RecommendedWatcher,
-    mut events: Events,
+    (mut watcher, mut events, names): (notify::RecommendedWatcher, Events, Names),
     stop: CancellationToken,
 ) {
     let mut followed = None;
-    follow(&mut watcher, &mut followed, &path);
+    follow(&mut watcher, &mut followed, &names, &path);
     let mut last_tried = app.config().sha256.clone();
     // The first pass looks at once: the file may have changed between its load and the
     // watch.
@@ -145,15 +184,18 @@ async fn on_file_change(
                 _ = stop.cancelled() => return,
             }
         }
-        // Quiet for DEBOUNCE: the writer is done.
+        // Quiet for DEBOUNCE: the writer is done. A writer that never stops does not keep
+        // the change from being read.
+        let latest = tokio::time::Instant::now() + MAX_DELAY;
         loop {
             tokio::select! {
                 e = events.recv() => if e.is_none() { return },
                 _ = tokio::time::sleep(DEBOUNCE) => break,
+                _ = tokio::time::sleep_until(latest) => break,
                 _ = stop.cancelled() => return,
             }
         }
-        follow(&mut watcher, &mut followed, &path);
+        follow(&mut watcher, &mut followed, &names, &path);
         // An unreadable file (deleted, half swapped) goes to the reload, which reports it.
         let current = tokio::fs::read_to_string(&path)
             .await

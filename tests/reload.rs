@@ -526,3 +526,145 @@ async fn the_binary_reloads_under_traffic_and_shuts_down_with_a_full_queue() {
         "colour codes in a log read through a pipe: {log}"
     );
 }
+
+/// Another file in the config's directory that never stops changing (a log, a lock
+/// file) does not hold a reload back, and a config file that keeps changing is still
+/// read within MAX_DELAY of its first change.
+#[tokio::test]
+async fn busy_neighbours_and_a_restless_file_never_starve_a_reload() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(&path, config(&window(2, "1s"), "")).unwrap();
+    let proxy = Proxy::from_file(&path).await;
+    let churn = Arc::new(AtomicBool::new(true));
+    let neighbour = {
+        let (churn, file) = (churn.clone(), dir.path().join("app.log"));
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            while churn.load(Ordering::Relaxed) {
+                n += 1;
+                std::fs::write(&file, n.to_string()).unwrap();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    rename_over(&path, &config(&window(3, "1s"), ""));
+    let changed = eventually(Duration::from_secs(5), || async {
+        live_permits(&proxy).await == 3
+    })
+    .await;
+    assert!(changed, "the neighbour's writes held the reload back");
+
+    // The config file itself rewritten every 100 ms, for longer than MAX_DELAY.
+    let started = Instant::now();
+    let restless = {
+        let path = path.clone();
+        tokio::spawn(async move {
+            for i in 0..40u32 {
+                rename_over(&path, &config(&window(10 + i, "1s"), ""));
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let read = eventually(Duration::from_secs(4), || async {
+        live_permits(&proxy).await >= 10
+    })
+    .await;
+    assert!(read, "no reload while the file kept changing");
+    assert!(started.elapsed() < Duration::from_secs(4));
+    restless.await.unwrap();
+    churn.store(false, Ordering::Relaxed);
+    neighbour.await.unwrap();
+    let last = eventually(Duration::from_secs(5), || async {
+        live_permits(&proxy).await == 49
+    })
+    .await;
+    assert!(last, "the last version is read once the file settles");
+}
+
+/// RUST_LOG=trace with the log written into the config's directory: the watcher must not
+/// feed on its own log lines (it did, at 100% CPU).
+#[tokio::test]
+async fn trace_logging_into_the_config_directory_is_quiet() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let (port, admin) = (free_port(), free_port());
+    std::fs::write(
+        &path,
+        config_on(
+            &format!("127.0.0.1:{port}"),
+            &format!("127.0.0.1:{admin}"),
+            &window(2, "1s"),
+            "",
+        ),
+    )
+    .unwrap();
+    let log = dir.path().join("sluice.log");
+    let mut sh = std::process::Command::new("sh");
+    sh.arg("-c")
+        .arg(format!(
+            "RUST_LOG=trace exec \"$0\" \"$@\" 2>>{}",
+            log.display()
+        ))
+        .arg(env!("CARGO_BIN_EXE_sluice"));
+    let sluice = Sluice::spawn_shell(sh, &["run", "-c", path.to_str().unwrap()]);
+    assert!(sluice.ready(admin).await);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let cpu = |pid: u32| -> u64 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .unwrap()
+            .1
+            .split_whitespace()
+            .collect();
+        fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+    };
+    let (before, lines_before) = (
+        cpu(sluice.pid()),
+        std::fs::read_to_string(&log).unwrap().lines().count(),
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (after, lines_after) = (
+        cpu(sluice.pid()),
+        std::fs::read_to_string(&log).unwrap().lines().count(),
+    );
+    // Idle, it should use next to nothing: the loop used all of it (200 ticks in 2 s).
+    assert!(
+        after - before < 50,
+        "{} ticks of CPU in 2 s idle",
+        after - before
+    );
+    assert!(
+        lines_after - lines_before < 100,
+        "{} log lines in 2 s idle",
+        lines_after - lines_before
+    );
+    // And a change is still seen.
+    std::fs::write(
+        &path,
+        config_on(
+            &format!("127.0.0.1:{port}"),
+            &format!("127.0.0.1:{admin}"),
+            &window(7, "1s"),
+            "",
+        ),
+    )
+    .unwrap();
+    let seen = eventually(Duration::from_secs(5), || async {
+        let c = reqwest::get(format!("http://127.0.0.1:{admin}/config")).await;
+        match c {
+            Ok(r) => {
+                let v: serde_json::Value =
+                    serde_json::from_str(&r.text().await.unwrap_or_default()).unwrap_or_default();
+                v["upstreams"][0]["limits"][0]["permits"] == 7
+            }
+            Err(_) => false,
+        }
+    })
+    .await;
+    assert!(seen);
+    sluice.signal("TERM");
+    let _ = sluice.exit().await;
+}
