@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::app::App;
-use crate::config::text_sha256;
+use crate::config::{MAX_CONFIG_BYTES, read_capped, text_sha256};
 
 /// How long the config file must stay quiet before a change is read.
 pub const DEBOUNCE: Duration = Duration::from_millis(250);
@@ -197,10 +197,14 @@ async fn on_file_change(
         }
         follow(&mut watcher, &mut followed, &names, &path);
         // An unreadable file (deleted, half swapped) goes to the reload, which reports it.
-        let current = tokio::fs::read_to_string(&path)
-            .await
-            .map(|t| text_sha256(&t))
-            .ok();
+        let current = {
+            let path = path.clone();
+            tokio::task::spawn_blocking(move || read_capped(&path, MAX_CONFIG_BYTES))
+        }
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .map(|t| text_sha256(&t));
         // Already live (a POST /reload or SIGHUP got there first) or already refused.
         if current
             .as_ref()

@@ -1,6 +1,7 @@
 //! Routing: a request's target (host, port, method, path, headers) → the upstream that
 //! names the host, the first family that matches in file order, and the partition the
-//! request is counted against. Pure lookups; nothing here does I/O.
+//! request is counted against. Pure lookups; nothing here does I/O (the key of displayed
+//! partition hashes is read from the environment once).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -96,10 +97,31 @@ impl Partition {
         Partition(u128::from_be_bytes(first))
     }
 
-    /// Short form for `/buckets`, logs and `explain`: 12 hex digits.
+    /// Short form for `/buckets`, logs and `explain`: 12 hex digits of a keyed hash, so a
+    /// reader of those cannot confirm a guessed low-entropy value (a tenant id, a short
+    /// key) by hashing it. SHA-256 over key and a fixed-length input needs no HMAC: no
+    /// length extension can change what is hashed.
     pub fn short(&self) -> String {
-        format!("{:012x}", self.0 >> 80)
+        let mut h = Sha256::new();
+        h.update(display_key());
+        h.update(self.0.to_be_bytes());
+        let d = h.finalize();
+        d[..6].iter().map(|b| format!("{b:02x}")).collect()
     }
+}
+
+/// The environment variable that sets the key of displayed partition hashes: replicas and
+/// `sluice explain` that share it show the same hash for the same value.
+pub const PARTITION_SECRET_ENV: &str = "SLUICE_PARTITION_SECRET";
+
+/// The key of displayed partition hashes: from [`PARTITION_SECRET_ENV`], else random for
+/// this process.
+fn display_key() -> &'static [u8; 32] {
+    static KEY: std::sync::OnceLock<[u8; 32]> = std::sync::OnceLock::new();
+    KEY.get_or_init(|| match std::env::var(PARTITION_SECRET_ENV) {
+        Ok(secret) if !secret.is_empty() => Sha256::digest(secret.as_bytes()).into(),
+        _ => rand::random(),
+    })
 }
 
 impl fmt::Display for Partition {
@@ -255,7 +277,10 @@ hosts = ["api.market.example:8080"]
         assert_eq!(r1.partition, r2.partition);
         // The same value hashes the same everywhere: pin the digest.
         assert_eq!(Partition::of(b"Bearer live_abc"), r1.partition.unwrap());
-        assert_eq!(Partition::of(b"abc").short(), "ba7816bf8f01");
+        // What is shown is keyed: never the digest's own prefix.
+        assert_ne!(Partition::of(b"abc").short(), "ba7816bf8f01");
+        assert_eq!(Partition::of(b"abc").short().len(), 12);
+        assert_eq!(Partition::of(b"abc").short(), Partition::of(b"abc").short());
 
         h.insert("authorization", "Bearer test_abc".parse().unwrap());
         let r3 = c

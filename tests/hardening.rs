@@ -3,6 +3,8 @@
 
 mod support;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use support::*;
@@ -220,13 +222,21 @@ async fn replay_memory_is_bounded_process_wide() {
 /// A raw upstream: accepts connections and answers every request head it reads with
 /// `response`, as many times as asked on one connection.
 async fn raw_upstream(response: &'static [u8]) -> std::net::SocketAddr {
+    raw_upstream_counted(response).await.0
+}
+
+/// [`raw_upstream`], with the number of request heads it has read.
+async fn raw_upstream_counted(response: &'static [u8]) -> (std::net::SocketAddr, Arc<AtomicUsize>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    let heads = Arc::new(AtomicUsize::new(0));
+    let counted = heads.clone();
     tokio::spawn(async move {
         loop {
             let Ok((mut s, _)) = listener.accept().await else {
                 return;
             };
+            let heads = counted.clone();
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 let mut chunk = [0u8; 4096];
@@ -240,6 +250,7 @@ async fn raw_upstream(response: &'static [u8]) -> std::net::SocketAddr {
                     buf.extend_from_slice(&chunk[..n]);
                     while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
                         buf.drain(..end + 4);
+                        heads.fetch_add(1, Ordering::SeqCst);
                         if s.write_all(response).await.is_err() {
                             return;
                         }
@@ -248,7 +259,7 @@ async fn raw_upstream(response: &'static [u8]) -> std::net::SocketAddr {
             });
         }
     });
-    addr
+    (addr, heads)
 }
 
 /// RFC 9112 §6.3: with both Transfer-Encoding and Content-Length, the length is ignored
@@ -636,4 +647,280 @@ async fn hosts_and_paths_are_matched_however_they_are_spelled() {
             "{path} forwarded as sent: {seen:?}"
         );
     }
+}
+
+/// A config on free ports for the binary, with `extra` appended; returns it with its
+/// proxy and admin ports.
+fn binary_config(dir: &std::path::Path, extra: &str) -> (std::path::PathBuf, u16, u16) {
+    let (port, admin) = (free_port(), free_port());
+    let path = dir.join("sluice.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:{port}\"\nadmin = \"127.0.0.1:{admin}\"\n{extra}\n\
+             [egress]\nallow = [\"127.0.0.0/8\"]\n"
+        ),
+    )
+    .unwrap();
+    (path, port, admin)
+}
+
+/// Answers that would be the same on every attempt are relayed as one 502, not retried:
+/// a 101 to a request that asked for no upgrade (relayed, the client would read the next
+/// protocol as HTTP), a response head over hyper's limit, a status line that is not HTTP.
+#[tokio::test]
+async fn answers_that_break_http_are_502_and_never_retried() {
+    let oversized: &'static [u8] = Box::leak(
+        format!(
+            "HTTP/1.1 200 OK\r\nX-Big: {}\r\nContent-Length: 0\r\n\r\n",
+            "a".repeat(600 << 10)
+        )
+        .into_bytes()
+        .into_boxed_slice(),
+    );
+    let cases: [(&str, &'static [u8]); 3] = [
+        (
+            "101",
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+        ),
+        ("oversized head", oversized),
+        ("bad status line", b"HTTP/1.1 abc OK\r\nContent-Length: 0\r\n\r\n"),
+    ];
+    for (what, response) in cases {
+        let (addr, heads) = raw_upstream_counted(response).await;
+        let proxy = Proxy::start(&format!(
+            "[[upstream]]\nname = \"raw\"\nhosts = [\"127.0.0.1:{}\"]\n\
+             retry = {{ backoff = {{ base = \"10ms\", max = \"20ms\" }} }}\n",
+            addr.port()
+        ))
+        .await;
+        let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+        let r = tokio::time::timeout(
+            Duration::from_secs(10),
+            get(&mut s, &format!("http://{addr}/"), true),
+        )
+        .await
+        .expect("an answer in time");
+        assert_eq!(r.status, 502, "{what}: {}", r.head);
+        assert_eq!(
+            r.header("sluice-reason").as_deref(),
+            Some("upstream_unreachable"),
+            "{what}"
+        );
+        assert_eq!(heads.load(Ordering::SeqCst), 1, "{what}: sent once");
+        let m = proxy.metrics().await;
+        assert_eq!(
+            metric(
+                &m,
+                "sluice_requests_total{family=\"-\",outcome=\"sluice_upstream_unreachable\",upstream=\"raw\"}"
+            ),
+            Some(1.0),
+            "{what}: {m}"
+        );
+        assert!(!m.contains("sluice_retries_total{"), "{what}: {m}");
+    }
+}
+
+/// Resolution from a fixed table that counts the lookups.
+struct CountedLookup {
+    table: StaticLookup,
+    lookups: Arc<AtomicUsize>,
+}
+
+impl sluice::egress::Lookup for CountedLookup {
+    fn lookup(
+        &self,
+        host: String,
+    ) -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = std::io::Result<Vec<std::net::IpAddr>>> + Send>,
+    > {
+        self.lookups.fetch_add(1, Ordering::SeqCst);
+        self.table.lookup(host)
+    }
+}
+
+/// A name that does not resolve is answered 502 at once: not retried (the resolver has
+/// retried already), and not held against the upstream, since a client can make up any
+/// number of names under a wildcard host.
+#[tokio::test]
+async fn a_name_that_does_not_resolve_is_not_retried_nor_counted_by_the_breaker() {
+    let up = Upstream::start().await;
+    let port = up.addr.port();
+    let lookups = Arc::new(AtomicUsize::new(0));
+    let lookup = CountedLookup {
+        table: StaticLookup(
+            [("ok.example.test".to_string(), vec![up.addr.ip()])]
+                .into_iter()
+                .collect(),
+        ),
+        lookups: lookups.clone(),
+    };
+    let proxy = Proxy::start_with(
+        &format!(
+            "[[upstream]]\nname = \"api\"\nhosts = [\"*.example.test:{port}\"]\n\
+             retry = {{ backoff = {{ base = \"10ms\", max = \"20ms\" }} }}\n\
+             [upstream.breaker]\nmin_requests = 4\nfailure_ratio = 0.5\nwindow = \"1m\"\nopen_for = \"1m\"\n"
+        ),
+        Some(Arc::new(lookup)),
+    )
+    .await;
+    let client = proxy.client();
+    for i in 0..6 {
+        let r = client
+            .get(format!("http://nope{i}.example.test:{port}/"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 502);
+        assert_eq!(r.headers()["sluice-reason"], "upstream_unreachable");
+        assert!(r.headers().get("sluice-attempts").is_none());
+    }
+    assert_eq!(lookups.load(Ordering::SeqCst), 6, "one lookup per request");
+    let ok = client
+        .get(format!("http://ok.example.test:{port}/"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200, "the breaker stayed closed");
+    let m = proxy.metrics().await;
+    assert!(!m.contains("sluice_retries_total{"), "{m}");
+}
+
+/// The config file is read with a cap: `-c /dev/zero` fails at once with a clear message,
+/// for `check` and `run` alike.
+#[tokio::test]
+async fn an_endless_config_file_is_refused_at_once() {
+    for command in ["check", "run"] {
+        let sluice = Sluice::spawn(&[command, "-c", "/dev/zero"]);
+        let (code, log) = tokio::time::timeout(Duration::from_secs(10), sluice.exit())
+            .await
+            .expect("exits at once");
+        assert_ne!(code, Some(0), "{command}");
+        assert!(
+            log.iter()
+                .any(|l| l.contains("/dev/zero") && l.contains("larger than")),
+            "{command}: {log:?}"
+        );
+    }
+}
+
+/// The partition a request of tenant `value` is shown as in `/buckets`.
+async fn shown_partition(env: Option<&str>, up: &Upstream, value: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, port, admin) = binary_config(
+        dir.path(),
+        &format!(
+            "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\nkey = \"header:X-Tenant\"\n\
+             limits = [{{ kind = \"token_bucket\", rate = 100, per = \"1s\", burst = 100 }}]\n",
+            up.addr.port()
+        ),
+    );
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+    if let Some(secret) = env {
+        command.env("SLUICE_PARTITION_SECRET", secret);
+    }
+    let sluice = Sluice::spawn_shell(command, &["run", "-c", path.to_str().unwrap()]);
+    assert!(sluice.ready(admin).await);
+    let client = reqwest::Client::builder()
+        .proxy(reqwest::Proxy::http(format!("http://127.0.0.1:{port}")).unwrap())
+        .build()
+        .unwrap();
+    let r = client
+        .get(up.url("/"))
+        .header("x-tenant", value)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let text = reqwest::get(format!("http://127.0.0.1:{admin}/buckets"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let buckets: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let shown = buckets
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["partition"] != "-")
+        .unwrap_or_else(|| panic!("{buckets}"))["partition"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut explain = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+    if let Some(secret) = env {
+        explain.env("SLUICE_PARTITION_SECRET", secret);
+    }
+    let out = explain
+        .args(["explain", "-c", path.to_str().unwrap(), "GET"])
+        .arg(up.url("/"))
+        .args(["-H", &format!("X-Tenant: {value}")])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let matches = text.contains(&shown);
+    sluice.signal("TERM");
+    sluice.exit().await;
+    assert_eq!(
+        matches,
+        env.is_some(),
+        "explain agrees iff keyed alike: {text}"
+    );
+    shown
+}
+
+/// Partition hashes in `/buckets` and `explain` are keyed: not the SHA-256 prefix anyone
+/// can compute from a guessed tenant id, different in every process unless
+/// SLUICE_PARTITION_SECRET gives replicas and `explain` the same key.
+#[tokio::test]
+async fn partition_hashes_are_keyed() {
+    use sha2::{Digest, Sha256};
+    let up = Upstream::start().await;
+    let unsalted: String = Sha256::digest(b"42")[..6]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let a = shown_partition(None, &up, "42").await;
+    let b = shown_partition(None, &up, "42").await;
+    assert_eq!(a.len(), 12);
+    assert_ne!(a, unsalted);
+    assert_ne!(a, b, "a key per process");
+    let c = shown_partition(Some("s3cret"), &up, "42").await;
+    let d = shown_partition(Some("s3cret"), &up, "42").await;
+    assert_eq!(c, d, "a shared key");
+    assert_ne!(c, unsalted);
+}
+
+/// An upstream failure is logged once, its causes named once.
+#[tokio::test]
+async fn an_upstream_failure_logs_its_causes_once() {
+    let closed = closed_port().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (path, port, admin) = binary_config(
+        dir.path(),
+        &format!(
+            "[[upstream]]\nname = \"gone\"\nhosts = [\"127.0.0.1:{}\"]\nretry = {{ max_attempts = 1 }}\n",
+            closed.port()
+        ),
+    );
+    let sluice = Sluice::spawn(&["run", "-c", path.to_str().unwrap()]);
+    assert!(sluice.ready(admin).await);
+    let client = reqwest::Client::builder()
+        .proxy(reqwest::Proxy::http(format!("http://127.0.0.1:{port}")).unwrap())
+        .build()
+        .unwrap();
+    let r = client
+        .get(format!("http://{closed}/"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502);
+    sluice.signal("TERM");
+    let (_, log) = sluice.exit().await;
+    let line = log
+        .iter()
+        .find(|l| l.contains("upstream request failed"))
+        .unwrap_or_else(|| panic!("{log:?}"));
+    assert_eq!(line.matches("refused").count(), 1, "{line}");
 }

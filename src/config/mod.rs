@@ -306,7 +306,7 @@ impl RedisSource {
             RedisSource::Env(name) => std::env::var(name).map_err(|_| {
                 format!("the environment variable {name} (cluster.redis_env) is not set")
             })?,
-            RedisSource::File(path) => std::fs::read_to_string(path)
+            RedisSource::File(path) => read_capped(path, 64 << 10)
                 .map_err(|e| format!("cannot read {} (cluster.redis_file): {e}", path.display()))?,
         };
         let url = url.trim().to_string();
@@ -362,6 +362,27 @@ pub fn redact_url(url: &str) -> String {
     format!("{scheme}://{user}:***@{host}")
 }
 
+/// The largest config file read. Real ones are a few KiB; the cap makes `-c /dev/zero` or a
+/// log file named by mistake fail at once instead of reading until memory runs out.
+pub const MAX_CONFIG_BYTES: u64 = 4 << 20;
+
+/// Reads a UTF-8 file of at most `cap` bytes; a longer one is an error, not truncated.
+pub fn read_capped(path: &Path, cap: u64) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(cap + 1)
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > cap {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than {} bytes", cap),
+        ));
+    }
+    String::from_utf8(bytes)
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8"))
+}
+
 /// The SHA-256 a config made from `text` reports as `sha256`.
 pub fn text_sha256(text: &str) -> String {
     hex(&Sha256::digest(text.as_bytes()))
@@ -370,7 +391,7 @@ pub fn text_sha256(text: &str) -> String {
 impl Config {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = read_capped(path, MAX_CONFIG_BYTES).map_err(|source| ConfigError::Read {
             path: path.display().to_string(),
             source,
         })?;

@@ -74,15 +74,17 @@ impl EgressError {
         matches!(self, EgressError::Denied { .. } | EgressError::Port { .. })
     }
 
-    /// A copy of a refusal (errors that carry an `io::Error` do not clone).
-    pub fn refusal(&self) -> Option<EgressError> {
+    /// A copy, to take it out of the error that wraps it (an `io::Error` does not clone:
+    /// a lookup failure keeps its kind and message).
+    pub fn copy(&self) -> EgressError {
         match self {
-            EgressError::Denied { addr, why } => Some(EgressError::Denied {
+            EgressError::Denied { addr, why } => EgressError::Denied {
                 addr: *addr,
                 why: *why,
-            }),
-            EgressError::Port { port } => Some(EgressError::Port { port: *port }),
-            _ => None,
+            },
+            EgressError::Port { port } => EgressError::Port { port: *port },
+            EgressError::Lookup(e) => EgressError::Lookup(io::Error::new(e.kind(), e.to_string())),
+            EgressError::NoAddresses => EgressError::NoAddresses,
         }
     }
 }

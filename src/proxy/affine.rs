@@ -25,7 +25,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use http::uri::{PathAndQuery, Uri};
-use http::{Request, Response};
+use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
@@ -264,6 +264,10 @@ impl Affine {
                     return Err(AttemptError::Reset(Box::new(e)));
                 }
                 match sender.try_send_request(req).await {
+                    Ok(resp) if resp.status() == StatusCode::SWITCHING_PROTOCOLS => {
+                        // Dropping the sender closes a connection in no known state.
+                        return Err(AttemptError::unasked_upgrade());
+                    }
                     Ok(resp) => {
                         let lease = Lease {
                             affine: self.clone(),
@@ -280,7 +284,7 @@ impl Affine {
                         // Never written: the connection closed under us and nothing reached
                         // the upstream, so it goes on another connection whatever the method.
                         Some(unsent) if reused => req = unsent,
-                        _ => return Err(AttemptError::Reset(Box::new(e.into_error()))),
+                        _ => return Err(AttemptError::after_send(e.into_error())),
                     },
                 }
             }
@@ -326,10 +330,7 @@ impl Affine {
         let addrs = resolver
             .resolve(host, port)
             .await
-            .map_err(|e| match e.refusal() {
-                Some(refusal) => AttemptError::Denied(refusal),
-                None => AttemptError::Connect(Box::new(e)),
-            })?;
+            .map_err(AttemptError::from_egress)?;
         let stream = crate::egress::connect(&addrs)
             .await
             .map_err(|e| AttemptError::Connect(Box::new(e)))?;

@@ -49,10 +49,12 @@ impl UpstreamClient {
         req: Request<Outbound>,
     ) -> Result<(Response<Incoming>, Option<Lease>), AttemptError> {
         let resp = self.inner.request(req).await.map_err(|e| {
-            if let Some(refusal) = find_cause::<EgressError>(&e).and_then(EgressError::refusal) {
-                AttemptError::Denied(refusal)
+            if let Some(egress) = find_cause::<EgressError>(&e).map(EgressError::copy) {
+                AttemptError::from_egress(egress)
             } else if find_cause::<rustls::Error>(&e).is_some() {
                 AttemptError::Tls(Box::new(e))
+            } else if find_cause::<hyper::Error>(&e).is_some_and(hyper::Error::is_parse) {
+                AttemptError::Protocol(Box::new(e))
             } else if e.is_connect() {
                 AttemptError::Connect(Box::new(e))
             } else {
@@ -76,6 +78,15 @@ pub enum AttemptError {
     Timeout(Duration),
     #[error(transparent)]
     Denied(EgressError),
+    /// The name did not resolve, or to no address. The resolver has already retried
+    /// (resolv.conf's `attempts`), so another attempt a moment later would only repeat it.
+    #[error(transparent)]
+    Resolve(EgressError),
+    /// The upstream answered with something that is not HTTP as the request allows (an
+    /// unparsable or oversized head, a 101 to a request that asked for no upgrade): it
+    /// would answer the same again.
+    #[error("the upstream's response broke HTTP: {}", chain(&**.0))]
+    Protocol(BoxError),
 }
 
 impl AttemptError {
@@ -85,8 +96,11 @@ impl AttemptError {
             AttemptError::Connect(_) => Some(RetryOn::Connect),
             AttemptError::Reset(_) => Some(RetryOn::Reset),
             AttemptError::Timeout(_) => Some(RetryOn::Timeout),
-            // Another attempt meets the same certificate.
-            AttemptError::Tls(_) | AttemptError::Denied(_) => None,
+            // Another attempt meets the same certificate, rule, name or answer.
+            AttemptError::Tls(_)
+            | AttemptError::Denied(_)
+            | AttemptError::Resolve(_)
+            | AttemptError::Protocol(_) => None,
         }
     }
 
@@ -98,6 +112,34 @@ impl AttemptError {
             AttemptError::Timeout(_) => "timeout",
             AttemptError::Tls(_) => "tls",
             AttemptError::Denied(_) => "denied",
+            AttemptError::Resolve(_) => "resolve",
+            AttemptError::Protocol(_) => "protocol",
+        }
+    }
+
+    /// A connection that failed once the request was on it.
+    pub fn after_send(e: hyper::Error) -> AttemptError {
+        if e.is_parse() {
+            AttemptError::Protocol(Box::new(e))
+        } else {
+            AttemptError::Reset(Box::new(e))
+        }
+    }
+
+    /// sluice never asks for an upgrade on a forwarded request (`Upgrade` is hop-by-hop),
+    /// so a 101 cannot be relayed: the client would read the next protocol as HTTP.
+    pub fn unasked_upgrade() -> AttemptError {
+        AttemptError::Protocol(
+            "101 Switching Protocols to a request that asked for no upgrade".into(),
+        )
+    }
+
+    /// A refusal by the egress rules, or a name that did not resolve.
+    pub fn from_egress(e: EgressError) -> AttemptError {
+        if e.is_refusal() {
+            AttemptError::Denied(e)
+        } else {
+            AttemptError::Resolve(e)
         }
     }
 }
@@ -105,7 +147,7 @@ impl AttemptError {
 impl From<AttemptError> for ProxyError {
     fn from(e: AttemptError) -> ProxyError {
         match e {
-            AttemptError::Denied(d) => ProxyError::Egress(d),
+            AttemptError::Denied(d) | AttemptError::Resolve(d) => ProxyError::Egress(d),
             AttemptError::Timeout(t) => ProxyError::UpstreamTimeout(t),
             other => ProxyError::UpstreamUnreachable(Box::new(other)),
         }

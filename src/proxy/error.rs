@@ -32,8 +32,10 @@ pub enum ProxyError {
     BreakerOpen { retry_after: Duration },
     #[error("no response from the upstream within attempt_timeout ({})", fmt_duration(*.0))]
     UpstreamTimeout(Duration),
-    #[error("upstream unreachable: {0}")]
-    UpstreamUnreachable(#[source] BoxError),
+    /// The message names every cause, so the error has no `source()` of its own: a log
+    /// that walked it would print the causes twice.
+    #[error("upstream unreachable: {}", chain(&**.0))]
+    UpstreamUnreachable(BoxError),
     #[error("total_timeout of {} ran out", fmt_duration(*.0))]
     TotalTimeout(Duration),
     /// The client's request body broke (malformed framing, disconnect mid-upload).
@@ -150,7 +152,8 @@ pub fn find_cause<'a, T: std::error::Error + 'static>(
     None
 }
 
-/// The full cause chain on one line, for logs.
+/// The full cause chain of a foreign error (hyper's, rustls') on one line. sluice's own
+/// errors name their causes in their message already, so they are displayed, not walked.
 pub fn chain(err: &(dyn std::error::Error + 'static)) -> String {
     let mut out = err.to_string();
     let mut cur = err.source();

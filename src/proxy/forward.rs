@@ -290,7 +290,9 @@ pub(crate) fn finish(
                 e,
                 ProxyError::UpstreamUnreachable(_) | ProxyError::Egress(_)
             ) {
-                tracing::warn!(%method, upstream, family, error = %super::error::chain(&e), "upstream request failed");
+                // Display already carries the causes (see error.rs): walking `source()`
+                // as well would print each of them twice.
+                tracing::warn!(%method, upstream, family, error = %e, "upstream request failed");
             }
             (e.to_response(), Some(e.outcome()))
         }

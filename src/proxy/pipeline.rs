@@ -262,11 +262,12 @@ async fn retry_loop(
                 )
             }
             Err(e) => {
-                // Neither a refusal nor the client's own failure says anything about
-                // the upstream: no breaker, no retry.
+                // Neither a refusal, nor a name that does not resolve (a client can make
+                // up names under a wildcard host), nor the client's own failure says
+                // anything about the upstream: no breaker, no retry.
                 let clients = body.fault().is_some()
                     || (matches!(e, AttemptError::Timeout(_)) && body.waiting_on_client());
-                if clients || matches!(e, AttemptError::Denied(_)) {
+                if clients || matches!(e, AttemptError::Denied(_) | AttemptError::Resolve(_)) {
                     probe_guard.armed = false;
                     circuit.with(|b| b.abandon_probe());
                     return Err(blame(body, e));
@@ -410,6 +411,9 @@ fn attempt<'a>(
         // On failure the permit is dropped here: if the request never reached a
         // connection, its rate permits go back (the provider never saw it).
         let (resp, lease) = sent.ok_or(AttemptError::Timeout(timeout))??;
+        if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+            return Err(AttemptError::unasked_upgrade());
+        }
         if let Some(p) = permit.as_mut() {
             p.answered(resp.status().as_u16());
         }

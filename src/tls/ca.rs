@@ -15,6 +15,10 @@ use rustls::sign::CertifiedKey;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
 use super::{TlsError, provider};
+use crate::config::read_capped;
+
+/// A CA certificate and key are a few KiB of PEM; anything much larger is the wrong file.
+const PEM_CAP: u64 = 1 << 20;
 
 /// Leaves live 30 days and are replaced a day before they expire.
 const LEAF_LIFETIME: Duration = Duration::from_secs(30 * 24 * 3600);
@@ -104,8 +108,8 @@ impl Authority {
         if mode & 0o077 != 0 {
             return Err(TlsError::KeyTooOpen(key_path.display().to_string()));
         }
-        let cert_pem = std::fs::read_to_string(cert_path).map_err(io_err(cert_path))?;
-        let key_pem = std::fs::read_to_string(key_path).map_err(io_err(key_path))?;
+        let cert_pem = read_capped(cert_path, PEM_CAP).map_err(io_err(cert_path))?;
+        let key_pem = read_capped(key_path, PEM_CAP).map_err(io_err(key_path))?;
         let invalid = |path: &Path, message: String| TlsError::Invalid {
             path: path.display().to_string(),
             message,

@@ -16,10 +16,12 @@ pub fn client_config(extra_ca: Option<&Path>) -> Result<ClientConfig, TlsError> 
     let mut roots = RootCertStore::empty();
     roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
     if let Some(path) = extra_ca {
-        let pem = std::fs::read_to_string(path).map_err(|source| TlsError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let pem = crate::config::read_capped(path, crate::config::MAX_CONFIG_BYTES).map_err(
+            |source| TlsError::Io {
+                path: path.display().to_string(),
+                source,
+            },
+        )?;
         let certs = pem_certs(&pem);
         if certs.is_empty() {
             return Err(TlsError::Invalid {
