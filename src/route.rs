@@ -72,11 +72,21 @@ impl Router {
 /// Lower-case, no trailing dot, no IPv6 brackets, IP literals in one spelling
 /// ([`ip_literal`]): the form host patterns are stored in.
 pub fn normalize_host(host: &str) -> String {
-    let h = host.trim_end_matches('.');
-    let h = h
-        .strip_prefix('[')
-        .and_then(|h| h.strip_suffix(']'))
-        .unwrap_or(h);
+    // Dots and brackets in any nesting (`[api.example.com.].`) until none is left, so
+    // that normalising is done in one go: a dot left in would make the host miss its
+    // upstream (found by fuzzing).
+    let mut h = host;
+    loop {
+        let t = h.trim_end_matches('.');
+        let t = t
+            .strip_prefix('[')
+            .and_then(|t| t.strip_suffix(']'))
+            .unwrap_or(t);
+        if t.len() == h.len() {
+            break;
+        }
+        h = t;
+    }
     match ip_literal(h) {
         Some(ip) => ip.to_string(),
         None => h.to_ascii_lowercase(),
@@ -302,5 +312,9 @@ hosts = ["api.market.example:8080"]
     fn normalizes() {
         assert_eq!(normalize_host("API.Example.com."), "api.example.com");
         assert_eq!(normalize_host("[::1]"), "::1");
+        assert_eq!(normalize_host("[API.Example.com.]"), "api.example.com");
+        assert_eq!(normalize_host("[::1.]"), "::1");
+        assert_eq!(normalize_host("[API.Example.com.]."), "api.example.com");
+        assert_eq!(normalize_host("[[::1]]"), "::1");
     }
 }

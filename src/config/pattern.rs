@@ -305,6 +305,14 @@ fn decode_unreserved(s: &str) -> String {
             i += 3;
             continue;
         }
+        if b[i] == b'%' {
+            // A `%` that starts no escape is written as one, so that a decoded character
+            // after it cannot complete a new escape (`%%4161` → `%25A61`, not `%A61`): the
+            // normal form stays one, however often it is normalised.
+            out.push_str("%25");
+            i += 1;
+            continue;
+        }
         // Paths reach here as valid URI text: ASCII, but stay safe on anything else.
         let ch = s[i..].chars().next().unwrap_or('\u{fffd}');
         out.push(ch);
@@ -500,9 +508,14 @@ mod tests {
             ("/.", "/"),
             ("/", "/"),
             ("/.well-known/x", "/.well-known/x"),
-            ("/v1/100%", "/v1/100%"),
+            // A `%` that starts no escape is one; a decoded character never completes a
+            // new escape (found by fuzzing: normalising again changed the path).
+            ("/v1/100%", "/v1/100%25"),
+            ("/v1/%%4161", "/v1/%25A61"),
+            ("/v1/%zz", "/v1/%25zz"),
         ] {
             assert_eq!(normalize_path(raw), normal, "{raw}");
+            assert_eq!(normalize_path(normal), normal, "{normal}");
         }
         assert!(matches!(
             normalize_path("/v1/orders/1"),

@@ -1,0 +1,180 @@
+// The bodies of the fuzz targets, shared by the fuzzers (fuzz/fuzz_targets/) and by
+// tests/fuzz_corpus.rs, which replays every committed input on stable on each test run.
+// Each takes arbitrary bytes and checks what must hold for any input, beyond not
+// panicking.
+
+use std::time::{Duration, UNIX_EPOCH};
+
+use http::{HeaderMap, HeaderName, HeaderValue, Method};
+use sluice::config::pattern::{HostPattern, PathGlob, ip_literal, normalize_path};
+use sluice::config::{Action, ClassifyRule, Config, ConfigError};
+use sluice::policy::{classify, hints};
+use sluice::route::normalize_host;
+
+/// The config loader, and what a valid config goes on to build: routes, limiter plans,
+/// the redacted `/config` view and `explain`.
+pub fn config(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    match Config::parse(text, "fuzz.toml") {
+        Ok(config) => {
+            let _ = config.to_redacted_json();
+            let metrics =
+                sluice::metrics::Metrics::new(prometheus::Registry::new()).expect("fresh registry");
+            let _ = sluice::limit::plans(&config, &metrics);
+            let mut headers = HeaderMap::new();
+            headers.insert("authorization", HeaderValue::from_static("Bearer k"));
+            for u in &config.upstreams {
+                for h in &u.hosts {
+                    let host = h.to_string().replace('*', "a");
+                    let url = format!("http://{host}/v1/orders/1");
+                    if let Ok(uri) = url.parse() {
+                        let _ = sluice::explain::explain(&config, &Method::POST, &uri, &headers);
+                    }
+                    let bare = normalize_host(host.rsplit_once(':').map_or(&*host, |(h, _)| h));
+                    let _ = config.route(&bare, 443, &Method::GET, "/v1/a/../b", &headers);
+                }
+            }
+        }
+        Err(ConfigError::Invalid { line, col, .. }) => {
+            // The place named is in the file (or just past its end).
+            let lines = text.split('\n').count();
+            assert!(line >= 1 && line <= lines + 1, "line {line} of {lines}");
+            assert!(col >= 1, "col {col}");
+        }
+        Err(ConfigError::Read { .. }) => unreachable!("parse reads no file"),
+    }
+}
+
+/// Path globs and normalisation, host patterns and host normalisation. The first line is
+/// a glob, the second a request path, the third a host pattern, the fourth a host.
+pub fn patterns(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    let mut lines = text.split('\n');
+    let glob = lines.next().unwrap_or_default();
+    let raw_path = lines.next().unwrap_or_default();
+    let path = format!("/{}", raw_path.trim_start_matches('/'));
+
+    let normal = normalize_path(&path);
+    assert_eq!(
+        normalize_path(&normal),
+        normal,
+        "normalising twice changes nothing"
+    );
+    assert!(normal.starts_with('/'), "{normal:?}");
+    assert!(!normal.contains("//"), "{normal:?}");
+    assert!(
+        !normal.split('/').any(|s| s == "." || s == ".."),
+        "{normal:?}"
+    );
+    if let Ok(g) = PathGlob::parse(glob) {
+        // Terminates whatever the pattern (linear time is asserted in pattern.rs).
+        let _ = g.matches(&normal);
+        let everything = PathGlob::parse("/**").expect("valid");
+        assert!(everything.matches(&normal));
+    }
+
+    let pattern = lines.next().unwrap_or_default();
+    let host = lines.next().unwrap_or_default();
+    let h = normalize_host(host);
+    assert_eq!(
+        normalize_host(&h),
+        h,
+        "normalising a host twice changes nothing"
+    );
+    if let Some(ip) = ip_literal(host) {
+        assert_eq!(h, ip.to_string());
+    }
+    if let Ok(p) = HostPattern::parse(pattern) {
+        let _ = p.matches(&h, 443);
+        // What a pattern prints is what it parses back to.
+        assert_eq!(HostPattern::parse(&p.to_string()).as_ref(), Ok(&p));
+    }
+}
+
+const HINT_HEADERS: [&str; 4] = [
+    "retry-after",
+    "ratelimit-reset",
+    "x-ratelimit-reset",
+    "date",
+];
+
+/// The Retry-After / RateLimit-Reset / X-RateLimit-Reset / Date parsers: one value per
+/// line, in that order; the first 8 bytes set the wall clock.
+pub fn hints(data: &[u8]) {
+    let (clock, rest) = data.split_at(data.len().min(8));
+    let mut secs = [0u8; 8];
+    secs[..clock.len()].copy_from_slice(clock);
+    // Any instant up to the year 9999, as SystemTime allows everywhere.
+    let now = UNIX_EPOCH + Duration::from_secs(u64::from_le_bytes(secs) % 253_402_300_800);
+    let mut h = HeaderMap::new();
+    for (name, value) in HINT_HEADERS.iter().zip(rest.split(|b| *b == b'\n')) {
+        if let Ok(v) = HeaderValue::from_bytes(value) {
+            h.insert(HeaderName::from_static(name), v);
+        }
+    }
+    let hint = hints::server_hint(&h, now);
+    if let Some(v) = h.get("retry-after").and_then(|v| v.to_str().ok())
+        && let Ok(n) = v.trim().parse::<u64>()
+    {
+        assert_eq!(hint.map(|h| h.wait), Some(Duration::from_secs(n)));
+    }
+}
+
+/// The 429 classifier: a status byte pair, then rule fields and the body separated by NUL
+/// bytes (JSON pointer, value to equal, substring, body).
+pub fn classify(data: &[u8]) {
+    if data.len() < 3 {
+        return;
+    }
+    let status = 100 + u16::from_le_bytes([data[0], data[1]]) % 500;
+    let action = match data[2] % 3 {
+        0 => Action::Retry,
+        1 => Action::Cooldown,
+        _ => Action::Fail,
+    };
+    let mut fields = data[3..].splitn(4, |b| *b == 0);
+    let mut text = || {
+        fields
+            .next()
+            .map(|f| String::from_utf8_lossy(f).into_owned())
+    };
+    let (pointer, equals, needle) = (text(), text(), text());
+    let body = fields_rest(data);
+    let rules = vec![
+        ClassifyRule {
+            status: Some(status),
+            json: pointer.filter(|p| p.starts_with('/')),
+            equals: equals.into_iter().collect(),
+            body_contains: None,
+            action,
+        },
+        ClassifyRule {
+            status: None,
+            json: None,
+            equals: Vec::new(),
+            body_contains: needle.filter(|n| !n.is_empty()),
+            action,
+        },
+    ];
+    let with_body = classify::classify(&rules, status, Some(body));
+    let _ = classify::classify(&rules, status, None);
+    let _ = classify::needs_body(&rules, status);
+    assert!(
+        status != 429 || with_body.is_some(),
+        "a 429 always means something"
+    );
+}
+
+/// What follows the third NUL byte after the header bytes: the body.
+fn fields_rest(data: &[u8]) -> &[u8] {
+    let mut rest = &data[3..];
+    for _ in 0..3 {
+        match rest.iter().position(|b| *b == 0) {
+            Some(i) => rest = &rest[i + 1..],
+            None => return &[],
+        }
+    }
+    rest
+}
