@@ -603,6 +603,9 @@ async fn hosts_and_paths_are_matched_however_they_are_spelled() {
         "0x7f000001",
         "0177.0.0.1",
         "[::ffff:127.0.0.1]",
+        "[::ffff:7f00:1]",
+        "0X7F000001",
+        "127.0.0.1.",
     ];
     for host in hosts {
         let url = format!("http://{host}:{port}/v1/orders/1");
@@ -620,6 +623,8 @@ async fn hosts_and_paths_are_matched_however_they_are_spelled() {
         "/v1/x/../orders/2",
         "/v1/%6Frders/2",
         "/%76%31/orders/2",
+        "/v1%2Forders/2",
+        "/v1%2forders%2F2",
     ];
     for path in paths {
         let url = format!("http://127.0.0.1:{port}{path}");

@@ -205,7 +205,13 @@ impl PathGlob {
                     ));
                 }
                 // Written as requests are matched: `/v1/%6Frders` is `/v1/orders`.
-                lit => Segment::Literal(decode_unreserved(lit)),
+                lit if lit.to_ascii_uppercase().contains("%2F") => {
+                    return Err(format!(
+                        "invalid path glob {s:?}: paths are matched with \"%2F\" read as \"/\", \
+                         so a glob cannot contain it; write the slash"
+                    ));
+                }
+                lit => Segment::Literal(decode_unreserved(lit, false)),
             };
             // Two `**` in a row mean the same as one; keep matching linear.
             if parsed == Segment::Any && segments.last() == Some(&Segment::Any) {
@@ -241,7 +247,10 @@ impl PathGlob {
 /// The path as globs see it, so that spelling cannot move a request out of its family:
 /// percent-encoded unreserved characters decoded and other escapes in upper case
 /// (RFC 3986 §6.2.2.1-2), dot segments removed (§5.2.4), repeated slashes merged (as
-/// nginx's `merge_slashes`). The request itself is forwarded as sent. Borrows when there
+/// nginx's `merge_slashes`). An encoded slash `%2F` is read as a slash too: RFC 3986 says
+/// it is not one, but servers that decode the path before routing (Go's `net/http`
+/// among them) count `/v1%2Forders` as `/v1/orders`, and a limit must not be dodged by
+/// the difference. The request itself is forwarded as sent. Borrows when there
 /// is nothing to do, which is almost always.
 pub fn normalize_path(path: &str) -> std::borrow::Cow<'_, str> {
     let bytes = path.as_bytes();
@@ -251,7 +260,7 @@ pub fn normalize_path(path: &str) -> std::borrow::Cow<'_, str> {
     if !dotted && !bytes.contains(&b'%') {
         return std::borrow::Cow::Borrowed(path);
     }
-    let decoded = decode_unreserved(path);
+    let decoded = decode_unreserved(path, true);
     let mut out: Vec<&str> = Vec::new();
     let rest = decoded.strip_prefix('/').unwrap_or(&decoded);
     let mut segments = rest.split('/').peekable();
@@ -283,8 +292,9 @@ pub fn normalize_path(path: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(normal)
 }
 
-/// `%41` → `A` for unreserved characters; other escapes keep their meaning, in upper case.
-fn decode_unreserved(s: &str) -> String {
+/// `%41` → `A` for unreserved characters, and `%2F` → `/` when `slash`; other escapes
+/// keep their meaning, in upper case.
+fn decode_unreserved(s: &str, slash: bool) -> String {
     let b = s.as_bytes();
     let mut out = String::with_capacity(s.len());
     let mut i = 0;
@@ -296,7 +306,10 @@ fn decode_unreserved(s: &str) -> String {
             )
         {
             let c = (h * 16 + l) as u8;
-            if c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b'~') {
+            if c.is_ascii_alphanumeric()
+                || matches!(c, b'-' | b'.' | b'_' | b'~')
+                || (slash && c == b'/')
+            {
                 out.push(c as char);
             } else {
                 out.push('%');
@@ -501,7 +514,12 @@ mod tests {
             ("/v1/%6Frders/%31", "/v1/orders/1"),
             ("/%76%31/orders", "/v1/orders"),
             ("/v1/orders/%2e%2e/admin", "/v1/admin"),
-            ("/v1/a%2fb", "/v1/a%2Fb"),
+            ("/v1/a%2fb", "/v1/a/b"),
+            ("/v1%2Forders%2F1", "/v1/orders/1"),
+            ("/v1/x%2F..%2Forders", "/v1/orders"),
+            ("/v1/a%2F%2Fb", "/v1/a/b"),
+            ("/v1/%252F", "/v1/%252F"),
+            ("/v1/%3f", "/v1/%3F"),
             ("/v1/caf%c3%a9", "/v1/caf%C3%A9"),
             ("/v1/orders/.", "/v1/orders/"),
             ("/v1/orders/..", "/v1/"),
@@ -542,6 +560,7 @@ mod tests {
         assert!(PathGlob::parse("/v1/../admin").is_err());
         assert!(PathGlob::parse("/v1/./x").is_err());
         assert!(PathGlob::parse("/v1//x").is_err());
+        assert!(PathGlob::parse("/v1/a%2fb").is_err());
         assert!(PathGlob::parse("/v1/orders/").is_ok());
         assert!(PathGlob::parse("/").is_ok());
     }
