@@ -490,12 +490,7 @@ async fn under_a_small_descriptor_limit_the_admin_listener_still_answers() {
         .await
         .unwrap();
     assert_eq!(health.status(), 200);
-    let m = reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = admin_text(admin, "/metrics").await;
     assert_eq!(metric(&m, "sluice_client_connections"), Some(128.0));
     drop(tunnels);
     sluice.signal("TERM");
@@ -652,6 +647,24 @@ async fn hosts_and_paths_are_matched_however_they_are_spelled() {
             "{path} forwarded as sent: {seen:?}"
         );
     }
+}
+
+/// A client whose requests go through the proxy on `port`.
+fn client_via(port: u16) -> reqwest::Client {
+    reqwest::Client::builder()
+        .proxy(reqwest::Proxy::http(format!("http://127.0.0.1:{port}")).unwrap())
+        .build()
+        .unwrap()
+}
+
+/// The body of an admin endpoint of the binary.
+async fn admin_text(admin: u16, path: &str) -> String {
+    reqwest::get(format!("http://127.0.0.1:{admin}{path}"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
 }
 
 /// A config on free ports for the binary, with `extra` appended; returns it with its
@@ -826,10 +839,7 @@ async fn shown_partition(env: Option<&str>, up: &Upstream, value: &str) -> Strin
     }
     let sluice = Sluice::spawn_shell(command, &["run", "-c", path.to_str().unwrap()]);
     assert!(sluice.ready(admin).await);
-    let client = reqwest::Client::builder()
-        .proxy(reqwest::Proxy::http(format!("http://127.0.0.1:{port}")).unwrap())
-        .build()
-        .unwrap();
+    let client = client_via(port);
     let r = client
         .get(up.url("/"))
         .header("x-tenant", value)
@@ -837,12 +847,7 @@ async fn shown_partition(env: Option<&str>, up: &Upstream, value: &str) -> Strin
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let text = reqwest::get(format!("http://127.0.0.1:{admin}/buckets"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = admin_text(admin, "/buckets").await;
     let buckets: serde_json::Value = serde_json::from_str(&text).unwrap();
     let shown = buckets
         .as_array()
@@ -911,10 +916,7 @@ async fn an_upstream_failure_logs_its_causes_once() {
     );
     let sluice = Sluice::spawn(&["run", "-c", path.to_str().unwrap()]);
     assert!(sluice.ready(admin).await);
-    let client = reqwest::Client::builder()
-        .proxy(reqwest::Proxy::http(format!("http://127.0.0.1:{port}")).unwrap())
-        .build()
-        .unwrap();
+    let client = client_via(port);
     let r = client
         .get(format!("http://{closed}/"))
         .send()
