@@ -1,8 +1,13 @@
-//! The admin listener, separate from the proxy port so it can be firewalled apart:
-//! `/metrics`, `/healthz`, `/readyz`, `/config` (secrets redacted), `/buckets`, and
-//! `POST /reload`.
+//! The admin listener, separate from the proxy port so it can be firewalled apart. Probes
+//! and metrics (`/livez`, `/healthz`, `/readyz`, `/metrics`) answer whoever reaches it:
+//! kubelet and Prometheus come from outside the pod. The endpoints that change or reveal
+//! state (`POST /reload`, `/config` with secrets redacted, `/buckets`) answer loopback
+//! clients only, unless `admin_control = "any"`: as linkerd's admin server keeps its
+//! shutdown endpoint to localhost, so that a listener opened for probes is not also
+//! opened for control.
 
 use std::convert::Infallible;
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use http::header::{self, HeaderValue};
@@ -15,6 +20,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::app::App;
+use crate::config::AdminControl;
 use crate::proxy::{Body, full};
 
 /// Serves admin requests until `stop` is cancelled.
@@ -25,7 +31,7 @@ const MAX_ADMIN_CONNECTIONS: usize = 64;
 pub async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken) {
     let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
-        let (stream, _) = tokio::select! {
+        let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
                 Ok(c) => c,
                 Err(e) => {
@@ -46,7 +52,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken
         tokio::spawn(async move {
             let svc = service_fn(move |req| {
                 let app = app.clone();
-                async move { Ok::<_, Infallible>(handle(&app, &req).await) }
+                async move { Ok::<_, Infallible>(handle(&app, &req, peer.ip()).await) }
             });
             let conn = http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -60,9 +66,36 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken
     }
 }
 
-pub async fn handle(app: &Arc<App>, req: &Request<Incoming>) -> Response<Body> {
+/// Endpoints that change or reveal state: `admin_control` says who may use them.
+const CONTROL: [&str; 3] = ["/reload", "/config", "/buckets"];
+
+fn is_loopback(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.is_loopback(),
+        IpAddr::V6(v6) => {
+            v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
+    }
+}
+
+pub async fn handle(app: &Arc<App>, req: &Request<Incoming>, peer: IpAddr) -> Response<Body> {
     let get = req.method() == Method::GET || req.method() == Method::HEAD;
-    if req.uri().path() == "/reload" {
+    let path = req.uri().path();
+    if CONTROL.contains(&path)
+        && app.config().proxy.admin_control == AdminControl::Loopback
+        && !is_loopback(peer)
+    {
+        return reply(
+            StatusCode::FORBIDDEN,
+            "text/plain",
+            format!(
+                "{path} answers loopback clients only (admin_control = \"loopback\"): use it \
+                 from inside the pod or through kubectl port-forward, or set \
+                 admin_control = \"any\"\n"
+            ),
+        );
+    }
+    if path == "/reload" {
         return reload(app, req.method()).await;
     }
     match (req.uri().path(), get) {
@@ -81,7 +114,9 @@ pub async fn handle(app: &Arc<App>, req: &Request<Incoming>) -> Response<Body> {
                 app.metrics.render(),
             )
         }
-        ("/healthz", true) => reply(StatusCode::OK, "text/plain", "ok\n".into()),
+        // Liveness: the process answers. Nothing it depends on (upstreams, Redis) is
+        // asked, so a restart is never triggered by what a restart cannot fix.
+        ("/livez" | "/healthz", true) => reply(StatusCode::OK, "text/plain", "ok\n".into()),
         ("/readyz", true) if app.is_draining() => reply(
             StatusCode::SERVICE_UNAVAILABLE,
             "text/plain",
@@ -90,7 +125,7 @@ pub async fn handle(app: &Arc<App>, req: &Request<Incoming>) -> Response<Body> {
         ("/readyz", true) => reply(StatusCode::OK, "text/plain", "ready\n".into()),
         ("/config", true) => json(&app.config().to_redacted_json()),
         ("/buckets", true) => json(&app.limiter.snapshot()),
-        ("/metrics" | "/healthz" | "/readyz" | "/config" | "/buckets", false) => {
+        ("/metrics" | "/livez" | "/healthz" | "/readyz" | "/config" | "/buckets", false) => {
             let mut r = reply(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "text/plain",
@@ -103,7 +138,8 @@ pub async fn handle(app: &Arc<App>, req: &Request<Incoming>) -> Response<Body> {
         _ => reply(
             StatusCode::NOT_FOUND,
             "text/plain",
-            "not found; try /metrics /healthz /readyz /config /buckets, POST /reload\n".into(),
+            "not found; try /metrics /livez /healthz /readyz /config /buckets, POST /reload\n"
+                .into(),
         ),
     }
 }

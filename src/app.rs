@@ -12,7 +12,7 @@ use prometheus::Registry;
 use tokio::sync::watch;
 
 use crate::cluster::{Cluster, ClusterError};
-use crate::config::Config;
+use crate::config::{Config, Overrides};
 use crate::egress::{Lookup, Resolver, Rules};
 use crate::limit::{Limiter, Plans};
 use crate::metrics::Metrics;
@@ -67,6 +67,8 @@ pub struct App {
     draining: AtomicBool,
     /// The file reloads read, when the config came from one.
     path: Option<PathBuf>,
+    /// Applied to every load of the file (reloads).
+    overrides: Overrides,
     /// One reload at a time, whichever trigger started it.
     reloading: Mutex<()>,
 }
@@ -76,6 +78,7 @@ pub struct AppBuilder {
     registry: Registry,
     resolver: Resolver,
     path: Option<PathBuf>,
+    overrides: Overrides,
 }
 
 impl AppBuilder {
@@ -93,6 +96,14 @@ impl AppBuilder {
     /// The file the config was loaded from; reloads read it again.
     pub fn path(mut self, path: impl Into<PathBuf>) -> Self {
         self.path = Some(path.into());
+        self
+    }
+
+    /// Settings from the command line or environment, over the file's: applied to the
+    /// config now and to every reload.
+    pub fn overrides(mut self, overrides: Overrides) -> Self {
+        overrides.apply(&mut self.config);
+        self.overrides = overrides;
         self
     }
 
@@ -133,6 +144,7 @@ impl AppBuilder {
             handshake_log: HandshakeLog::default(),
             draining: AtomicBool::new(false),
             path: self.path,
+            overrides: self.overrides,
             reloading: Mutex::new(()),
         }))
     }
@@ -231,6 +243,7 @@ impl App {
             registry: Registry::new(),
             resolver: Resolver::default(),
             path: None,
+            overrides: Overrides::default(),
         }
     }
 
@@ -271,6 +284,10 @@ impl App {
     pub fn reload(&self) -> Result<ReloadSummary, ReloadError> {
         let result = match &self.path {
             Some(path) => Config::load(path)
+                .map(|mut c| {
+                    self.overrides.apply(&mut c);
+                    c
+                })
                 .map_err(ReloadError::from)
                 .and_then(|c| self.apply(c)),
             None => Err(ReloadError::NoFile),

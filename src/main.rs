@@ -1,5 +1,6 @@
 //! The `sluice` binary: command line, logging, and the process around the library.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -7,6 +8,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 
+use sluice::config::Overrides;
 use sluice::proxy::server::Workers;
 use sluice::{App, Config, Server};
 
@@ -18,7 +20,13 @@ use sluice::{App, Config, Server};
 )]
 struct Cli {
     /// Log line format on stderr; RUST_LOG filters (default "info").
-    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        env = "SLUICE_LOG_FORMAT",
+        default_value_t = LogFormat::Text
+    )]
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
@@ -52,6 +60,13 @@ enum Command {
         /// CPU this process may use).
         #[arg(long, env = "SLUICE_WORKERS", value_parser = clap::value_parser!(u16).range(1..=1024))]
         workers: Option<u16>,
+        /// Proxy listener, over the file's [proxy] listen (e.g. 0.0.0.0:3128 in a pod).
+        #[arg(long, env = "SLUICE_LISTEN", value_name = "IP:PORT")]
+        listen: Option<SocketAddr>,
+        /// Admin listener, over the file's [proxy] admin (e.g. 0.0.0.0:9901 in a pod, for
+        /// probes and scrapes; control endpoints stay loopback-only, see admin_control).
+        #[arg(long, env = "SLUICE_ADMIN", value_name = "IP:PORT")]
+        admin: Option<SocketAddr>,
     },
     /// Validate a config file: exit 0 when valid, 1 with file:line:col: message otherwise.
     Check(ConfigArg),
@@ -87,7 +102,12 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
     let result = match cli.command {
-        Command::Run { config, workers } => run(&config.config, workers),
+        Command::Run {
+            config,
+            workers,
+            listen,
+            admin,
+        } => run(&config.config, workers, Overrides { listen, admin }),
         Command::Check(c) => check(&c.config),
         Command::Ca {
             command: CaCommand::New { out },
@@ -187,7 +207,7 @@ fn explain(path: &Path, method: &str, url: &str, headers: &[String]) -> anyhow::
     Ok(())
 }
 
-fn run(path: &Path, workers: Option<u16>) -> anyhow::Result<()> {
+fn run(path: &Path, workers: Option<u16>, overrides: Overrides) -> anyhow::Result<()> {
     let config = Config::load(path)?;
     match sluice::rlimit::raise_nofile() {
         Ok((before, after)) if after > before => {
@@ -215,7 +235,10 @@ fn run(path: &Path, workers: Option<u16>) -> anyhow::Result<()> {
         .build()
         .context("cannot start the tokio runtime")?;
     runtime.block_on(async {
-        let app = App::builder(config).path(path).build()?;
+        let app = App::builder(config)
+            .path(path)
+            .overrides(overrides)
+            .build()?;
         let server = Server::bind(app).await?.serve_on(workers.handles());
         tracing::info!(proxy = %server.proxy_addr(), admin = %server.admin_addr(), config = %path.display(), workers = count, "listening");
         server.run(shutdown_signal()).await;

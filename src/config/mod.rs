@@ -20,8 +20,8 @@ use sha2::{Digest, Sha256};
 
 pub use pattern::{HostPattern, PathGlob};
 pub use spec::{
-    Action, BudgetSpec, CooldownScope, Jitter, LimitSpec as Limit, OnRedisError, Priority, RetryOn,
-    Scheme, Scope, TlsMode, Unmatched,
+    Action, AdminControl, BudgetSpec, CooldownScope, Jitter, LimitSpec as Limit, OnRedisError,
+    Priority, RetryOn, Scheme, Scope, TlsMode, Unmatched,
 };
 use spec::{BreakerSpec, ConfigSpec, PolicySpec, RetrySpec};
 pub use units::Margin;
@@ -96,6 +96,27 @@ pub struct ProxyConfig {
     pub drain_timeout: Duration,
     #[serde(serialize_with = "ser_duration")]
     pub shutdown_delay: Duration,
+    pub admin_control: AdminControl,
+}
+
+/// What the command line or the environment sets over the file (`--listen`,
+/// `SLUICE_LISTEN`, ...): what differs between a laptop and a pod. Applied to every load
+/// of the file, reloads included, so a reload never sees them as a change.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub listen: Option<SocketAddr>,
+    pub admin: Option<SocketAddr>,
+}
+
+impl Overrides {
+    pub fn apply(&self, config: &mut Config) {
+        if let Some(a) = self.listen {
+            config.proxy.listen = a;
+        }
+        if let Some(a) = self.admin {
+            config.proxy.admin = a;
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -705,6 +726,7 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
         send_timeout: p.send_timeout.map_or(Duration::from_secs(30), |d| d.0),
         drain_timeout: p.drain_timeout.map_or(Duration::from_secs(25), |d| d.0),
         shutdown_delay: p.shutdown_delay.map_or(Duration::ZERO, |d| d.0),
+        admin_control: p.admin_control.unwrap_or_default(),
     };
     if let (Some(l), Some(a)) = (&p.listen, &p.admin)
         && proxy.listen == proxy.admin

@@ -54,6 +54,21 @@ pub struct ProxySpec {
     pub send_timeout: Option<PosDur>,
     pub drain_timeout: Option<Dur>,
     pub shutdown_delay: Option<Dur>,
+    pub admin_control: Option<AdminControl>,
+}
+
+/// Who may use the admin endpoints that change or reveal state (`POST /reload`,
+/// `/config`, `/buckets`); probes and `/metrics` are served to anyone who reaches the
+/// admin listener.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdminControl {
+    /// Clients connecting from a loopback address: the pod itself, `kubectl
+    /// port-forward`, a shell on the host.
+    #[default]
+    Loopback,
+    /// Every client that reaches the admin listener.
+    Any,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
