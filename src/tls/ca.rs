@@ -98,14 +98,16 @@ pub struct Authority {
 }
 
 impl Authority {
-    /// Loads a CA; refuses a key file that group or others can read.
+    /// Loads a CA; refuses a key file that others can read or its group can change. The
+    /// group may read it: a Kubernetes Secret volume with `fsGroup` gives 0440, and only
+    /// the containers that mount the volume see the file at all.
     pub fn load(cert_path: &Path, key_path: &Path) -> Result<Authority, TlsError> {
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(key_path)
             .map_err(io_err(key_path))?
             .permissions()
             .mode();
-        if mode & 0o077 != 0 {
+        if mode & 0o037 != 0 {
             return Err(TlsError::KeyTooOpen(key_path.display().to_string()));
         }
         let cert_pem = read_capped(cert_path, PEM_CAP).map_err(io_err(cert_path))?;
@@ -220,8 +222,16 @@ mod tests {
         ca.leaf("127.0.0.1").unwrap();
         assert_eq!(ca.signed(), 2);
 
-        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o640)).unwrap();
-        let err = Authority::load(&cert, &key).err().unwrap().to_string();
-        assert!(err.contains("chmod 600"), "{err}");
+        // What Secret volumes give: 0440 with fsGroup, 0400 without.
+        for mode in [0o400, 0o440, 0o640] {
+            std::fs::set_permissions(&key, std::fs::Permissions::from_mode(mode)).unwrap();
+            assert!(Authority::load(&cert, &key).is_ok(), "{mode:o}");
+        }
+        // Readable by others (a Secret's default 0644), or writable by the group.
+        for mode in [0o644, 0o604, 0o660, 0o650] {
+            std::fs::set_permissions(&key, std::fs::Permissions::from_mode(mode)).unwrap();
+            let err = Authority::load(&cert, &key).err().unwrap().to_string();
+            assert!(err.contains("chmod 600"), "{mode:o}: {err}");
+        }
     }
 }

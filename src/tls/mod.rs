@@ -19,7 +19,7 @@ pub enum TlsError {
         source: std::io::Error,
     },
     #[error(
-        "{0}: the CA key is readable by group or others; run `chmod 600 {0}` (sluice refuses to sign with a key others can read)"
+        "{0}: the CA key is readable by others or writable by its group; run `chmod 600 {0}` (in a Kubernetes Secret volume: defaultMode 0400, or 0440 with fsGroup); sluice refuses to sign with a key others can read"
     )]
     KeyTooOpen(String),
     #[error("{path}: {message}")]
