@@ -60,6 +60,13 @@ pub struct Metrics {
     pub config_info: IntGaugeVec,
 }
 
+/// The commit the binary was built from: `SLUICE_REVISION` at build time (the
+/// Dockerfile passes its `REVISION` argument), else "unknown".
+pub const REVISION: &str = match option_env!("SLUICE_REVISION") {
+    Some(r) => r,
+    None => "unknown",
+};
+
 /// 1 ms to 60 s, roughly ×2.5 per step: resolves fast APIs and long queue waits alike.
 pub const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -244,6 +251,23 @@ impl Metrics {
         registry.register(Box::new(queue_wait.clone()))?;
         registry.register(Box::new(queue_depth.clone()))?;
         registry.register(Box::new(rejections.clone()))?;
+        // CPU seconds, resident memory, open and maximum descriptors, start time: read
+        // from /proc at each scrape, as every Prometheus client library exports them.
+        #[cfg(target_os = "linux")]
+        registry.register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ))?;
+        let build_info = IntGaugeVec::new(
+            Opts::new(
+                "sluice_build_info",
+                "Always 1; the version and the source revision of this binary",
+            ),
+            &["version", "revision"],
+        )?;
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION"), REVISION])
+            .set(1);
+        registry.register(Box::new(build_info))?;
         Ok(Metrics {
             registry,
             requests,

@@ -150,3 +150,149 @@ async fn admin_control_any_opens_control_to_the_network() {
     sluice.signal("TERM");
     sluice.exit().await;
 }
+
+/// What a platform team's dashboards expect next to sluice's own series: the process's
+/// CPU, memory, descriptors and start time, and which build is running.
+#[tokio::test]
+async fn metrics_carry_the_process_and_the_build() {
+    let proxy = Proxy::start("").await;
+    let m = proxy.metrics().await;
+    for series in [
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_max_fds",
+        "process_start_time_seconds",
+    ] {
+        let v = metric(&m, series).unwrap_or_else(|| panic!("{series}: {m}"));
+        assert!(v >= 0.0, "{series} {v}");
+    }
+    assert!(metric(&m, "process_resident_memory_bytes").unwrap() > 1e6);
+    let build = format!(
+        "sluice_build_info{{revision=\"{}\",version=\"{}\"}}",
+        sluice::metrics::REVISION,
+        env!("CARGO_PKG_VERSION")
+    );
+    assert_eq!(metric(&m, &build), Some(1.0), "{m}");
+}
+
+/// The image's promise, kept without a container engine: the binary runs as uid 65532
+/// (distroless `nonroot`) with the supplementary group a pod's `fsGroup` gives, its config
+/// read-only, and the interception CA in the layout a Secret volume gives (`..data`
+/// symlinks, the key 0440 owned by root and the fsGroup). It starts, proxies, answers
+/// probes, and drains on SIGTERM. Needs root to change uid: CI runs as root.
+#[tokio::test]
+async fn runs_as_the_image_does_non_root_read_only_with_a_secret_mounted_ca() {
+    use std::os::unix::fs::{PermissionsExt, chown, symlink};
+    crypto();
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: changing to uid 65532 needs root");
+        return;
+    }
+    let up = Upstream::start().await;
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path();
+    let mode = |p: &std::path::Path, m: u32| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+    };
+    mode(dir, 0o755);
+    // The binary, where the image has it.
+    let bin = dir.join("sluice");
+    std::fs::copy(env!("CARGO_BIN_EXE_sluice"), &bin).unwrap();
+    mode(&bin, 0o755);
+    // The CA as a Secret volume lays it out: files in a timestamped directory, `..data`
+    // pointing at it, each name a link through `..data`.
+    let made = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(&bin)
+        .args(["ca", "new", "--out"])
+        .arg(made.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let secret = dir.join("ca");
+    let stamp = secret.join("..2026_12_01_00_00_00.000000001");
+    std::fs::create_dir_all(&stamp).unwrap();
+    for (name, m) in [("ca.pem", 0o440), ("ca-key.pem", 0o440)] {
+        std::fs::copy(made.path().join(name), stamp.join(name)).unwrap();
+        chown(stamp.join(name), Some(0), Some(65532)).unwrap();
+        mode(&stamp.join(name), m);
+        symlink(format!("..data/{name}"), secret.join(name)).unwrap();
+    }
+    symlink(stamp.file_name().unwrap(), secret.join("..data")).unwrap();
+    mode(&stamp, 0o755);
+    mode(&secret, 0o755);
+    // The config, read-only, as a ConfigMap directory gives it.
+    let etc = dir.join("etc");
+    std::fs::create_dir(&etc).unwrap();
+    let base = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/config/container.toml"
+    ))
+    .unwrap();
+    let config = etc.join("sluice.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "{base}\n[tls]\nca_cert = \"{ca}/ca.pem\"\nca_key = \"{ca}/ca-key.pem\"\n\
+             [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{port}\"]\n\
+             [[upstream]]\nname = \"intercepted\"\nhosts = [\"api.example.test\"]\ntls = \"intercept\"\n",
+            ca = secret.display(),
+            port = up.addr.port()
+        ),
+    )
+    .unwrap();
+    mode(&config, 0o444);
+    mode(&etc, 0o555);
+
+    let (port, admin) = (free_port(), free_port());
+    let mut command = std::process::Command::new("setpriv");
+    command
+        .args(["--reuid", "65532", "--regid", "65532", "--groups", "65532"])
+        .arg(&bin)
+        .env("SLUICE_CONFIG", &config)
+        .env("SLUICE_LISTEN", format!("127.0.0.1:{port}"))
+        .env("SLUICE_ADMIN", format!("127.0.0.1:{admin}"))
+        .current_dir(dir);
+    let sluice = Sluice::spawn_shell(command, &["run"]);
+    assert!(sluice.ready(admin).await, "started as uid 65532");
+    let status = std::fs::read_to_string(format!("/proc/{}/status", sluice.pid())).unwrap();
+    assert!(
+        status
+            .lines()
+            .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("65532")),
+        "{status}"
+    );
+    let r = client_via_port(port)
+        .get(up.url("/through"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    sluice.signal("TERM");
+    let (code, log) = sluice.exit().await;
+    assert_eq!(code, Some(0), "{log:?}");
+
+    // A key others can read (a Secret's default mode, 0644) is still refused.
+    std::fs::set_permissions(
+        stamp.join("ca-key.pem"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    let out = std::process::Command::new(&bin)
+        .args(["run", "-c"])
+        .arg(&config)
+        .env("SLUICE_LISTEN", "127.0.0.1:0")
+        .env("SLUICE_ADMIN", "127.0.0.1:0")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("defaultMode"), "{err}");
+}
+
+fn client_via_port(port: u16) -> reqwest::Client {
+    reqwest::Client::builder()
+        .proxy(reqwest::Proxy::http(format!("http://127.0.0.1:{port}")).unwrap())
+        .build()
+        .unwrap()
+}
