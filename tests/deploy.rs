@@ -296,3 +296,75 @@ fn client_via_port(port: u16) -> reqwest::Client {
         .build()
         .unwrap()
 }
+
+/// Every metric the alert rules and the dashboard in deploy/monitoring name exists in
+/// sluice's /metrics, once traffic has made each series appear: a renamed metric breaks
+/// this test, not a team's alerts in production.
+#[tokio::test]
+async fn the_monitoring_names_only_metrics_sluice_exports() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\nmax_queue = 1\n\
+         retry = {{ max_attempts = 2, backoff = {{ base = \"10ms\", max = \"20ms\" }} }}\n\
+         limits = [{{ kind = \"concurrency\", max = 1 }}]\n\
+         [[upstream.family]]\nname = \"all\"\npaths = [\"/**\"]\nbreaker = {{ min_requests = 100 }}\n",
+        up.addr.port()
+    ))
+    .await;
+    let client = proxy.client();
+    // A retry, a provider 429, and a queue that overflows.
+    assert_eq!(
+        client
+            .get(up.url("/seq/r/503,200"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    client.get(up.url("/status/429")).send().await.unwrap();
+    let burst: Vec<_> = (0..3)
+        .map(|_| client.get(up.url("/slow/300")).send())
+        .collect();
+    let statuses: Vec<u16> = futures_util::future::join_all(burst)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().status().as_u16())
+        .collect();
+    assert!(statuses.contains(&429), "{statuses:?}");
+    // A reload that fails (this proxy has no file).
+    proxy.admin_post("/reload").await;
+    let exported = proxy.metrics().await;
+
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/monitoring");
+    let mut used = std::collections::BTreeSet::new();
+    for file in ["prometheusrule.yaml", "dashboard.json"] {
+        let text = std::fs::read_to_string(dir.join(file)).unwrap();
+        for (i, _) in text
+            .match_indices("sluice_")
+            .chain(text.match_indices("process_"))
+        {
+            let name: String = text[i..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            // Prose such as "sluice_<reason>" names no metric.
+            if !name.ends_with('_') {
+                used.insert(name);
+            }
+        }
+    }
+    assert!(used.len() >= 10, "{used:?}");
+    let missing: Vec<&String> = used
+        .iter()
+        .filter(|name| {
+            !exported
+                .lines()
+                .any(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "not in /metrics: {missing:?}\n{exported}"
+    );
+}
