@@ -67,6 +67,10 @@ enum Command {
         /// probes and scrapes; control endpoints stay loopback-only, see admin_control).
         #[arg(long, env = "SLUICE_ADMIN", value_name = "IP:PORT")]
         admin: Option<SocketAddr>,
+        /// After SIGTERM, keep accepting this long (e.g. 15s) before draining, over the
+        /// file's [proxy] shutdown_delay: for a sidecar stopped together with its app.
+        #[arg(long, env = "SLUICE_SHUTDOWN_DELAY", value_name = "DURATION", value_parser = humantime::parse_duration)]
+        shutdown_delay: Option<std::time::Duration>,
     },
     /// Validate a config file: exit 0 when valid, 1 with file:line:col: message otherwise.
     Check(ConfigArg),
@@ -107,7 +111,16 @@ fn main() -> ExitCode {
             workers,
             listen,
             admin,
-        } => run(&config.config, workers, Overrides { listen, admin }),
+            shutdown_delay,
+        } => run(
+            &config.config,
+            workers,
+            Overrides {
+                listen,
+                admin,
+                shutdown_delay,
+            },
+        ),
         Command::Check(c) => check(&c.config),
         Command::Ca {
             command: CaCommand::New { out },

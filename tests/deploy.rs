@@ -368,3 +368,51 @@ async fn the_monitoring_names_only_metrics_sluice_exports() {
         "not in /metrics: {missing:?}\n{exported}"
     );
 }
+
+/// SLUICE_SHUTDOWN_DELAY, for a sidecar that gets SIGTERM together with its application:
+/// not ready at once, yet still accepting and proxying for the delay, then gone.
+#[tokio::test]
+async fn the_shutdown_delay_from_the_environment_keeps_serving_after_sigterm() {
+    crypto();
+    let up = Upstream::start().await;
+    let (port, admin) = (free_port(), free_port());
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:{port}\"\nadmin = \"127.0.0.1:{admin}\"\n\
+             [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n",
+            up.addr.port()
+        ),
+    )
+    .unwrap();
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+    command.env("SLUICE_SHUTDOWN_DELAY", "5s");
+    let sluice = Sluice::spawn_shell(command, &["run", "-c", path.to_str().unwrap()]);
+    assert!(sluice.ready(admin).await);
+    let started = tokio::time::Instant::now();
+    sluice.signal("TERM");
+    let readyz = format!("http://127.0.0.1:{admin}/readyz");
+    assert!(
+        eventually(std::time::Duration::from_secs(1), || async {
+            reqwest::get(&readyz).await.is_ok_and(|r| r.status() == 503)
+        })
+        .await,
+        "not ready after SIGTERM"
+    );
+    // A new client connection, after SIGTERM, within the delay.
+    let r = client_via_port(port)
+        .get(up.url("/after-term"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    let (code, _) = sluice.exit().await;
+    assert_eq!(code, Some(0));
+    assert!(
+        started.elapsed() >= std::time::Duration::from_secs(5),
+        "waited the delay"
+    );
+}

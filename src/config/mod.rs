@@ -106,10 +106,16 @@ pub struct ProxyConfig {
 pub struct Overrides {
     pub listen: Option<SocketAddr>,
     pub admin: Option<SocketAddr>,
+    /// For a sidecar that receives SIGTERM together with its application (no native
+    /// sidecars): keep serving while the application finishes.
+    pub shutdown_delay: Option<Duration>,
 }
 
 impl Overrides {
     pub fn apply(&self, config: &mut Config) {
+        if let Some(d) = self.shutdown_delay {
+            config.proxy.shutdown_delay = d;
+        }
         if let Some(a) = self.listen {
             config.proxy.listen = a;
         }
