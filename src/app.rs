@@ -114,7 +114,7 @@ impl AppBuilder {
             crate::tls::client::client_config(None)?,
         );
         let limiter = Limiter::new(&self.config, &metrics);
-        let (upstream_clients, authority) = build_tls(&self.config, &self.resolver)?;
+        let (upstream_clients, authority) = build_tls(&self.config, &self.resolver, None)?;
         let cluster = build_cluster(&self.config, None, &metrics)?;
         limiter.set_cluster(cluster.clone());
         let policies = Policies::new(&self.config, &metrics);
@@ -172,7 +172,13 @@ fn build_cluster(
 type TlsParts = (Vec<Option<UpstreamClient>>, Option<Arc<Authority>>);
 
 /// The parts of a config that talk TLS and can fail to build.
-fn build_tls(config: &Config, resolver: &Resolver) -> Result<TlsParts, BuildError> {
+/// `reuse`: the [tls] section in force and its CA, which a reload keeps when the section
+/// is unchanged.
+fn build_tls(
+    config: &Config,
+    resolver: &Resolver,
+    reuse: Option<(&crate::config::TlsConfig, &Arc<Authority>)>,
+) -> Result<TlsParts, BuildError> {
     let upstream_clients = config
         .upstreams
         .iter()
@@ -187,12 +193,27 @@ fn build_tls(config: &Config, resolver: &Resolver) -> Result<TlsParts, BuildErro
     if let Some(name) = config.intercept_without_ca() {
         return Err(BuildError::NoCa(name.to_string()));
     }
-    let authority = match &config.tls {
-        Some(crate::config::TlsConfig {
-            ca_cert: Some(cert),
-            ca_key: Some(key),
-        }) => Some(Arc::new(Authority::load(cert, key)?)),
-        _ => None,
+    let authority = match (&config.tls, reuse) {
+        // A reload that leaves a generate_ca section as it was keeps the CA: the
+        // application trusts this one and no other. A CA read from files is read again,
+        // so a rotated Secret takes effect.
+        (Some(tls), Some((old, authority))) if tls.generate_ca && old == tls => {
+            Some(authority.clone())
+        }
+        (Some(tls), _) => {
+            let authority = match (&tls.ca_cert, &tls.ca_key, &tls.key_dir) {
+                (Some(cert), Some(key), _) => Some(Authority::load(cert, key)?),
+                _ if !tls.generate_ca => None,
+                (_, _, Some(dir)) => Some(Authority::generate_in(dir)?),
+                (_, _, None) => Some(Authority::generate()?),
+            };
+            if let (Some(a), Some(dir)) = (&authority, &tls.trust_dir) {
+                a.write_trust(dir)?;
+                tracing::info!(trust_dir = %dir.display(), "wrote the interception CA and a trust bundle");
+            }
+            authority.map(Arc::new)
+        }
+        (None, _) => None,
     };
     Ok((upstream_clients, authority))
 }
@@ -331,7 +352,8 @@ impl App {
         }
 
         // Everything that can fail, before anything changes.
-        let (upstream_clients, authority) = build_tls(&config, &self.resolver)?;
+        let reuse = old.tls.as_ref().zip(old.authority.as_ref());
+        let (upstream_clients, authority) = build_tls(&config, &self.resolver, reuse)?;
         let cluster = build_cluster(&config, old.cluster.as_ref(), &self.metrics)?;
         let egress_rules = Arc::new(Rules::new(&config));
         let client = if *egress_rules == *old.egress_rules {

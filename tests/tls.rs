@@ -283,3 +283,85 @@ async fn reqwest_with_the_ca_added_over_http1_and_http2() {
     }
     assert_eq!(up.seen.lock().unwrap().len(), 2);
 }
+
+/// `generate_ca`: sluice makes its CA at start, keeps the key to itself, and writes the
+/// CA and a bundle (public roots + CA) where the application can read them; a client
+/// that trusts only that bundle gets intercepted HTTPS through. A reload that leaves
+/// [tls] as it was keeps the CA; with key_dir, a restart does too.
+#[tokio::test]
+async fn a_generated_ca_is_trusted_through_the_bundle_it_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = tls_upstream(dir.path()).await;
+    let trust = dir.path().join("trust");
+    let config = |comment: &str| {
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n# {comment}\n\
+             [tls]\ngenerate_ca = true\ntrust_dir = {trust:?}\n\
+             [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\nupstream_ca = {:?}\n\
+             [egress]\nallow = [\"127.0.0.0/8\"]\nconnect_ports = [\"1-65535\"]\n",
+            up.ca_path
+        )
+    };
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(&path, config("first")).unwrap();
+    let proxy = Proxy::from_file(&path).await;
+
+    let bundle = std::fs::read(trust.join("ca-bundle.pem")).unwrap();
+    let ca = std::fs::read_to_string(trust.join("ca.pem")).unwrap();
+    let text = String::from_utf8_lossy(&bundle);
+    assert!(
+        text.matches("BEGIN CERTIFICATE").count() > 100,
+        "public roots too"
+    );
+    assert!(text.ends_with(&ca), "the CA last");
+    for f in std::fs::read_dir(&trust).unwrap() {
+        let body = std::fs::read_to_string(f.unwrap().path()).unwrap();
+        assert!(
+            !body.contains("PRIVATE KEY"),
+            "no key in the shared directory"
+        );
+    }
+    let roots = reqwest::Certificate::from_pem_bundle(&bundle).unwrap();
+    let client = reqwest::Client::builder()
+        .proxy(reqwest::Proxy::all(proxy.url()).unwrap())
+        .tls_certs_only(roots)
+        .build()
+        .unwrap();
+    let resp = client
+        .get(format!("https://{}/r", up.addr))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.text().await.unwrap(), "secure hello");
+
+    // An edit elsewhere in the file: reloaded, the same CA.
+    std::fs::write(&path, config("second")).unwrap();
+    let (status, body) = proxy.admin_post("/reload").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"changed\": true"), "{body}");
+    assert_eq!(std::fs::read_to_string(trust.join("ca.pem")).unwrap(), ca);
+    let resp = client
+        .get(format!("https://{}/again", up.addr))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+
+    // With key_dir, a restarted sluice finds the CA it made before.
+    let keys = dir.path().join("keys");
+    let first = sluice::tls::ca::Authority::generate_in(&keys).unwrap();
+    let again = sluice::tls::ca::Authority::generate_in(&keys).unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    first.write_trust(&a).unwrap();
+    again.write_trust(&b).unwrap();
+    assert_eq!(
+        std::fs::read(a.join("ca.pem")).unwrap(),
+        std::fs::read(b.join("ca.pem")).unwrap()
+    );
+    let fresh = sluice::tls::ca::Authority::generate().unwrap();
+    fresh.write_trust(&b).unwrap();
+    assert_ne!(
+        std::fs::read(a.join("ca.pem")).unwrap(),
+        std::fs::read(b.join("ca.pem")).unwrap()
+    );
+}

@@ -255,10 +255,18 @@ pub struct ClassifyRule {
     pub action: Action,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, PartialEq, Serialize)]
 pub struct TlsConfig {
     pub ca_cert: Option<PathBuf>,
     pub ca_key: Option<PathBuf>,
+    /// Make the interception CA at start instead of reading one.
+    pub generate_ca: bool,
+    /// Where the CA certificate and a bundle of the public roots plus it are written,
+    /// for the application to trust (a volume it shares with sluice).
+    pub trust_dir: Option<PathBuf>,
+    /// Where a generated CA's key is kept across restarts (a volume only sluice mounts);
+    /// without it the key lives in memory only.
+    pub key_dir: Option<PathBuf>,
 }
 
 /// `[egress]`, see `egress::Rules` for how it combines with the built-in list.
@@ -447,7 +455,7 @@ impl Config {
         let has_ca = self
             .tls
             .as_ref()
-            .is_some_and(|t| t.ca_cert.is_some() && t.ca_key.is_some());
+            .is_some_and(|t| (t.ca_cert.is_some() && t.ca_key.is_some()) || t.generate_ca);
         self.upstreams
             .iter()
             .find(|u| u.tls == TlsMode::Intercept && !has_ca)
@@ -700,6 +708,36 @@ fn check_name(name: &toml::Spanned<String>, what: &str) -> Result<String> {
     Ok(n.clone())
 }
 
+fn check_tls(t: spec::TlsSpec) -> Result<TlsConfig> {
+    let span = t.generate_ca.as_ref().map(|g| g.span());
+    let generate_ca = t.generate_ca.is_some_and(|g| *g.get_ref());
+    if generate_ca && (t.ca_cert.is_some() || t.ca_key.is_some()) {
+        return Err(invalid(
+            span,
+            "generate_ca = true makes the CA: remove ca_cert and ca_key, or generate_ca",
+        ));
+    }
+    if generate_ca && t.trust_dir.is_none() {
+        return Err(invalid(
+            span,
+            "generate_ca = true needs trust_dir, where the application finds the CA to trust",
+        ));
+    }
+    if t.key_dir.is_some() && !generate_ca {
+        return Err(invalid(
+            span,
+            "key_dir keeps a generated CA's key: it needs generate_ca = true",
+        ));
+    }
+    Ok(TlsConfig {
+        ca_cert: t.ca_cert.map(PathBuf::from),
+        ca_key: t.ca_key.map(PathBuf::from),
+        generate_ca,
+        trust_dir: t.trust_dir.map(PathBuf::from),
+        key_dir: t.key_dir.map(PathBuf::from),
+    })
+}
+
 fn parse_addr(v: &Option<toml::Spanned<String>>, default: &str) -> Result<SocketAddr> {
     match v {
         None => default
@@ -846,10 +884,10 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
         });
     }
 
-    let tls = spec.tls.map(|t| TlsConfig {
-        ca_cert: t.ca_cert.map(PathBuf::from),
-        ca_key: t.ca_key.map(PathBuf::from),
-    });
+    let tls = match spec.tls {
+        None => None,
+        Some(t) => Some(check_tls(t)?),
+    };
     let cluster = match spec.cluster {
         None => None,
         Some(c) => Some(check_cluster(c)?),

@@ -444,6 +444,9 @@ pub struct ClassifySpec {
 pub struct TlsSpec {
     pub ca_cert: Option<String>,
     pub ca_key: Option<String>,
+    pub generate_ca: Option<Spanned<bool>>,
+    pub trust_dir: Option<String>,
+    pub key_dir: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -357,3 +357,28 @@ limits = [
     assert!(json.contains(r#""margin":"10%""#), "{json}");
     assert!(json.contains(r#""margin_max":"40%""#), "{json}");
 }
+
+#[test]
+fn a_generated_ca_is_validated_with_its_place() {
+    let e = err(
+        "[tls]\nca_cert = \"a.pem\"\nca_key = \"k.pem\"\ngenerate_ca = true\ntrust_dir = \"/t\"\n",
+    );
+    assert!(
+        e.contains("s.toml:4:") && e.contains("remove ca_cert"),
+        "{e}"
+    );
+    let e = err("[tls]\ngenerate_ca = true\n");
+    assert!(
+        e.contains("s.toml:2:") && e.contains("needs trust_dir"),
+        "{e}"
+    );
+    let e = err("[tls]\nkey_dir = \"/k\"\ntrust_dir = \"/t\"\n");
+    assert!(e.contains("needs generate_ca"), "{e}");
+    let ok = Config::parse(
+        "[tls]\ngenerate_ca = true\ntrust_dir = \"/t\"\nkey_dir = \"/k\"\n\
+         [[upstream]]\nname = \"a\"\nhosts = [\"a.example\"]\ntls = \"intercept\"\n",
+        "test.toml",
+    )
+    .unwrap();
+    assert_eq!(ok.intercept_without_ca(), None);
+}

@@ -44,6 +44,25 @@ pub fn write_new_ca(dir: &Path) -> Result<(PathBuf, PathBuf), TlsError> {
     use std::os::unix::fs::OpenOptionsExt;
 
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let (cert, key) = new_ca()?;
+    let cert_path = dir.join("ca.pem");
+    let key_path = dir.join("ca-key.pem");
+    std::fs::write(&cert_path, cert.pem()).map_err(io_err(&cert_path))?;
+    let _ = std::fs::remove_file(&key_path);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&key_path)
+        .map_err(io_err(&key_path))?;
+    f.write_all(key.serialize_pem().as_bytes())
+        .map_err(io_err(&key_path))?;
+    Ok((cert_path, key_path))
+}
+
+/// A new CA: ECDSA P-256, valid for ten years, named "sluice egress CA" plus this host's
+/// name.
+fn new_ca() -> Result<(rcgen::Certificate, KeyPair), TlsError> {
     let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
     let mut params = CertificateParams::default();
     let host = std::fs::read_to_string("/etc/hostname")
@@ -68,20 +87,7 @@ pub fn write_new_ca(dir: &Path) -> Result<(PathBuf, PathBuf), TlsError> {
     params.not_before = offset(now - Duration::from_secs(3600));
     params.not_after = offset(now + Duration::from_secs(10 * 365 * 24 * 3600));
     let cert = params.self_signed(&key)?;
-
-    let cert_path = dir.join("ca.pem");
-    let key_path = dir.join("ca-key.pem");
-    std::fs::write(&cert_path, cert.pem()).map_err(io_err(&cert_path))?;
-    let _ = std::fs::remove_file(&key_path);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&key_path)
-        .map_err(io_err(&key_path))?;
-    f.write_all(key.serialize_pem().as_bytes())
-        .map_err(io_err(&key_path))?;
-    Ok((cert_path, key_path))
+    Ok((cert, key))
 }
 
 struct Leaf {
@@ -129,6 +135,55 @@ impl Authority {
             ca_der,
             cache: Mutex::new((HashMap::new(), 0)),
         })
+    }
+
+    /// A CA made now, whose key is never written anywhere.
+    pub fn generate() -> Result<Authority, TlsError> {
+        let (cert, key) = new_ca()?;
+        let ca_der = cert.der().clone();
+        let issuer = Issuer::from_ca_cert_der(&ca_der, key).map_err(|e| TlsError::Invalid {
+            path: "(generated CA)".into(),
+            message: e.to_string(),
+        })?;
+        Ok(Authority {
+            issuer,
+            ca_der,
+            cache: Mutex::new((HashMap::new(), 0)),
+        })
+    }
+
+    /// A generated CA kept in `dir` (a volume only sluice mounts), so that a restarted
+    /// sidecar keeps the CA its application already trusts: loaded when it is there,
+    /// made and written (key 0600) when it is not.
+    pub fn generate_in(dir: &Path) -> Result<Authority, TlsError> {
+        let (cert, key) = (dir.join("ca.pem"), dir.join("ca-key.pem"));
+        if !(cert.exists() && key.exists()) {
+            write_new_ca(dir)?;
+        }
+        Authority::load(&cert, &key)
+    }
+
+    /// Writes what the application trusts into `dir` (shared with it; public
+    /// certificates only): `ca.pem`, this CA, for runtimes that add extra roots to their
+    /// own (`NODE_EXTRA_CA_CERTS`), and `ca-bundle.pem`, the public roots sluice itself
+    /// trusts (Mozilla's, from webpki-root-certs) followed by this CA, for those that
+    /// take one file (`SSL_CERT_FILE`, `REQUESTS_CA_BUNDLE`, `CURL_CA_BUNDLE`). Each file
+    /// is replaced whole (written aside, then renamed), so a reader never sees half.
+    pub fn write_trust(&self, dir: &Path) -> Result<(), TlsError> {
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        let ca = pem::encode(&pem::Pem::new("CERTIFICATE", self.ca_der.to_vec()));
+        let mut bundle: String = webpki_root_certs::TLS_SERVER_ROOT_CERTS
+            .iter()
+            .map(|c| pem::encode(&pem::Pem::new("CERTIFICATE", c.to_vec())))
+            .collect();
+        bundle.push_str(&ca);
+        for (name, text) in [("ca.pem", &ca), ("ca-bundle.pem", &bundle)] {
+            let path = dir.join(name);
+            let aside = dir.join(format!(".{name}.new"));
+            std::fs::write(&aside, text).map_err(io_err(&aside))?;
+            std::fs::rename(&aside, &path).map_err(io_err(&path))?;
+        }
+        Ok(())
     }
 
     /// The leaf for `name`, from the cache or freshly signed.
