@@ -176,34 +176,126 @@ async fn metrics_carry_the_process_and_the_build() {
     assert_eq!(metric(&m, &build), Some(1.0), "{m}");
 }
 
+/// A directory laid out as the image and a pod give it, for the binary run as uid 65532.
+struct ImageRoot {
+    _root: tempfile::TempDir,
+    dir: std::path::PathBuf,
+    bin: std::path::PathBuf,
+}
+
+fn set_mode(p: &std::path::Path, m: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+}
+
+impl ImageRoot {
+    fn new() -> ImageRoot {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().to_path_buf();
+        set_mode(&dir, 0o755);
+        // The binary, where the image has it.
+        let bin = dir.join("sluice");
+        std::fs::copy(env!("CARGO_BIN_EXE_sluice"), &bin).unwrap();
+        set_mode(&bin, 0o755);
+        ImageRoot {
+            _root: root,
+            dir,
+            bin,
+        }
+    }
+
+    /// Where a TLS test upstream keeps its certificates, readable by uid 65532.
+    fn upstream_dir(&self) -> std::path::PathBuf {
+        let d = self.dir.join("upstream");
+        std::fs::create_dir(&d).unwrap();
+        set_mode(&d, 0o755);
+        d
+    }
+
+    /// The image's config with `extra`, read-only, as a ConfigMap directory gives it.
+    fn config(&self, extra: &str) -> std::path::PathBuf {
+        let etc = self.dir.join("etc");
+        std::fs::create_dir(&etc).unwrap();
+        let base = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/config/container.toml"
+        ))
+        .unwrap();
+        let config = etc.join("sluice.toml");
+        std::fs::write(&config, format!("{base}\n{extra}")).unwrap();
+        set_mode(&config, 0o444);
+        set_mode(&etc, 0o555);
+        config
+    }
+
+    /// The binary as uid and gid 65532, with 65532 as its supplementary group (a pod's
+    /// fsGroup), listening on loopback ports.
+    async fn run(&self, config: &std::path::Path) -> (Sluice, u16) {
+        let (port, admin) = (free_port(), free_port());
+        let mut command = std::process::Command::new("setpriv");
+        command
+            .args(["--reuid", "65532", "--regid", "65532", "--groups", "65532"])
+            .arg(&self.bin)
+            .env("SLUICE_CONFIG", config)
+            .env("SLUICE_LISTEN", format!("127.0.0.1:{port}"))
+            .env("SLUICE_ADMIN", format!("127.0.0.1:{admin}"))
+            .current_dir(&self.dir);
+        let sluice = Sluice::spawn_shell(command, &["run"]);
+        assert!(sluice.ready(admin).await, "started as uid 65532");
+        let status = std::fs::read_to_string(format!("/proc/{}/status", sluice.pid())).unwrap();
+        assert!(
+            status
+                .lines()
+                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("65532")),
+            "{status}"
+        );
+        (sluice, port)
+    }
+}
+
+/// An HTTPS request through the proxy on `port` to `up`, trusting only `roots` (PEM).
+async fn intercepted(port: u16, up: &support::certs::TlsUpstream, roots: &[u8]) -> String {
+    let client = reqwest::Client::builder()
+        .proxy(reqwest::Proxy::all(format!("http://127.0.0.1:{port}")).unwrap())
+        .tls_certs_only(reqwest::Certificate::from_pem_bundle(roots).unwrap())
+        .build()
+        .unwrap();
+    let r = client
+        .get(format!("https://{}/through", up.addr))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.text().await.unwrap()
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
 /// The image's promise, kept without a container engine: the binary runs as uid 65532
 /// (distroless `nonroot`) with the supplementary group a pod's `fsGroup` gives, its config
 /// read-only, and the interception CA in the layout a Secret volume gives (`..data`
-/// symlinks, the key 0440 owned by root and the fsGroup). It starts, proxies, answers
-/// probes, and drains on SIGTERM. Needs root to change uid: CI runs as root.
+/// symlinks, the key 0440 owned by root and the fsGroup). It starts, proxies, intercepts
+/// HTTPS for a client that trusts that CA, and drains on SIGTERM. Changing uid needs
+/// root: CI runs as root.
 #[tokio::test]
 async fn runs_as_the_image_does_non_root_read_only_with_a_secret_mounted_ca() {
-    use std::os::unix::fs::{PermissionsExt, chown, symlink};
+    use std::os::unix::fs::{chown, symlink};
     crypto();
-    if unsafe { libc::geteuid() } != 0 {
+    if !is_root() {
         eprintln!("skipped: changing to uid 65532 needs root");
         return;
     }
     let up = Upstream::start().await;
-    let root = tempfile::tempdir().unwrap();
-    let dir = root.path();
-    let mode = |p: &std::path::Path, m: u32| {
-        std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
-    };
-    mode(dir, 0o755);
-    // The binary, where the image has it.
-    let bin = dir.join("sluice");
-    std::fs::copy(env!("CARGO_BIN_EXE_sluice"), &bin).unwrap();
-    mode(&bin, 0o755);
+    let image = ImageRoot::new();
+    let dir = &image.dir;
+    let tls_up = support::certs::tls_upstream(&image.upstream_dir()).await;
     // The CA as a Secret volume lays it out: files in a timestamped directory, `..data`
     // pointing at it, each name a link through `..data`.
     let made = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(&bin)
+    let out = std::process::Command::new(&image.bin)
         .args(["ca", "new", "--out"])
         .arg(made.path())
         .output()
@@ -212,73 +304,42 @@ async fn runs_as_the_image_does_non_root_read_only_with_a_secret_mounted_ca() {
     let secret = dir.join("ca");
     let stamp = secret.join("..2026_12_01_00_00_00.000000001");
     std::fs::create_dir_all(&stamp).unwrap();
-    for (name, m) in [("ca.pem", 0o440), ("ca-key.pem", 0o440)] {
+    for name in ["ca.pem", "ca-key.pem"] {
         std::fs::copy(made.path().join(name), stamp.join(name)).unwrap();
         chown(stamp.join(name), Some(0), Some(65532)).unwrap();
-        mode(&stamp.join(name), m);
+        set_mode(&stamp.join(name), 0o440);
         symlink(format!("..data/{name}"), secret.join(name)).unwrap();
     }
     symlink(stamp.file_name().unwrap(), secret.join("..data")).unwrap();
-    mode(&stamp, 0o755);
-    mode(&secret, 0o755);
-    // The config, read-only, as a ConfigMap directory gives it.
-    let etc = dir.join("etc");
-    std::fs::create_dir(&etc).unwrap();
-    let base = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/config/container.toml"
-    ))
-    .unwrap();
-    let config = etc.join("sluice.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "{base}\n[tls]\nca_cert = \"{ca}/ca.pem\"\nca_key = \"{ca}/ca-key.pem\"\n\
-             [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{port}\"]\n\
-             [[upstream]]\nname = \"intercepted\"\nhosts = [\"api.example.test\"]\ntls = \"intercept\"\n",
-            ca = secret.display(),
-            port = up.addr.port()
-        ),
-    )
-    .unwrap();
-    mode(&config, 0o444);
-    mode(&etc, 0o555);
+    set_mode(&stamp, 0o755);
+    set_mode(&secret, 0o755);
+    let config = image.config(&format!(
+        "[tls]\nca_cert = \"{ca}/ca.pem\"\nca_key = \"{ca}/ca-key.pem\"\n\
+         [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{port}\"]\n\
+         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1:{tls_port}\"]\ntls = \"intercept\"\n\
+         upstream_ca = {upstream_ca:?}\n",
+        ca = secret.display(),
+        port = up.addr.port(),
+        tls_port = tls_up.addr.port(),
+        upstream_ca = tls_up.ca_path,
+    ));
 
-    let (port, admin) = (free_port(), free_port());
-    let mut command = std::process::Command::new("setpriv");
-    command
-        .args(["--reuid", "65532", "--regid", "65532", "--groups", "65532"])
-        .arg(&bin)
-        .env("SLUICE_CONFIG", &config)
-        .env("SLUICE_LISTEN", format!("127.0.0.1:{port}"))
-        .env("SLUICE_ADMIN", format!("127.0.0.1:{admin}"))
-        .current_dir(dir);
-    let sluice = Sluice::spawn_shell(command, &["run"]);
-    assert!(sluice.ready(admin).await, "started as uid 65532");
-    let status = std::fs::read_to_string(format!("/proc/{}/status", sluice.pid())).unwrap();
-    assert!(
-        status
-            .lines()
-            .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("65532")),
-        "{status}"
-    );
+    let (sluice, port) = image.run(&config).await;
     let r = client_via_port(port)
         .get(up.url("/through"))
         .send()
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
+    let ca = std::fs::read(made.path().join("ca.pem")).unwrap();
+    assert_eq!(intercepted(port, &tls_up, &ca).await, "secure hello");
     sluice.signal("TERM");
     let (code, log) = sluice.exit().await;
     assert_eq!(code, Some(0), "{log:?}");
 
     // A key others can read (a Secret's default mode, 0644) is still refused.
-    std::fs::set_permissions(
-        stamp.join("ca-key.pem"),
-        std::fs::Permissions::from_mode(0o644),
-    )
-    .unwrap();
-    let out = std::process::Command::new(&bin)
+    set_mode(&stamp.join("ca-key.pem"), 0o644);
+    let out = std::process::Command::new(&image.bin)
         .args(["run", "-c"])
         .arg(&config)
         .env("SLUICE_LISTEN", "127.0.0.1:0")
@@ -288,6 +349,39 @@ async fn runs_as_the_image_does_non_root_read_only_with_a_secret_mounted_ca() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("defaultMode"), "{err}");
+}
+
+/// The pod without hand-made certificates: sluice, as uid 65532 with a read-only config,
+/// makes its CA at start and writes the trust bundle into a volume it shares with the
+/// application (an emptyDir owned by the fsGroup); a client that trusts only that bundle
+/// gets intercepted HTTPS through.
+#[tokio::test]
+async fn runs_as_the_image_does_with_a_generated_ca_and_a_shared_trust_volume() {
+    use std::os::unix::fs::chown;
+    crypto();
+    if !is_root() {
+        eprintln!("skipped: changing to uid 65532 needs root");
+        return;
+    }
+    let image = ImageRoot::new();
+    let tls_up = support::certs::tls_upstream(&image.upstream_dir()).await;
+    let trust = image.dir.join("trust");
+    std::fs::create_dir(&trust).unwrap();
+    chown(&trust, Some(0), Some(65532)).unwrap();
+    set_mode(&trust, 0o2775);
+    let config = image.config(&format!(
+        "[tls]\ngenerate_ca = true\ntrust_dir = {trust:?}\n\
+         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1:{}\"]\ntls = \"intercept\"\n\
+         upstream_ca = {:?}\n",
+        tls_up.addr.port(),
+        tls_up.ca_path,
+    ));
+    let (sluice, port) = image.run(&config).await;
+    let bundle = std::fs::read(trust.join("ca-bundle.pem")).unwrap();
+    assert_eq!(intercepted(port, &tls_up, &bundle).await, "secure hello");
+    sluice.signal("TERM");
+    let (code, log) = sluice.exit().await;
+    assert_eq!(code, Some(0), "{log:?}");
 }
 
 fn client_via_port(port: u16) -> reqwest::Client {

@@ -1,7 +1,18 @@
 //! A private CA and a certificate for 127.0.0.1 signed by it, for TLS upstreams.
 
+use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+use tokio::time::Instant;
 
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
 use rustls_pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
@@ -53,5 +64,55 @@ pub fn for_localhost(dir: &Path, alpn: &[&[u8]]) -> TestCerts {
         cert_path,
         key_path,
         server: Arc::new(server),
+    }
+}
+
+/// A TLS upstream on 127.0.0.1 whose certificate is signed by a CA of its own.
+pub struct TlsUpstream {
+    pub addr: SocketAddr,
+    pub ca_path: PathBuf,
+    pub seen: Arc<Mutex<Vec<(Instant, String)>>>,
+}
+
+pub async fn tls_upstream(dir: &Path) -> TlsUpstream {
+    let certs = for_localhost(dir, &[b"h2", b"http/1.1"]);
+    let ca_path = certs.ca_path;
+    let acceptor = tokio_rustls::TlsAcceptor::from(certs.server);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let s = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let (acceptor, s) = (acceptor.clone(), s.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let svc = service_fn(move |req: Request<Incoming>| {
+                    let s = s.clone();
+                    async move {
+                        s.lock().unwrap().push((
+                            Instant::now(),
+                            format!("{:?} {}", req.version(), req.uri().path()),
+                        ));
+                        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(
+                            b"secure hello",
+                        ))))
+                    }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(tls), svc)
+                    .await;
+            });
+        }
+    });
+    TlsUpstream {
+        addr,
+        ca_path,
+        seen,
     }
 }
