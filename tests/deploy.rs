@@ -469,18 +469,14 @@ async fn the_monitoring_names_only_metrics_sluice_exports() {
 async fn the_shutdown_delay_from_the_environment_keeps_serving_after_sigterm() {
     crypto();
     let up = Upstream::start().await;
-    let (port, admin) = (free_port(), free_port());
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("sluice.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[proxy]\nlisten = \"127.0.0.1:{port}\"\nadmin = \"127.0.0.1:{admin}\"\n\
-             [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n",
+    let (path, port, admin) = binary_config(
+        dir.path(),
+        &format!(
+            "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n",
             up.addr.port()
         ),
-    )
-    .unwrap();
+    );
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
     command.env("SLUICE_SHUTDOWN_DELAY", "5s");
     let sluice = Sluice::spawn_shell(command, &["run", "-c", path.to_str().unwrap()]);

@@ -667,22 +667,6 @@ async fn admin_text(admin: u16, path: &str) -> String {
         .unwrap()
 }
 
-/// A config on free ports for the binary, with `extra` appended; returns it with its
-/// proxy and admin ports.
-fn binary_config(dir: &std::path::Path, extra: &str) -> (std::path::PathBuf, u16, u16) {
-    let (port, admin) = (free_port(), free_port());
-    let path = dir.join("sluice.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[proxy]\nlisten = \"127.0.0.1:{port}\"\nadmin = \"127.0.0.1:{admin}\"\n{extra}\n\
-             [egress]\nallow = [\"127.0.0.0/8\"]\n"
-        ),
-    )
-    .unwrap();
-    (path, port, admin)
-}
-
 /// Answers that would be the same on every attempt are relayed as one 502, not retried:
 /// a 101 to a request that asked for no upgrade (relayed, the client would read the next
 /// protocol as HTTP), a response head over hyper's limit, a status line that is not HTTP.

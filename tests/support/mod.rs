@@ -701,3 +701,19 @@ pub fn body_channel() -> (
         futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
     (tx, reqwest::Body::wrap_stream(stream))
 }
+
+/// A config on free ports for the binary, with `extra` appended; returns it with its
+/// proxy and admin ports.
+pub fn binary_config(dir: &std::path::Path, extra: &str) -> (std::path::PathBuf, u16, u16) {
+    let (port, admin) = (free_port(), free_port());
+    let path = dir.join("sluice.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:{port}\"\nadmin = \"127.0.0.1:{admin}\"\n{extra}\n\
+             [egress]\nallow = [\"127.0.0.0/8\"]\n"
+        ),
+    )
+    .unwrap();
+    (path, port, admin)
+}
