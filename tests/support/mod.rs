@@ -568,12 +568,31 @@ impl Drop for KillOnDrop {
     }
 }
 
+/// A port no one listens on now, for a process the test starts to bind. Taken below the
+/// kernel's ephemeral range (32768-60999 on Linux), from which outgoing connections pick
+/// their source ports: a port from bind(":0") is in that range, and under load a client
+/// connection could take it between this call and the child's bind. Ports are handed out
+/// in turn from a start that differs per process, so parallel tests never get the same.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: std::sync::OnceLock<AtomicU32> = std::sync::OnceLock::new();
+    let next = NEXT.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        AtomicU32::new(nanos.wrapping_add(std::process::id().wrapping_mul(7919)))
+    });
+    // Each probe's listener is closed when the closure returns, before the next one.
+    let free = |ip: &str, port: u16| std::net::TcpListener::bind((ip, port)).is_ok();
+    for _ in 0..SPAN {
+        let port = (LOW + next.fetch_add(1, Ordering::Relaxed) % SPAN) as u16;
+        if free("127.0.0.1", port) && free("0.0.0.0", port) {
+            return port;
+        }
+    }
+    panic!("no free port in {LOW}..{}", LOW + SPAN)
 }
 
 /// Name resolution from a fixed table, to point a name at an address of the test's choice.
