@@ -28,6 +28,16 @@ struct Cli {
         default_value_t = LogFormat::Text
     )]
     log_format: LogFormat,
+    /// Log lines that may wait for a slow stderr; beyond them lines are dropped (and
+    /// counted in sluice_log_lines_dropped_total), never waited for. About 300 bytes each.
+    #[arg(
+        long,
+        global = true,
+        env = "SLUICE_LOG_QUEUE",
+        value_name = "LINES",
+        default_value_t = 16_384
+    )]
+    log_queue: usize,
     #[command(subcommand)]
     command: Command,
 }
@@ -104,7 +114,7 @@ enum CaCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
+    let log = init_logging(cli.log_format, cli.log_queue);
     let result = match cli.command {
         Command::Run {
             config,
@@ -132,6 +142,9 @@ fn main() -> ExitCode {
             headers,
         } => explain(&config.config, &method, &url, &headers),
     };
+    // Everything logged so far reaches stderr before the process ends (and before a
+    // final error, which is written directly).
+    drop(log);
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -141,7 +154,11 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_logging(format: LogFormat) {
+/// Logs go through a queue to a writer thread: formatting stays on the worker that logs,
+/// the write does not, so a slow or full stderr pipe never blocks a request. The writer
+/// batches what is queued into one write and flushes whenever the queue is empty. The
+/// returned guard flushes what is left when dropped.
+fn init_logging(format: LogFormat, queue: usize) -> tracing_appender::non_blocking::WorkerGuard {
     let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // The file watcher traces every inotify event it sees: with RUST_LOG=trace and the
@@ -154,14 +171,24 @@ fn init_logging(format: LogFormat) {
     // Colours only for a person at a terminal: a pipe (a container runtime, a file) gets
     // plain text, without escape codes around every field.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(true)
+        .buffered_lines_limit(queue.max(1))
+        .thread_name("sluice-log")
+        .finish(std::io::BufWriter::with_capacity(
+            64 << 10,
+            std::io::stderr(),
+        ));
+    sluice::metrics::count_dropped_log_lines(writer.error_counter());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(ansi)
-        .with_writer(std::io::stderr);
+        .with_writer(writer);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
     }
+    guard
 }
 
 fn ca_new(dir: &Path) -> anyhow::Result<()> {

@@ -58,6 +58,7 @@ pub struct Metrics {
     pub config_reloads: IntCounterVec,
     /// `{sha256}`: 1 for the config in force.
     pub config_info: IntGaugeVec,
+    pub log_lines_dropped: prometheus::IntCounter,
 }
 
 /// The commit the binary was built from: `SLUICE_REVISION` at build time (the
@@ -66,6 +67,37 @@ pub const REVISION: &str = match option_env!("SLUICE_REVISION") {
     Some(r) => r,
     None => "unknown",
 };
+
+/// Lines the log writer dropped because stderr was not read fast enough (set once by the
+/// binary; a library user that logs elsewhere has none).
+static LOG_DROPS: std::sync::OnceLock<tracing_appender::non_blocking::ErrorCounter> =
+    std::sync::OnceLock::new();
+
+/// Makes `sluice_log_lines_dropped_total` follow `counter`, and warns every 10 s while
+/// lines are being dropped.
+pub fn count_dropped_log_lines(counter: tracing_appender::non_blocking::ErrorCounter) {
+    let watched = counter.clone();
+    if LOG_DROPS.set(counter).is_err() {
+        return;
+    }
+    let _ = std::thread::Builder::new()
+        .name("sluice-log-watch".into())
+        .spawn(move || {
+            let mut seen = 0;
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(10));
+                let now = watched.dropped_lines();
+                if now > seen {
+                    tracing::warn!(
+                        dropped = now - seen,
+                        total = now,
+                        "log lines dropped: stderr is not read fast enough"
+                    );
+                    seen = now;
+                }
+            }
+        });
+}
 
 /// 1 ms to 60 s, roughly ×2.5 per step: resolves fast APIs and long queue waits alike.
 pub const LATENCY_BUCKETS: &[f64] = &[
@@ -251,6 +283,11 @@ impl Metrics {
         registry.register(Box::new(queue_wait.clone()))?;
         registry.register(Box::new(queue_depth.clone()))?;
         registry.register(Box::new(rejections.clone()))?;
+        let log_lines_dropped = prometheus::IntCounter::new(
+            "sluice_log_lines_dropped_total",
+            "Log lines dropped because stderr was not read fast enough",
+        )?;
+        registry.register(Box::new(log_lines_dropped.clone()))?;
         // CPU seconds, resident memory, open and maximum descriptors, start time: read
         // from /proc at each scrape, as every Prometheus client library exports them.
         #[cfg(target_os = "linux")]
@@ -270,6 +307,7 @@ impl Metrics {
         registry.register(Box::new(build_info))?;
         Ok(Metrics {
             registry,
+            log_lines_dropped,
             requests,
             upstream_responses,
             upstream_duration,
@@ -319,6 +357,12 @@ impl Metrics {
 
     /// Prometheus text exposition of everything registered.
     pub fn render(&self) -> String {
+        if let Some(drops) = LOG_DROPS.get() {
+            let (now, seen) = (drops.dropped_lines() as u64, self.log_lines_dropped.get());
+            if now > seen {
+                self.log_lines_dropped.inc_by(now - seen);
+            }
+        }
         let families = self.registry.gather();
         prometheus::TextEncoder::new()
             .encode_to_string(&families)

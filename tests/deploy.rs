@@ -325,7 +325,7 @@ async fn runs_as_the_image_does_non_root_read_only_with_a_secret_mounted_ca() {
     ));
 
     let (sluice, port) = image.run(&config).await;
-    let r = client_via_port(port)
+    let r = client_via(port)
         .get(up.url("/through"))
         .send()
         .await
@@ -382,13 +382,6 @@ async fn runs_as_the_image_does_with_a_generated_ca_and_a_shared_trust_volume() 
     sluice.signal("TERM");
     let (code, log) = sluice.exit().await;
     assert_eq!(code, Some(0), "{log:?}");
-}
-
-fn client_via_port(port: u16) -> reqwest::Client {
-    reqwest::Client::builder()
-        .proxy(reqwest::Proxy::http(format!("http://127.0.0.1:{port}")).unwrap())
-        .build()
-        .unwrap()
 }
 
 /// Every metric the alert rules and the dashboard in deploy/monitoring name exists in
@@ -461,6 +454,40 @@ async fn the_monitoring_names_only_metrics_sluice_exports() {
         missing.is_empty(),
         "not in /metrics: {missing:?}\n{exported}"
     );
+
+    // And every label a selector names on them. Target labels are Prometheus's (job,
+    // namespace, pod, app); `le` is a histogram's.
+    let target = ["job", "namespace", "pod", "app", "le"];
+    let mut wrong = Vec::new();
+    for file in ["prometheusrule.yaml", "dashboard.json", "rules-test.yaml"] {
+        let text = std::fs::read_to_string(dir.join(file))
+            .unwrap()
+            .replace("\\\"", "\"");
+        for (i, _) in text.match_indices("sluice_") {
+            let name: String = text[i..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            let Some(selector) = text[i + name.len()..].strip_prefix('{') else {
+                continue;
+            };
+            let selector = &selector[..selector.find('}').unwrap_or(0)];
+            for label in selector
+                .split(',')
+                .filter_map(|m| m.split(['=', '!']).next())
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !target.contains(l))
+            {
+                let has = exported.lines().any(|l| {
+                    l.starts_with(&format!("{name}{{")) && l.contains(&format!("{label}=\""))
+                });
+                if !has {
+                    wrong.push(format!("{file}: {name} has no label {label}"));
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
 }
 
 /// SLUICE_SHUTDOWN_DELAY, for a sidecar that gets SIGTERM together with its application:
@@ -492,7 +519,7 @@ async fn the_shutdown_delay_from_the_environment_keeps_serving_after_sigterm() {
         "not ready after SIGTERM"
     );
     // A new client connection, after SIGTERM, within the delay.
-    let r = client_via_port(port)
+    let r = client_via(port)
         .get(up.url("/after-term"))
         .send()
         .await

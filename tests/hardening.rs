@@ -653,14 +653,6 @@ async fn hosts_and_paths_are_matched_however_they_are_spelled() {
     }
 }
 
-/// A client whose requests go through the proxy on `port`.
-fn client_via(port: u16) -> reqwest::Client {
-    reqwest::Client::builder()
-        .proxy(reqwest::Proxy::http(format!("http://127.0.0.1:{port}")).unwrap())
-        .build()
-        .unwrap()
-}
-
 /// The body of an admin endpoint of the binary.
 async fn admin_text(admin: u16, path: &str) -> String {
     reqwest::get(format!("http://127.0.0.1:{admin}{path}"))

@@ -201,6 +201,9 @@ pub struct Upstream {
     pub classify: Vec<ClassifyRule>,
     pub idempotency_generate: bool,
     pub cooldown: CooldownScope,
+    /// The share of this upstream's requests that get an access-log line: 1 (all, the
+    /// default), 0 (none), or a sample in between for very hot paths.
+    pub access_log: f64,
     pub policy: Policy,
 }
 
@@ -879,6 +882,17 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
             families,
             classify,
             idempotency_generate: u.idempotency_generate.unwrap_or(false),
+            access_log: match &u.access_log {
+                None => 1.0,
+                Some(a) if (0.0..=1.0).contains(a.get_ref()) => *a.get_ref(),
+                Some(a) => {
+                    return Err(invalid(
+                        a.span(),
+                        "access_log is the share of requests logged: 1 (all), 0 (none), or \
+                         a fraction in between",
+                    ));
+                }
+            },
             cooldown: u.cooldown.unwrap_or_default(),
             policy,
         });

@@ -206,6 +206,7 @@ pub struct UpstreamSpec {
     pub classify: Vec<Spanned<ClassifySpec>>,
     pub idempotency_generate: Option<bool>,
     pub cooldown: Option<CooldownScope>,
+    pub access_log: Option<Spanned<f64>>,
     // Policy overrides; listed one by one because serde cannot flatten with
     // `deny_unknown_fields`.
     pub max_queue: Option<NonZeroU32>,

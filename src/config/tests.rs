@@ -382,3 +382,21 @@ fn a_generated_ca_is_validated_with_its_place() {
     .unwrap();
     assert_eq!(ok.intercept_without_ca(), None);
 }
+
+#[test]
+fn access_log_is_a_share_of_requests() {
+    let c = |v: &str| {
+        format!("[[upstream]]\nname = \"a\"\nhosts = [\"a.example\"]\naccess_log = {v}\n")
+    };
+    for (v, share) in [("1", 1.0), ("0", 0.0), ("0.25", 0.25)] {
+        let config = Config::parse(&c(v), "s.toml").unwrap();
+        assert_eq!(config.upstreams[0].access_log, share, "{v}");
+    }
+    let e = err(&c("1.5"));
+    assert!(
+        e.contains("s.toml:4:") && e.contains("share of requests"),
+        "{e}"
+    );
+    let default = Config::parse(&c("1").replace("access_log = 1\n", ""), "s.toml").unwrap();
+    assert_eq!(default.upstreams[0].access_log, 1.0);
+}

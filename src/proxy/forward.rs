@@ -305,6 +305,11 @@ pub(crate) fn finish(
         .requests
         .with_label_values(&[upstream, family, outcome])
         .inc();
+    // A sampled upstream logs a share of its requests; the counter above has them all.
+    let share = route.map_or(1.0, |r| config.upstreams[r.upstream].access_log);
+    if share < 1.0 && rand::random::<f64>() >= share {
+        return resp;
+    }
     tracing::info!(
         target: "sluice::access",
         %method,

@@ -736,3 +736,11 @@ pub fn binary_config(dir: &std::path::Path, extra: &str) -> (std::path::PathBuf,
     .unwrap();
     (path, port, admin)
 }
+
+/// A client whose requests go through the proxy on `port`.
+pub fn client_via(port: u16) -> reqwest::Client {
+    reqwest::Client::builder()
+        .proxy(reqwest::Proxy::http(format!("http://127.0.0.1:{port}")).unwrap())
+        .build()
+        .unwrap()
+}

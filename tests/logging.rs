@@ -1,0 +1,164 @@
+//! The access log as shipped: one line per request on stderr, written off the request
+//! path, complete at SIGTERM, and never able to block a request when no one reads it.
+
+mod support;
+
+use std::io::Read;
+use std::time::Duration;
+
+use support::*;
+
+/// A config for the binary, on free ports, with `up` as an upstream.
+fn config_for(dir: &std::path::Path, up: &Upstream) -> (std::path::PathBuf, u16, u16) {
+    binary_config(
+        dir,
+        &format!(
+            "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n",
+            up.addr.port()
+        ),
+    )
+}
+
+/// Every request of a run that ends in SIGTERM has its access line, with stderr read
+/// through a pipe as a container runtime reads it.
+#[tokio::test]
+async fn every_access_line_reaches_the_pipe_by_the_end_of_a_sigterm() {
+    crypto();
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (path, port, admin) = config_for(dir.path(), &up);
+    let sluice = Sluice::spawn(&["run", "-c", path.to_str().unwrap()]);
+    assert!(sluice.ready(admin).await);
+    let client = client_via(port);
+    const N: usize = 500;
+    for i in 0..N {
+        let r = client.get(up.url(&format!("/n/{i}"))).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    sluice.signal("TERM");
+    let (code, log) = sluice.exit().await;
+    assert_eq!(code, Some(0));
+    let access: Vec<&String> = log
+        .iter()
+        .filter(|l| l.contains("sluice::access"))
+        .collect();
+    assert_eq!(access.len(), N, "one line per request");
+    for i in [0, N / 2, N - 1] {
+        let path = format!("path=\"/n/{i}\"");
+        assert!(access.iter().any(|l| l.contains(&path)), "{path}");
+    }
+}
+
+/// With stderr a pipe that no one reads, requests go on at full speed: log lines beyond
+/// the queue are dropped and counted, never waited for.
+#[tokio::test]
+async fn a_stalled_log_pipe_never_blocks_a_request() {
+    crypto();
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (path, port, admin) = config_for(dir.path(), &up);
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["run", "-c", path.to_str().unwrap()])
+        .env("RUST_LOG", "info")
+        .env("SLUICE_LOG_QUEUE", "1000")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _reaper = KillOnDrop(child.id());
+    // Held, never read: the pipe (64 KiB) fills after a few hundred lines.
+    let mut stderr = child.stderr.take().unwrap();
+    let url = format!("http://127.0.0.1:{admin}/readyz");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            reqwest::get(&url).await.is_ok_and(|r| r.status() == 200)
+        })
+        .await
+    );
+    // Far more lines than the pipe and the queue (1000 lines here) hold together, from
+    // four clients at once. Written in the request's path, this stops at a full pipe.
+    let done = tokio::time::timeout(Duration::from_secs(60), async {
+        let tasks: Vec<_> = (0..4)
+            .map(|_| {
+                let client = client_via(port);
+                let url = up.url("/");
+                tokio::spawn(async move {
+                    for _ in 0..1000 {
+                        let r = client.get(&url).send().await.unwrap();
+                        assert_eq!(r.status(), 200);
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+    })
+    .await;
+    assert!(done.is_ok(), "requests went on while no one read stderr");
+    let m = reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let dropped = metric(&m, "sluice_log_lines_dropped_total").unwrap_or(0.0);
+    assert!(dropped > 0.0, "dropped lines are counted: {dropped}");
+    // Reading again lets the writer go on.
+    let mut buf = vec![0u8; 1 << 16];
+    let n = stderr.read(&mut buf).unwrap();
+    assert!(n > 0);
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+/// `access_log` per upstream: 0 turns its lines off, a fraction samples them; requests
+/// are counted in the metrics all the same.
+#[tokio::test]
+async fn access_lines_can_be_sampled_or_turned_off_per_upstream() {
+    crypto();
+    let (quiet, sampled) = (Upstream::start().await, Upstream::start().await);
+    let dir = tempfile::tempdir().unwrap();
+    let (path, port, admin) = binary_config(
+        dir.path(),
+        &format!(
+            "[[upstream]]\nname = \"quiet\"\nhosts = [\"127.0.0.1:{}\"]\naccess_log = 0\n\
+             [[upstream]]\nname = \"sampled\"\nhosts = [\"127.0.0.1:{}\"]\naccess_log = 0.5\n",
+            quiet.addr.port(),
+            sampled.addr.port()
+        ),
+    );
+    let sluice = Sluice::spawn(&["run", "-c", path.to_str().unwrap()]);
+    assert!(sluice.ready(admin).await);
+    let client = client_via(port);
+    const N: usize = 400;
+    for _ in 0..N {
+        client.get(quiet.url("/")).send().await.unwrap();
+        client.get(sampled.url("/")).send().await.unwrap();
+    }
+    let m = reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        metric(
+            &m,
+            r#"sluice_requests_total{family="-",outcome="200",upstream="quiet"}"#
+        ),
+        Some(N as f64)
+    );
+    sluice.signal("TERM");
+    let (_, log) = sluice.exit().await;
+    let lines = |name: &str| {
+        let field = format!("upstream=\"{name}\"");
+        log.iter()
+            .filter(|l| l.contains("sluice::access") && l.contains(&field))
+            .count()
+    };
+    assert_eq!(lines("quiet"), 0);
+    // Half of 400, with a margin no fair coin misses (over 10 standard deviations).
+    let n = lines("sampled");
+    assert!((100..=300).contains(&n), "{n} of {N} sampled at 0.5");
+}
