@@ -5,6 +5,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 
@@ -38,6 +39,30 @@ class Procs:
         for p in self.started:
             if p.poll() is not None:
                 raise SystemExit(f"{p.args[0]} exited at start (port in use?)")
+
+
+def start_sluice(procs, config, log="shipped", extra_env=None):
+    """Starts sluice on `config` as users run it. `log="shipped"`: the default log level
+    (an access line per request) with stderr read through a pipe by a thread here, as a
+    container runtime reads it; `log="off"`: RUST_LOG=warn, no access lines (stderr still
+    drained). Returns the process; `p.log_lines[0]` counts the lines read."""
+    env = {**os.environ, **(extra_env or {})}
+    env.pop("RUST_LOG", None)
+    if log == "off":
+        env["RUST_LOG"] = "warn"
+    p = subprocess.Popen([SLUICE, "run", "-c", config], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, env=env)
+    procs.started.append(p)
+    p.log_lines = [0]
+
+    def drain():
+        # In large reads, as a container runtime reads a pipe: reading line by line would
+        # cost this process more CPU than sluice spends writing them.
+        while chunk := p.stderr.read1(1 << 16):
+            p.log_lines[0] += chunk.count(b"\n")
+
+    threading.Thread(target=drain, daemon=True).start()
+    return p
 
 
 def get(url, timeout=10):
