@@ -44,7 +44,7 @@ async fn every_access_line_reaches_the_pipe_by_the_end_of_a_sigterm() {
         .collect();
     assert_eq!(access.len(), N, "one line per request");
     for i in [0, N / 2, N - 1] {
-        let path = format!("path=\"/n/{i}\"");
+        let path = format!("path=/n/{i} ");
         assert!(access.iter().any(|l| l.contains(&path)), "{path}");
     }
 }
@@ -152,7 +152,7 @@ async fn access_lines_can_be_sampled_or_turned_off_per_upstream() {
     sluice.signal("TERM");
     let (_, log) = sluice.exit().await;
     let lines = |name: &str| {
-        let field = format!("upstream=\"{name}\"");
+        let field = format!("upstream={name} ");
         log.iter()
             .filter(|l| l.contains("sluice::access") && l.contains(&field))
             .count()
