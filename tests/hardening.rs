@@ -653,16 +653,6 @@ async fn hosts_and_paths_are_matched_however_they_are_spelled() {
     }
 }
 
-/// The body of an admin endpoint of the binary.
-async fn admin_text(admin: u16, path: &str) -> String {
-    reqwest::get(format!("http://127.0.0.1:{admin}{path}"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 /// Answers that would be the same on every attempt are relayed as one 502, not retried:
 /// a 101 to a request that asked for no upgrade (relayed, the client would read the next
 /// protocol as HTTP), a response head over hyper's limit, a status line that is not HTTP.

@@ -96,12 +96,7 @@ async fn a_stalled_log_pipe_never_blocks_a_request() {
     })
     .await;
     assert!(done.is_ok(), "requests went on while no one read stderr");
-    let m = reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = admin_text(admin, "/metrics").await;
     let dropped = metric(&m, "sluice_log_lines_dropped_total").unwrap_or(0.0);
     assert!(dropped > 0.0, "dropped lines are counted: {dropped}");
     // Reading again lets the writer go on.
@@ -136,12 +131,7 @@ async fn access_lines_can_be_sampled_or_turned_off_per_upstream() {
         client.get(quiet.url("/")).send().await.unwrap();
         client.get(sampled.url("/")).send().await.unwrap();
     }
-    let m = reqwest::get(format!("http://127.0.0.1:{admin}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = admin_text(admin, "/metrics").await;
     assert_eq!(
         metric(
             &m,

@@ -744,3 +744,13 @@ pub fn client_via(port: u16) -> reqwest::Client {
         .build()
         .unwrap()
 }
+
+/// The body of an admin endpoint of the binary.
+pub async fn admin_text(admin: u16, path: &str) -> String {
+    reqwest::get(format!("http://127.0.0.1:{admin}{path}"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
