@@ -56,8 +56,12 @@ struct State {
     epoch: Option<String>,
     pending: Vec<Correction>,
     mine: HashMap<Arc<str>, Mine>,
-    /// Redis's clock at the last answer: (local instant, Redis microseconds).
+    /// Redis's clock at the last answer: (local instant the answer arrived, Redis
+    /// microseconds). Redis read its clock up to `clock_rtt_us` before that instant, so
+    /// this maps a local instant to the earliest Redis time it can be.
     clock: Option<(Instant, f64)>,
+    /// The round trip of the call that set `clock`: the most that mapping is early by.
+    clock_rtt_us: f64,
     /// Limits held here while Redis is away (`on_redis_error = "local"`).
     fallback: Option<HashMap<Arc<str>, LimitState>>,
     /// Admitted without Redis, or Redis lost its data: write back before reserving.
@@ -326,6 +330,7 @@ impl Shared {
             } => {
                 st.epoch = Some(epoch);
                 st.clock = Some((received, now));
+                st.clock_rtt_us = micros(received - sent);
                 let at_us = now + micros(wait);
                 let slack_us = micros(received - sent);
                 for ((l, pays), opening) in all.iter().zip(openings) {
@@ -412,12 +417,14 @@ impl Shared {
                 inv.arg(num(*debt));
             }
         }
-        let received_before = Instant::now();
+        let sent = Instant::now();
         let reply = cluster.run("absorb", inv).await?;
+        let received = Instant::now();
         if let Reply::Done { now, epoch } = reply {
             let mut st = self.state();
             st.epoch = Some(epoch);
-            st.clock = Some((received_before, now));
+            st.clock = Some((received, now));
+            st.clock_rtt_us = micros(received - sent);
             st.absorb = false;
             st.fallback = None;
             tracing::info!(partition = %self.tag, "wrote this replica's admissions back to Redis");
@@ -645,7 +652,10 @@ impl Shared {
         }
         st.absorb = true;
         let member = format!("{}:{id}", cluster.replica);
-        let at_us = st.redis_now(now);
+        // The latest Redis time `now` can be: an admission counted later holds its permit
+        // longer, never shorter. A call that answered slowly (Redis frozen, then thawed)
+        // would otherwise date this admission up to its round trip too early.
+        let at_us = st.redis_now(now) + st.clock_rtt_us;
         for l in limits.iter() {
             remember(&mut st, l, &member, at_us, None);
         }
@@ -837,7 +847,9 @@ impl Hold {
         if let Some(id) = self.fallback {
             self.fallback_event(|s| s.sent(id, Some(0), at));
         }
-        let late = micros(at.saturating_duration_since(self.r.at_local));
+        // How late on Redis's clock at most: the local delay plus the reservation call's
+        // round trip, by which the local instant may trail the reserved one.
+        let late = self.us(at) - self.r.at_us;
         for l in self.r.limits.iter().filter(|l| l.is_window()) {
             // The margin covers a send a little after its instant (scheduling); one later
             // than a quarter of it (a slow connect) holds the permit longer.
