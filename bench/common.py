@@ -65,6 +65,21 @@ def start_sluice(procs, config, log="shipped", extra_env=None):
     return p
 
 
+async def stalling_upstream(port):
+    """An upstream on 127.0.0.1:`port` that accepts, reads, and never answers: the first
+    request through a concurrency limit of one holds the permit, every later one queues."""
+    import asyncio
+
+    async def never_answer(reader, writer):
+        try:
+            await reader.read(65536)
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass
+
+    return await asyncio.start_server(never_answer, "127.0.0.1", port)
+
+
 def get(url, timeout=10):
     return urllib.request.urlopen(url, timeout=timeout).read().decode()
 

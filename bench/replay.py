@@ -14,7 +14,7 @@ import re
 import sys
 import tempfile
 
-from common import SLUICE, Procs, get, rss_kib, wait_http
+from common import SLUICE, Procs, get, rss_kib, stalling_upstream, wait_http
 
 UP_PORT, PROXY_PORT, ADMIN_PORT = 18190, 13148, 19921
 QUEUED = int(sys.argv[1]) if len(sys.argv) > 1 else 400
@@ -42,14 +42,7 @@ async def put(sent):
 
 
 async def main():
-    async def never_answer(reader, writer):
-        try:
-            await reader.read(65536)
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            pass
-
-    stall = await asyncio.start_server(never_answer, "127.0.0.1", UP_PORT)
+    stall = await stalling_upstream(UP_PORT)
     path = os.path.join(work, "sluice.toml")
     with open(path, "w") as f:
         f.write(f"""[proxy]

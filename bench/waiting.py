@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from common import SLUICE, Procs, get, rss_kib, wait_http
+from common import SLUICE, Procs, get, rss_kib, stalling_upstream, wait_http
 
 NGINX_PORT, PROXY_PORT, ADMIN_PORT = 18090, 13138, 19911
 QUEUED = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
@@ -59,13 +59,7 @@ async def hold_queued(n):
 async def queued_run():
     # An upstream that accepts and never answers: the first request holds the only
     # concurrency permit, so every later one waits in sluice's queue.
-    async def never_answer(reader, writer):
-        try:
-            await reader.read(65536)
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            pass
-    stall = await asyncio.start_server(never_answer, "127.0.0.1", NGINX_PORT + 1)
+    stall = await stalling_upstream(NGINX_PORT + 1)
     p = sluice(f"""
 [[upstream]]
 name = "slow"

@@ -132,18 +132,11 @@ async fn probes_answer_the_pod_network_and_control_stays_on_loopback() {
 async fn admin_control_any_opens_control_to_the_network() {
     crypto();
     let pod_ip = non_loopback_address().expect("an address other than loopback");
-    let (port, admin) = (free_port(), free_port());
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("sluice.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[proxy]\nlisten = \"127.0.0.1:{port}\"\nadmin = \"0.0.0.0:{admin}\"\n\
-             admin_control = \"any\"\n"
-        ),
-    )
-    .unwrap();
-    let sluice = Sluice::spawn(&["run", "-c", path.to_str().unwrap()]);
+    let (path, _, admin) = binary_config(dir.path(), "admin_control = \"any\"");
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+    command.env("SLUICE_ADMIN", format!("0.0.0.0:{admin}"));
+    let sluice = Sluice::spawn_shell(command, &["run", "-c", path.to_str().unwrap()]);
     assert!(sluice.ready(admin).await);
     let url = format!("http://{pod_ip}:{admin}/config");
     assert_eq!(status(reqwest::Method::GET, &url).await, 200);

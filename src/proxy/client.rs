@@ -61,6 +61,9 @@ impl UpstreamClient {
                 AttemptError::Reset(Box::new(e))
             }
         })?;
+        if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+            return Err(AttemptError::unasked_upgrade());
+        }
         Ok((resp, None))
     }
 }

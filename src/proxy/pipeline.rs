@@ -411,9 +411,6 @@ fn attempt<'a>(
         // On failure the permit is dropped here: if the request never reached a
         // connection, its rate permits go back (the provider never saw it).
         let (resp, lease) = sent.ok_or(AttemptError::Timeout(timeout))??;
-        if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
-            return Err(AttemptError::unasked_upgrade());
-        }
         if let Some(p) = permit.as_mut() {
             p.answered(resp.status().as_u16());
         }

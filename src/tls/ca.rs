@@ -128,10 +128,16 @@ impl Authority {
             .into_iter()
             .next()
             .ok_or_else(|| invalid(cert_path, "no certificate in the file".into()))?;
-        let issuer = Issuer::from_ca_cert_der(&ca_der, key)
-            .map_err(|e| invalid(cert_path, format!("not a usable CA certificate: {e}")))?;
+        Authority::from_parts(ca_der, key)
+            .map_err(|e| invalid(cert_path, format!("not a usable CA certificate: {e}")))
+    }
+
+    fn from_parts(
+        ca_der: CertificateDer<'static>,
+        key: KeyPair,
+    ) -> Result<Authority, rcgen::Error> {
         Ok(Authority {
-            issuer,
+            issuer: Issuer::from_ca_cert_der(&ca_der, key)?,
             ca_der,
             cache: Mutex::new((HashMap::new(), 0)),
         })
@@ -140,16 +146,7 @@ impl Authority {
     /// A CA made now, whose key is never written anywhere.
     pub fn generate() -> Result<Authority, TlsError> {
         let (cert, key) = new_ca()?;
-        let ca_der = cert.der().clone();
-        let issuer = Issuer::from_ca_cert_der(&ca_der, key).map_err(|e| TlsError::Invalid {
-            path: "(generated CA)".into(),
-            message: e.to_string(),
-        })?;
-        Ok(Authority {
-            issuer,
-            ca_der,
-            cache: Mutex::new((HashMap::new(), 0)),
-        })
+        Ok(Authority::from_parts(cert.der().clone(), key)?)
     }
 
     /// A generated CA kept in `dir` (a volume only sluice mounts), so that a restarted
