@@ -35,6 +35,7 @@ pub mod config;
 pub mod egress;
 pub mod explain;
 pub mod limit;
+pub mod log;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;

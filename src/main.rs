@@ -29,7 +29,8 @@ struct Cli {
     )]
     log_format: LogFormat,
     /// Log lines that may wait for a slow stderr; beyond them lines are dropped (and
-    /// counted in sluice_log_lines_dropped_total), never waited for. About 300 bytes each.
+    /// counted in sluice_log_lines_dropped_total), never waited for. Also bounded to 1 KiB per
+    /// line on average.
     #[arg(
         long,
         global = true,
@@ -154,11 +155,10 @@ fn main() -> ExitCode {
     }
 }
 
-/// Logs go through a queue to a writer thread: formatting stays on the worker that logs,
-/// the write does not, so a slow or full stderr pipe never blocks a request. The writer
-/// batches what is queued into one write and flushes whenever the queue is empty. The
-/// returned guard flushes what is left when dropped.
-fn init_logging(format: LogFormat, queue: usize) -> tracing_appender::non_blocking::WorkerGuard {
+/// Logs go through one bounded buffer to a writer thread (`sluice::log`): a slow or full
+/// stderr pipe never blocks a request. The returned guard writes what is left when
+/// dropped. Without a writer thread (it could not start), lines are written directly.
+fn init_logging(format: LogFormat, queue: usize) -> Option<sluice::log::Guard> {
     let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // The file watcher traces every inotify event it sees: with RUST_LOG=trace and the
@@ -171,19 +171,18 @@ fn init_logging(format: LogFormat, queue: usize) -> tracing_appender::non_blocki
     // Colours only for a person at a terminal: a pipe (a container runtime, a file) gets
     // plain text, without escape codes around every field.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
-        .lossy(true)
-        .buffered_lines_limit(queue.max(1))
-        .thread_name("sluice-log")
-        .finish(std::io::BufWriter::with_capacity(
-            64 << 10,
-            std::io::stderr(),
-        ));
-    sluice::metrics::count_dropped_log_lines(writer.error_counter());
+    let guard = match sluice::log::install(queue) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            eprintln!("cannot start the log writer, writing directly: {e}");
+            None
+        }
+    };
+    sluice::metrics::warn_on_dropped_log_lines();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(ansi)
-        .with_writer(writer);
+        .with_writer(sluice::log::Stderr);
     match format {
         // Fields as `name=value` written directly: the default field formatter styles
         // every field name through the colour machinery even with colours off, a third
@@ -206,6 +205,20 @@ fn init_logging(format: LogFormat, queue: usize) -> tracing_appender::non_blocki
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
     }
+    // The access line, one per request, is formatted by sluice::log in the same layout
+    // as the formatter above; colours at a terminal leave it to the formatter.
+    use sluice::log::AccessFormat;
+    sluice::log::set_access_format(
+        match (
+            tracing::enabled!(target: "sluice::access", tracing::Level::INFO),
+            format,
+        ) {
+            (false, _) => AccessFormat::Off,
+            (true, _) if guard.is_none() || ansi => AccessFormat::Tracing,
+            (true, LogFormat::Text) => AccessFormat::Text,
+            (true, LogFormat::Json) => AccessFormat::Json,
+        },
+    );
     guard
 }
 

@@ -68,25 +68,15 @@ pub const REVISION: &str = match option_env!("SLUICE_REVISION") {
     None => "unknown",
 };
 
-/// Lines the log writer dropped because stderr was not read fast enough (set once by the
-/// binary; a library user that logs elsewhere has none).
-static LOG_DROPS: std::sync::OnceLock<tracing_appender::non_blocking::ErrorCounter> =
-    std::sync::OnceLock::new();
-
-/// Makes `sluice_log_lines_dropped_total` follow `counter`, and warns every 10 s while
-/// lines are being dropped.
-pub fn count_dropped_log_lines(counter: tracing_appender::non_blocking::ErrorCounter) {
-    let watched = counter.clone();
-    if LOG_DROPS.set(counter).is_err() {
-        return;
-    }
+/// Warns every 10 s while log lines are being dropped (see [`crate::log`]).
+pub fn warn_on_dropped_log_lines() {
     let _ = std::thread::Builder::new()
         .name("sluice-log-watch".into())
         .spawn(move || {
             let mut seen = 0;
             loop {
                 std::thread::sleep(std::time::Duration::from_secs(10));
-                let now = watched.dropped_lines();
+                let now = crate::log::dropped_lines();
                 if now > seen {
                     tracing::warn!(
                         dropped = now - seen,
@@ -357,11 +347,9 @@ impl Metrics {
 
     /// Prometheus text exposition of everything registered.
     pub fn render(&self) -> String {
-        if let Some(drops) = LOG_DROPS.get() {
-            let (now, seen) = (drops.dropped_lines() as u64, self.log_lines_dropped.get());
-            if now > seen {
-                self.log_lines_dropped.inc_by(now - seen);
-            }
+        let (now, seen) = (crate::log::dropped_lines(), self.log_lines_dropped.get());
+        if now > seen {
+            self.log_lines_dropped.inc_by(now - seen);
         }
         let families = self.registry.gather();
         prometheus::TextEncoder::new()

@@ -152,3 +152,62 @@ async fn access_lines_can_be_sampled_or_turned_off_per_upstream() {
     let n = lines("sampled");
     assert!((100..=300).contains(&n), "{n} of {N} sampled at 0.5");
 }
+
+/// A line is written while sluice runs, not held until a batch fills or the process
+/// exits: one request's access line reaches a reader of the pipe soon after it is
+/// answered (within about 10 ms; the bound here is wide for a busy machine).
+#[tokio::test]
+async fn a_lone_access_line_reaches_the_pipe_while_sluice_runs() {
+    use std::io::BufRead;
+    crypto();
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (path, port, admin) = config_for(dir.path(), &up);
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["run", "-c", path.to_str().unwrap()])
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _reaper = KillOnDrop(child.id());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let url = format!("http://127.0.0.1:{admin}/readyz");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            reqwest::get(&url).await.is_ok_and(|r| r.status() == 200)
+        })
+        .await
+    );
+    let r = client_via(port).get(up.url("/lone")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let found = tokio::task::spawn_blocking(move || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) {
+            match rx.recv_timeout(left) {
+                Ok(line) if line.contains("sluice::access") && line.contains("path=/lone ") => {
+                    return true;
+                }
+                Ok(_) => {}
+                Err(_) => return false,
+            }
+        }
+        false
+    })
+    .await
+    .unwrap();
+    assert!(found, "the access line was written while sluice runs");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}

@@ -310,21 +310,16 @@ pub(crate) fn finish(
     if share < 1.0 && rand::random::<f64>() >= share {
         return resp;
     }
-    // Displayed, not debugged: `Debug` of a string escapes it character by character,
-    // which was the larger part of the line's cost. Nothing here needs escaping: a host
-    // and a path reach this point as valid URI text (no spaces, quotes or control
-    // characters), names come from the config's restricted alphabet.
-    tracing::info!(
-        target: "sluice::access",
-        %method,
-        host = %host,
-        path = %path,
-        upstream = %upstream,
-        family = %family,
-        status = status.as_u16(),
-        outcome = %outcome,
-        duration_ms = start.elapsed().as_secs_f64() * 1000.0,
-    );
+    crate::log::access(&crate::log::Access {
+        method: method.as_str(),
+        host,
+        path,
+        upstream,
+        family,
+        status: status.as_u16(),
+        outcome,
+        duration: start.elapsed(),
+    });
     resp
 }
 

@@ -1,0 +1,525 @@
+//! Where log lines go: every line the binary writes to stderr, access lines and tracing's
+//! alike, is appended to one bounded buffer that a writer thread empties. A worker never
+//! waits for stderr: when the buffer is full (no one reads the pipe), the line is dropped
+//! and counted. The access line is formatted here by hand, the one line per request.
+//!
+//! Why not tracing-appender's non-blocking writer, which this replaced: it allocates a
+//! buffer per line and sends each through a channel to a thread that writes it on its own,
+//! and an access line formatted by tracing-subscriber (a visitor per field, a timestamp
+//! formatted from scratch) cost about 10k instructions, a quarter of a whole proxied
+//! request. Appending to a shared buffer and formatting a known set of fields directly
+//! costs a small fraction of that (docs/BENCHMARKS.md, "The access log as shipped").
+//!
+//! The writer wakes on the first line after it went idle, lingers briefly so that lines
+//! arriving meanwhile share one `write(2)`, swaps the buffer for its spare and writes
+//! outside the lock. Dropping the [`Guard`] writes what is left; a line logged after that
+//! is written directly.
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, SystemTime};
+
+/// How long the writer waits after waking for more lines to join the same write. Bounds
+/// how late a line reaches stderr, and how many writes a busy proxy makes (100 a second).
+const LINGER: Duration = Duration::from_millis(10);
+
+/// Bytes a queued line may take on average before lines are dropped for size; a line is
+/// usually under 300 bytes, an access line with a long path can be several KiB.
+const BYTES_PER_LINE: usize = 1024;
+
+/// The writer's spare buffer is shrunk back to this after a burst grew it.
+const KEEP_CAPACITY: usize = 256 << 10;
+
+struct Sink {
+    state: Mutex<State>,
+    wake: Condvar,
+    max_lines: usize,
+    max_bytes: usize,
+}
+
+#[derive(Default)]
+struct State {
+    buf: Vec<u8>,
+    lines: usize,
+    /// The writer waits for a line: the next one must wake it.
+    idle: bool,
+    /// The guard was dropped: the writer writes what is left and stops.
+    stop: bool,
+    /// The writer has stopped: lines are written directly.
+    closed: bool,
+}
+
+static SINK: OnceLock<Sink> = OnceLock::new();
+static DROPPED: AtomicU64 = AtomicU64::new(0);
+
+/// Lines dropped so far because stderr was not read fast enough.
+pub fn dropped_lines() -> u64 {
+    DROPPED.load(Ordering::Relaxed)
+}
+
+fn lock(sink: &Sink) -> MutexGuard<'_, State> {
+    // A panic while holding this lock leaves a buffer of whole lines: nothing to repair.
+    sink.state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Sink {
+    /// Appends `lines` whole lines (`text` ends with a newline), or drops them when the
+    /// buffer is full.
+    fn push(&self, text: &[u8], lines: usize) {
+        let mut st = lock(self);
+        if st.closed {
+            let _ = std::io::stderr().write_all(text);
+            return;
+        }
+        if st.lines + lines > self.max_lines || st.buf.len() + text.len() > self.max_bytes {
+            drop(st);
+            DROPPED.fetch_add(lines.max(1) as u64, Ordering::Relaxed);
+            return;
+        }
+        st.buf.extend_from_slice(text);
+        st.lines += lines;
+        if st.idle {
+            st.idle = false;
+            drop(st);
+            self.wake.notify_one();
+        }
+    }
+
+    fn run(&self) {
+        let mut out = std::io::stderr();
+        let mut spare = Vec::with_capacity(64 << 10);
+        let mut st = lock(self);
+        loop {
+            while st.buf.is_empty() && !st.stop {
+                st.idle = true;
+                st = self.wake.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+            st.idle = false;
+            if st.buf.is_empty() {
+                // Stopped with nothing left: from now on a line is written directly.
+                st.closed = true;
+                return;
+            }
+            if !st.stop {
+                drop(st);
+                std::thread::sleep(LINGER);
+                st = lock(self);
+            }
+            std::mem::swap(&mut st.buf, &mut spare);
+            let lines = std::mem::take(&mut st.lines);
+            drop(st);
+            // A full pipe blocks here, not in a worker; a closed one loses the lines.
+            if out.write_all(&spare).is_err() {
+                DROPPED.fetch_add(lines as u64, Ordering::Relaxed);
+            }
+            spare.clear();
+            spare.shrink_to(KEEP_CAPACITY);
+            st = lock(self);
+        }
+    }
+}
+
+/// Stops the writer when dropped, after it wrote every line queued so far.
+pub struct Guard {
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some(sink) = SINK.get() {
+            lock(sink).stop = true;
+            sink.wake.notify_one();
+        }
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// Starts the writer thread; `queue` lines may wait for stderr before lines are dropped.
+/// Call once, before anything logs; a second call only returns a guard that does nothing.
+pub fn install(queue: usize) -> std::io::Result<Guard> {
+    let queue = queue.max(1);
+    let sink = Sink {
+        state: Mutex::new(State::default()),
+        wake: Condvar::new(),
+        max_lines: queue,
+        max_bytes: queue.saturating_mul(BYTES_PER_LINE),
+    };
+    if SINK.set(sink).is_err() {
+        return Ok(Guard { writer: None });
+    }
+    let writer = std::thread::Builder::new()
+        .name("sluice-log".into())
+        .spawn(|| {
+            if let Some(sink) = SINK.get() {
+                sink.run();
+            }
+        })?;
+    Ok(Guard {
+        writer: Some(writer),
+    })
+}
+
+/// tracing-subscriber's writer: its lines go through the same buffer as access lines, so
+/// the two never interleave within a line and keep their order.
+#[derive(Clone, Copy, Default)]
+pub struct Stderr;
+
+impl Write for Stderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        // The formatter hands over a whole event in one call.
+        match SINK.get() {
+            Some(sink) => sink.push(buf, buf.iter().filter(|&&b| b == b'\n').count()),
+            None => std::io::stderr().write_all(buf)?,
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Stderr {
+    type Writer = Stderr;
+
+    fn make_writer(&'a self) -> Stderr {
+        Stderr
+    }
+}
+
+/// How access lines are written, decided once the log is set up.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(u8)]
+pub enum AccessFormat {
+    /// Through tracing like any event: a library user's subscriber, or colours at a
+    /// terminal. The default until the binary chooses.
+    Tracing = 0,
+    /// `RUST_LOG` leaves `sluice::access` out.
+    Off = 1,
+    /// The text format, without colours, formatted here.
+    Text = 2,
+    /// The JSON format, formatted here.
+    Json = 3,
+}
+
+static ACCESS: AtomicU8 = AtomicU8::new(AccessFormat::Tracing as u8);
+
+/// Chooses how access lines are written. The binary calls it after installing its
+/// subscriber; direct formats need [`install`] to have run.
+pub fn set_access_format(format: AccessFormat) {
+    ACCESS.store(format as u8, Ordering::Relaxed);
+}
+
+fn access_format() -> AccessFormat {
+    match ACCESS.load(Ordering::Relaxed) {
+        1 => AccessFormat::Off,
+        2 => AccessFormat::Text,
+        3 => AccessFormat::Json,
+        _ => AccessFormat::Tracing,
+    }
+}
+
+/// One request's access line.
+pub struct Access<'a> {
+    pub method: &'a str,
+    pub host: &'a str,
+    pub path: &'a str,
+    pub upstream: &'a str,
+    pub family: &'a str,
+    pub status: u16,
+    pub outcome: &'a str,
+    pub duration: Duration,
+}
+
+/// Writes `a`'s access line in the chosen format.
+pub fn access(a: &Access<'_>) {
+    let format = access_format();
+    match format {
+        AccessFormat::Off => {}
+        AccessFormat::Tracing => tracing::info!(
+            target: "sluice::access",
+            method = %a.method,
+            host = %a.host,
+            path = %a.path,
+            upstream = %a.upstream,
+            family = %a.family,
+            status = a.status,
+            outcome = %a.outcome,
+            duration_ms = a.duration.as_secs_f64() * 1000.0,
+        ),
+        AccessFormat::Text | AccessFormat::Json => LINE.with_borrow_mut(|line| {
+            line.clear();
+            let now = SystemTime::now();
+            if format == AccessFormat::Text {
+                line.stamp(now);
+                a.text(&mut line.buf);
+            } else {
+                line.buf.extend_from_slice(b"{\"timestamp\":\"");
+                line.stamp(now);
+                a.json(&mut line.buf);
+            }
+            match SINK.get() {
+                Some(sink) => sink.push(&line.buf, 1),
+                None => {
+                    let _ = std::io::stderr().write_all(&line.buf);
+                }
+            }
+        }),
+    }
+}
+
+thread_local! {
+    static LINE: std::cell::RefCell<Line> = std::cell::RefCell::new(Line::default());
+}
+
+/// A worker's line buffer, and the date and time to the second it last wrote: the part of
+/// the timestamp that changes once a second is formatted once a second.
+#[derive(Default)]
+struct Line {
+    buf: Vec<u8>,
+    second: u64,
+    prefix: [u8; 20],
+}
+
+impl Line {
+    fn clear(&mut self) {
+        self.buf.clear();
+    }
+
+    /// `2026-12-01T20:19:58.394773Z`, UTC with microseconds, as tracing-subscriber writes.
+    fn stamp(&mut self, now: SystemTime) {
+        let since = now
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        let secs = since.as_secs();
+        if secs != self.second || self.prefix[0] == 0 {
+            self.second = secs;
+            let t = time::OffsetDateTime::from_unix_timestamp(secs as i64)
+                .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+            let mut p = [0u8; 20];
+            let mut w = &mut p[..];
+            let _ = write!(
+                w,
+                "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.",
+                t.year(),
+                u8::from(t.month()),
+                t.day(),
+                t.hour(),
+                t.minute(),
+                t.second()
+            );
+            self.prefix = p;
+        }
+        self.buf.extend_from_slice(&self.prefix);
+        push_padded(&mut self.buf, since.subsec_micros(), 6);
+        self.buf.push(b'Z');
+    }
+}
+
+/// `n` in decimal, left-padded with zeros to `width` digits.
+fn push_padded(buf: &mut Vec<u8>, n: u32, width: usize) {
+    let mut digits = itoa::Buffer::new();
+    let s = digits.format(n);
+    buf.extend(std::iter::repeat_n(b'0', width.saturating_sub(s.len())));
+    buf.extend_from_slice(s.as_bytes());
+}
+
+/// Milliseconds with three decimals (microseconds), e.g. `8.212`.
+fn push_millis(buf: &mut Vec<u8>, d: Duration) {
+    let micros = d.as_micros();
+    let mut digits = itoa::Buffer::new();
+    buf.extend_from_slice(digits.format(micros / 1000).as_bytes());
+    buf.push(b'.');
+    push_padded(buf, (micros % 1000) as u32, 3);
+}
+
+impl Access<'_> {
+    /// The line tracing-subscriber's text format writes without colours.
+    fn text(&self, buf: &mut Vec<u8>) {
+        buf.extend_from_slice(b"  INFO sluice::access: method=");
+        for (value, next) in [
+            (self.method, &b" host="[..]),
+            (self.host, b" path="),
+            (self.path, b" upstream="),
+            (self.upstream, b" family="),
+            (self.family, b" status="),
+        ] {
+            push_text(buf, value);
+            buf.extend_from_slice(next);
+        }
+        buf.extend_from_slice(itoa::Buffer::new().format(self.status).as_bytes());
+        buf.extend_from_slice(b" outcome=");
+        push_text(buf, self.outcome);
+        buf.extend_from_slice(b" duration_ms=");
+        push_millis(buf, self.duration);
+        buf.push(b'\n');
+    }
+
+    /// The object tracing-subscriber's JSON format writes (flattened, target last),
+    /// starting after the timestamp's digits.
+    fn json(&self, buf: &mut Vec<u8>) {
+        buf.extend_from_slice(b"\",\"level\":\"INFO\",\"method\":");
+        for (value, next) in [
+            (self.method, &b",\"host\":"[..]),
+            (self.host, b",\"path\":"),
+            (self.path, b",\"upstream\":"),
+            (self.upstream, b",\"family\":"),
+            (self.family, b",\"status\":"),
+        ] {
+            push_json(buf, value);
+            buf.extend_from_slice(next);
+        }
+        buf.extend_from_slice(itoa::Buffer::new().format(self.status).as_bytes());
+        buf.extend_from_slice(b",\"outcome\":");
+        push_json(buf, self.outcome);
+        buf.extend_from_slice(b",\"duration_ms\":");
+        push_millis(buf, self.duration);
+        buf.extend_from_slice(b",\"target\":\"sluice::access\"}\n");
+    }
+}
+
+/// A value in a text line. Hosts and paths reach the log as URI text, which has no spaces
+/// or control characters; anything else a value might hold is escaped rather than allowed
+/// to break the line into two or forge a field.
+fn push_text(buf: &mut Vec<u8>, s: &str) {
+    if !any_byte(s, |b| !b.is_ascii_graphic() || b == b'"' || b == b'\\') {
+        buf.extend_from_slice(s.as_bytes());
+    } else {
+        let _ = write!(buf, "{s:?}");
+    }
+}
+
+/// Whether any byte of `s` is `bad`. Without the early exit of `Iterator::any` the
+/// compiler checks many bytes per instruction; values are short and almost always clean.
+fn any_byte(s: &str, bad: impl Fn(u8) -> bool) -> bool {
+    s.bytes().fold(false, |found, b| found | bad(b))
+}
+
+/// A JSON string, quoted and escaped.
+fn push_json(buf: &mut Vec<u8>, s: &str) {
+    buf.push(b'"');
+    if !any_byte(s, |b| b < 0x20 || b == b'"' || b == b'\\') {
+        buf.extend_from_slice(s.as_bytes());
+    } else {
+        for c in s.chars() {
+            match c {
+                '"' => buf.extend_from_slice(b"\\\""),
+                '\\' => buf.extend_from_slice(b"\\\\"),
+                '\n' => buf.extend_from_slice(b"\\n"),
+                '\r' => buf.extend_from_slice(b"\\r"),
+                '\t' => buf.extend_from_slice(b"\\t"),
+                c if (c as u32) < 0x20 => {
+                    let _ = write!(buf, "\\u{:04x}", c as u32);
+                }
+                c => {
+                    let mut b = [0u8; 4];
+                    buf.extend_from_slice(c.encode_utf8(&mut b).as_bytes());
+                }
+            }
+        }
+    }
+    buf.push(b'"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample<'a>(path: &'a str, host: &'a str) -> Access<'a> {
+        Access {
+            method: "GET",
+            host,
+            path,
+            upstream: "api",
+            family: "-",
+            status: 200,
+            outcome: "200",
+            duration: Duration::from_micros(8_211_631 / 1000),
+        }
+    }
+
+    fn stamped(a: &Access<'_>, json: bool) -> String {
+        let mut line = Line::default();
+        let at = SystemTime::UNIX_EPOCH + Duration::from_micros(1_796_156_398_394_773);
+        if json {
+            line.buf.extend_from_slice(b"{\"timestamp\":\"");
+            line.stamp(at);
+            a.json(&mut line.buf);
+        } else {
+            line.stamp(at);
+            a.text(&mut line.buf);
+        }
+        String::from_utf8(line.buf).unwrap()
+    }
+
+    #[test]
+    fn text_line_matches_the_text_format() {
+        assert_eq!(
+            stamped(&sample("/a/b", "api.example"), false),
+            "2026-12-01T20:19:58.394773Z  INFO sluice::access: method=GET host=api.example \
+             path=/a/b upstream=api family=- status=200 outcome=200 duration_ms=8.211\n"
+        );
+    }
+
+    #[test]
+    fn json_line_parses_with_every_field() {
+        let line = stamped(&sample("/a\"b\\c\u{1}", "h"), true);
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["timestamp"], "2026-12-01T20:19:58.394773Z");
+        assert_eq!(v["level"], "INFO");
+        assert_eq!(v["path"], "/a\"b\\c\u{1}");
+        assert_eq!(v["status"], 200);
+        assert_eq!(v["outcome"], "200");
+        assert_eq!(v["duration_ms"], 8.211);
+        assert_eq!(v["target"], "sluice::access");
+    }
+
+    #[test]
+    fn a_value_cannot_break_a_text_line_or_forge_a_field() {
+        let line = stamped(&sample("/x status=500\nforged", "h"), false);
+        assert_eq!(line.matches('\n').count(), 1, "{line}");
+        assert!(line.contains(r#"path="/x status=500\nforged""#), "{line}");
+    }
+
+    #[test]
+    fn timestamps_carry_microseconds_and_follow_the_second() {
+        let mut line = Line::default();
+        for (micros, want) in [
+            (0, "1970-01-01T00:00:00.000000Z"),
+            (1_000_001, "1970-01-01T00:00:01.000001Z"),
+            (86_400_000_000 + 999_999, "1970-01-02T00:00:00.999999Z"),
+        ] {
+            line.clear();
+            line.stamp(SystemTime::UNIX_EPOCH + Duration::from_micros(micros));
+            assert_eq!(std::str::from_utf8(&line.buf).unwrap(), want);
+        }
+    }
+
+    #[test]
+    fn millis_keep_three_decimals() {
+        for (us, want) in [(0, "0.000"), (7, "0.007"), (1_234_567, "1234.567")] {
+            let mut b = Vec::new();
+            push_millis(&mut b, Duration::from_micros(us));
+            assert_eq!(String::from_utf8(b).unwrap(), want);
+        }
+    }
+
+    #[test]
+    fn a_full_sink_drops_and_counts_whole_lines() {
+        let sink = Sink {
+            state: Mutex::new(State::default()),
+            wake: Condvar::new(),
+            max_lines: 2,
+            max_bytes: 1 << 20,
+        };
+        let before = dropped_lines();
+        for _ in 0..5 {
+            sink.push(b"line\n", 1);
+        }
+        assert_eq!(lock(&sink).buf, b"line\nline\n");
+        assert!(dropped_lines() - before >= 3);
+    }
+}
