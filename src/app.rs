@@ -42,6 +42,8 @@ pub struct Live {
     pub cluster: Option<Arc<Cluster>>,
     /// `[egress]` with the upstreams' host names, as the resolver applies them.
     pub egress_rules: Arc<Rules>,
+    /// Each route's per-request metric handles.
+    pub route_metrics: crate::metrics::RouteTable,
 }
 
 impl Deref for Live {
@@ -123,6 +125,7 @@ impl AppBuilder {
         self.resolver.set_rules(egress_rules.clone());
         let replay_limit = self.config.proxy.max_replay_memory;
         let live = Live {
+            route_metrics: crate::metrics::RouteTable::new(&self.config, &metrics),
             egress_rules,
             client,
             plans: limiter.plans(),
@@ -379,6 +382,7 @@ impl App {
         self.resolver.set_rules(egress_rules.clone());
         self.replay_budget.set_limit(config.proxy.max_replay_memory);
         self.live.send_replace(Arc::new(Live {
+            route_metrics: crate::metrics::RouteTable::new(&config, &self.metrics),
             egress_rules,
             client,
             config,

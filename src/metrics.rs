@@ -2,8 +2,11 @@
 //! Names and labels are the contract in PRODUCT.md; label values are bounded (upstream and
 //! family names from the config, status codes, reasons), never hosts, URLs or keys.
 
+use std::sync::OnceLock;
+
 use prometheus::{
-    HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 
 #[derive(Clone)]
@@ -87,6 +90,104 @@ pub fn warn_on_dropped_log_lines() {
                 }
             }
         });
+}
+
+/// One upstream and family's per-request series, resolved when the config is loaded: a
+/// lookup by label values hashes every value and takes the vector's lock, three times per
+/// request otherwise.
+pub struct RouteMetrics {
+    /// `sluice_upstream_duration_seconds`.
+    pub upstream_duration: Histogram,
+    /// `sluice_requests_total` by outcome.
+    pub requests: ByOutcome,
+    /// `sluice_upstream_responses_total` by status.
+    pub upstream_responses: ByOutcome,
+}
+
+/// The statuses almost every request ends in, whose counters are kept once created.
+const COMMON_OUTCOMES: [&str; 8] = ["200", "201", "204", "304", "404", "429", "502", "503"];
+
+/// A counter vector with its upstream and family labels bound; the common outcomes'
+/// counters are created on first use (a series appears only once it counts something)
+/// and kept.
+pub struct ByOutcome {
+    vec: IntCounterVec,
+    upstream: String,
+    family: String,
+    common: [OnceLock<IntCounter>; COMMON_OUTCOMES.len()],
+}
+
+impl ByOutcome {
+    fn new(vec: &IntCounterVec, upstream: &str, family: &str) -> ByOutcome {
+        ByOutcome {
+            vec: vec.clone(),
+            upstream: upstream.to_owned(),
+            family: family.to_owned(),
+            common: Default::default(),
+        }
+    }
+
+    pub fn inc(&self, outcome: &str) {
+        let labels = [self.upstream.as_str(), self.family.as_str(), outcome];
+        match COMMON_OUTCOMES.iter().position(|c| *c == outcome) {
+            Some(i) => self.common[i]
+                .get_or_init(|| self.vec.with_label_values(&labels))
+                .inc(),
+            None => self.vec.with_label_values(&labels).inc(),
+        }
+    }
+}
+
+impl RouteMetrics {
+    pub fn new(metrics: &Metrics, upstream: &str, family: &str) -> RouteMetrics {
+        RouteMetrics {
+            upstream_duration: metrics
+                .upstream_duration
+                .with_label_values(&[upstream, family]),
+            requests: ByOutcome::new(&metrics.requests, upstream, family),
+            upstream_responses: ByOutcome::new(&metrics.upstream_responses, upstream, family),
+        }
+    }
+}
+
+/// [`RouteMetrics`] for every route of a config: by upstream index, then family index
+/// with requests of no family last; and unmatched requests.
+pub struct RouteTable {
+    upstreams: Vec<Vec<RouteMetrics>>,
+    unmatched: RouteMetrics,
+}
+
+impl RouteTable {
+    pub fn new(config: &crate::config::Config, metrics: &Metrics) -> RouteTable {
+        let upstreams = config
+            .upstreams
+            .iter()
+            .map(|u| {
+                u.families
+                    .iter()
+                    .map(|f| f.name.as_str())
+                    .chain(["-"])
+                    .map(|f| RouteMetrics::new(metrics, &u.name, f))
+                    .collect()
+            })
+            .collect();
+        RouteTable {
+            upstreams,
+            unmatched: RouteMetrics::new(metrics, "unmatched", "-"),
+        }
+    }
+
+    /// The handles of `route` (labelled as [`crate::config::Config::labels`] names it).
+    pub fn get(&self, route: Option<&crate::route::Route>) -> &RouteMetrics {
+        let Some(r) = route else {
+            return &self.unmatched;
+        };
+        let families = &self.upstreams[r.upstream];
+        match r.family {
+            Some(f) => &families[f],
+            None => &families[families.len() - 1],
+        }
+    }
 }
 
 /// 1 ms to 60 s, roughly ×2.5 per step: resolves fast APIs and long queue waits alike.
@@ -355,5 +456,54 @@ impl Metrics {
         prometheus::TextEncoder::new()
             .encode_to_string(&families)
             .unwrap_or_else(|e| format!("# encoding failed: {e}\n"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::route::Route;
+
+    /// Each route's handles count under the labels `Config::labels` gives it, common
+    /// outcomes and others alike.
+    #[test]
+    fn route_handles_count_under_the_route_labels() {
+        let config = crate::config::Config::parse(
+            "[[upstream]]\nname = \"api\"\nhosts = [\"api.example\"]\n\
+             [[upstream.family]]\nname = \"orders\"\npaths = [\"/o/**\"]\n",
+            "t.toml",
+        )
+        .unwrap();
+        let metrics = Metrics::new(Registry::new()).unwrap();
+        let table = RouteTable::new(&config, &metrics);
+        let route = |family| Route {
+            upstream: 0,
+            family,
+            partition: None,
+        };
+        for (r, outcome) in [
+            (None, "200"),
+            (Some(route(Some(0))), "429"),
+            (Some(route(Some(0))), "sluice_queue_full"),
+            (Some(route(None)), "200"),
+            (Some(route(None)), "200"),
+        ] {
+            table.get(r.as_ref()).requests.inc(outcome);
+            table.get(r.as_ref()).upstream_responses.inc(outcome);
+        }
+        for (labels, n) in [
+            (["unmatched", "-", "200"], 1),
+            (["api", "orders", "429"], 1),
+            (["api", "orders", "sluice_queue_full"], 1),
+            (["api", "-", "200"], 2),
+        ] {
+            assert_eq!(metrics.requests.with_label_values(&labels).get(), n);
+            assert_eq!(
+                metrics.upstream_responses.with_label_values(&labels).get(),
+                n
+            );
+        }
+        // Series appear only once they count something.
+        assert!(!metrics.render().contains(r#"outcome="201""#));
     }
 }

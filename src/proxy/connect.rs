@@ -43,21 +43,11 @@ pub(crate) async fn tunnel(
         .and_then(|(h, p)| Some((normalize_host(h), p?.parse::<u16>().ok()?)))
     else {
         let err = ProxyError::BadRequest("CONNECT needs host:port".into());
-        return finish(
-            app,
-            &config,
-            None,
-            &Method::CONNECT,
-            "-",
-            "-",
-            start,
-            Err(err),
-        );
+        return finish(&config, None, &Method::CONNECT, "-", "-", start, Err(err));
     };
     let route = config.route(&host, port, &Method::CONNECT, "", req.headers());
     let done = |result| {
         finish(
-            app,
             &config,
             route.as_ref(),
             &Method::CONNECT,

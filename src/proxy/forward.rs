@@ -18,7 +18,7 @@ use super::headers::{append_via, strip_hop_by_hop};
 use super::{Body, empty, pipeline, stream};
 use crate::app::App;
 use crate::app::Live;
-use crate::config::{Config, Scheme, Unmatched};
+use crate::config::{Scheme, Unmatched};
 use crate::route::{Route, normalize_host};
 
 /// Where an absolute-form request is going.
@@ -127,7 +127,7 @@ pub fn forward<'a>(
         Ok(target) => Either::Left(route_and_send(app, Some(upstreams), req, target, start)),
         Err(e) => {
             let config = app.config();
-            let resp = finish(app, &config, None, req.method(), "-", "-", start, Err(e));
+            let resp = finish(&config, None, req.method(), "-", "-", start, Err(e));
             Either::Right(std::future::ready(resp))
         }
     }
@@ -174,7 +174,7 @@ fn route_and_send<'a>(
         }
         let done = |result| {
             let (route, host, path) = (route.as_ref(), &target.host, target.path());
-            finish(app, &config, route, &method, host, path, start, result)
+            finish(&config, route, &method, host, path, start, result)
         };
         // Not a `match` around the await: its scrutinee (the request, 240 bytes) would
         // stay in the future while the upstream answers.
@@ -273,8 +273,7 @@ fn from_upstream(resp: Response<Body>) -> Response<Body> {
 /// secrets tend to travel, and never a header value.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn finish(
-    app: &App,
-    config: &Config,
+    config: &Live,
     route: Option<&Route>,
     method: &Method,
     host: &str,
@@ -301,10 +300,7 @@ pub(crate) fn finish(
     // path every response takes.
     let status = resp.status();
     let outcome = failure.as_deref().unwrap_or(status.as_str());
-    app.metrics
-        .requests
-        .with_label_values(&[upstream, family, outcome])
-        .inc();
+    config.route_metrics.get(route).requests.inc(outcome);
     // A sampled upstream logs a share of its requests; the counter above has them all.
     let share = route.map_or(1.0, |r| config.upstreams[r.upstream].access_log);
     if share < 1.0 && rand::random::<f64>() >= share {

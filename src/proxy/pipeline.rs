@@ -385,7 +385,6 @@ fn attempt<'a>(
     let hook = permit.as_ref().and_then(Permit::send_hook);
     let req = req.map(|b| Outbound::new(b, hook));
     async move {
-        let (upstream, family) = config.labels(route);
         let start = Instant::now();
         // The client connection's own timer (see timer.rs); a request inside an
         // intercepted tunnel has a timer of its own.
@@ -414,14 +413,9 @@ fn attempt<'a>(
         if let Some(p) = permit.as_mut() {
             p.answered(resp.status().as_u16());
         }
-        app.metrics
-            .upstream_duration
-            .with_label_values(&[upstream, family])
-            .observe(start.elapsed().as_secs_f64());
-        app.metrics
-            .upstream_responses
-            .with_label_values(&[upstream, family, resp.status().as_str()])
-            .inc();
+        let m = config.route_metrics.get(route);
+        m.upstream_duration.observe(start.elapsed().as_secs_f64());
+        m.upstream_responses.inc(resp.status().as_str());
         Ok(resp.map(|b| ResponseBody::wrap(b, permit, lease, timeout)))
     }
 }
