@@ -41,7 +41,7 @@ class Procs:
                 raise SystemExit(f"{p.args[0]} exited at start (port in use?)")
 
 
-def start_sluice(procs, config, log="shipped", extra_env=None):
+def start_sluice(procs, config, log="shipped", extra_env=None, binary=SLUICE):
     """Starts sluice on `config` as users run it. `log="shipped"`: the default log level
     (an access line per request) with stderr read through a pipe by a thread here, as a
     container runtime reads it; `log="off"`: RUST_LOG=warn, no access lines (stderr still
@@ -50,7 +50,7 @@ def start_sluice(procs, config, log="shipped", extra_env=None):
     env.pop("RUST_LOG", None)
     if log == "off":
         env["RUST_LOG"] = "warn"
-    p = subprocess.Popen([SLUICE, "run", "-c", config], stdout=subprocess.DEVNULL,
+    p = subprocess.Popen([binary, "run", "-c", config], stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, env=env)
     procs.started.append(p)
     p.log_lines = [0]
@@ -122,9 +122,10 @@ def _ms(value, unit):
     return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
 
 
-def wrk(url, conns, seconds, script=None):
-    """Runs wrk with 2 threads; returns (req/s, p50 ms, p99 ms). Any non-2xx aborts."""
-    cmd = ["wrk", "-t2", f"-c{conns}", f"-d{seconds}s", "--latency"]
+def wrk(url, conns, seconds, script=None, threads=2):
+    """Runs wrk (2 threads unless told); returns (req/s, p50 ms, p99 ms). Any non-2xx
+    aborts."""
+    cmd = ["wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds}s", "--latency"]
     if script:
         cmd += ["-s", script]
     out = subprocess.run(cmd + [url], capture_output=True, text=True, check=True).stdout
@@ -180,6 +181,25 @@ limits = [{{ kind = "token_bucket", rate = 100000000, per = "1s", burst = 100000
   name = "all"
   paths = ["/**"]
 {egress}""")
+    return path
+
+
+def shipped_config(work, name, listen, admin):
+    """The bundled config/sluice.toml as a user starts it, changed only where a benchmark
+    must: its two ports, and loopback allowed as a destination (the upstreams here are on
+    127.0.0.1, which the egress rules refuse by default). Returns its path."""
+    text = open(os.path.join(ROOT, "config", "sluice.toml")).read()
+    for old, new in [
+        ('listen = "127.0.0.1:3128"', f'listen = "127.0.0.1:{listen}"'),
+        ('admin = "127.0.0.1:9901"', f'admin = "127.0.0.1:{admin}"'),
+        ("allow = []", 'allow = ["127.0.0.1"]'),
+    ]:
+        if old not in text:
+            raise SystemExit(f"config/sluice.toml no longer has {old!r}: update shipped_config")
+        text = text.replace(old, new, 1)
+    path = os.path.join(work, name)
+    with open(path, "w") as f:
+        f.write(text)
     return path
 
 

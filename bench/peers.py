@@ -1,8 +1,18 @@
-"""Pass-through overhead next to the proxies a user would pick instead: direct, sluice
-(unmatched host), squid and tinyproxy as forward proxies, haproxy and nginx as reverse
-proxies, all in front of the same nginx `return 200`. wrk drives each with 32
-connections; targets interleave over the rounds; each row reports the median (min-max),
-the proxy process's CPU and its RSS after the run. Run by bench/peers.sh.
+"""Pass-through cost next to the proxies a user would pick instead, on equal footing: every
+target sits in front of the same nginx `return 200`; wrk drives each with 32 connections,
+once with one thread and once with two; targets interleave over the rounds.
+
+- sluice as shipped: the bundled config/sluice.toml (ports changed, loopback allowed), the
+  default log level, one access line per request on stderr read through a pipe; and the
+  same instance's twin with RUST_LOG=warn (access log off).
+- haproxy (reverse) with as many threads as sluice has workers, and with one thread; its
+  defaults otherwise (`http-reuse safe`, no log).
+- nginx (reverse) with as many worker processes as sluice has workers, no access log.
+- squid and tinyproxy (forward) as packaged, one process each (their SMP modes are not
+  what a sidecar runs).
+
+Each row: median (min-max) req/s, p50 and p99, the proxy's CPU and its user and system
+CPU per request, and RSS after the run. Run by bench/peers.sh.
 """
 
 import os
@@ -13,13 +23,25 @@ import sys
 import tempfile
 import time
 
-from common import SLUICE, Procs, absolute_form_script, cpu_split, rss_kib, wait_http, wrk
+from common import (
+    Procs,
+    absolute_form_script,
+    cpu_split,
+    rss_kib,
+    shipped_config,
+    start_sluice,
+    wait_http,
+    wrk,
+)
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 10
 CONNS = 32
+# sluice starts one worker per CPU it may run on; the peers get as many threads.
+WORKERS = len(os.sched_getaffinity(0))
 UP = 18200
-PORTS = {"sluice": 13160, "squid": 13161, "tinyproxy": 13162, "haproxy": 13163, "nginx": 13164, "baseline": 13165}
+PORTS = {"sluice": 13160, "squid": 13161, "tinyproxy": 13162, "haproxy": 13163, "nginx": 13164,
+         "baseline": 13165, "sluice-off": 13166, "haproxy-1": 13167}
 # Another sluice binary to compare with, e.g. a build of the previous commit.
 BASELINE = os.environ.get("BASELINE")
 # Comma-separated names to measure (default all), e.g. ONLY=sluice,haproxy for an A/B.
@@ -38,6 +60,22 @@ def write(name, text):
     return path
 
 
+def haproxy_config(name, port, threads):
+    return write(name, f"""global
+  nbthread {threads}
+defaults
+  mode http
+  timeout connect 5s
+  timeout client 30s
+  timeout server 30s
+frontend fe
+  bind 127.0.0.1:{port}
+  default_backend be
+backend be
+  server s1 127.0.0.1:{UP}
+""")
+
+
 def family_pids(root):
     """The process and its children (nginx and squid work in child processes)."""
     out = subprocess.run(["pgrep", "-P", str(root)], capture_output=True, text=True).stdout.split()
@@ -51,27 +89,15 @@ http {{ access_log off; keepalive_requests 1000000;
   server {{ listen 127.0.0.1:{UP}; location / {{ return 200 "hello\\n"; }} }} }}
 """)
     procs.start(["nginx", "-c", upstream, "-p", work])
-    reverse = write("rev.conf", f"""worker_processes 1; daemon off; pid {work}/rev.pid; error_log {work}/rev.err;
+    reverse = write("rev.conf", f"""worker_processes {WORKERS}; daemon off; pid {work}/rev.pid; error_log {work}/rev.err;
 events {{ worker_connections 4096; }}
 http {{ access_log off; keepalive_requests 1000000;
   upstream up {{ server 127.0.0.1:{UP}; keepalive 64; }}
   server {{ listen 127.0.0.1:{PORTS["nginx"]};
     location / {{ proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection ""; }} }} }}
 """)
-    haproxy = write("haproxy.cfg", f"""global
-  nbthread 1
-defaults
-  mode http
-  timeout connect 5s
-  timeout client 30s
-  timeout server 30s
-  http-reuse always
-frontend fe
-  bind 127.0.0.1:{PORTS["haproxy"]}
-  default_backend be
-backend be
-  server s1 127.0.0.1:{UP}
-""")
+    haproxy = haproxy_config("haproxy.cfg", PORTS["haproxy"], WORKERS)
+    haproxy_1 = haproxy_config("haproxy-1.cfg", PORTS["haproxy-1"], 1)
     squid = write("squid.conf", f"""http_port 127.0.0.1:{PORTS["squid"]}
 http_access allow all
 cache deny all
@@ -88,24 +114,26 @@ MaxClients 256
 LogLevel Critical
 PidFile "{work}/tinyproxy.pid"
 """)
-    # The upstream is on loopback, which sluice's egress rules refuse unless allowed (the
-    # baseline build predates them).
-    sluice_conf = write("sluice.toml", f'[proxy]\nlisten = "127.0.0.1:{PORTS["sluice"]}"\nadmin = "127.0.0.1:{ADMIN}"\n'
-                        '[egress]\nallow = ["127.0.0.1"]\n')
+    shipped = start_sluice(procs, shipped_config(work, "sluice.toml", PORTS["sluice"], ADMIN))
+    off = start_sluice(procs, shipped_config(work, "sluice-off.toml", PORTS["sluice-off"], ADMIN + 2), log="off")
     pids = {
-        "sluice": procs.start([SLUICE, "run", "-c", sluice_conf], env={**os.environ, "RUST_LOG": "warn"}).pid,
+        "sluice": shipped.pid,
+        "sluice-off": off.pid,
         "squid": procs.start(["squid", "-N", "-f", squid]).pid,
         "tinyproxy": procs.start(["tinyproxy", "-d", "-c", tiny]).pid,
         "haproxy": procs.start(["haproxy", "-db", "-f", haproxy]).pid,
+        "haproxy-1": procs.start(["haproxy", "-db", "-f", haproxy_1]).pid,
         "nginx": procs.start(["nginx", "-c", reverse, "-p", work]).pid,
     }
     if BASELINE:
-        base_conf = write("baseline.toml", f'[proxy]\nlisten = "127.0.0.1:{PORTS["baseline"]}"\nadmin = "127.0.0.1:{ADMIN + 1}"\n')
-        pids["baseline"] = procs.start([BASELINE, "run", "-c", base_conf], env={**os.environ, "RUST_LOG": "warn"}).pid
+        base_conf = shipped_config(work, "baseline.toml", PORTS["baseline"], ADMIN + 1)
+        pids["baseline"] = start_sluice(procs, base_conf, binary=BASELINE).pid
         wait_http(f"http://127.0.0.1:{ADMIN + 1}/readyz")
+    wait_http(f"http://127.0.0.1:{ADMIN + 2}/readyz")
     wait_http(f"http://127.0.0.1:{UP}/")
     wait_http(f"http://127.0.0.1:{ADMIN}/readyz")
     wait_http(f"http://127.0.0.1:{PORTS['haproxy']}/")
+    wait_http(f"http://127.0.0.1:{PORTS['haproxy-1']}/")
     wait_http(f"http://127.0.0.1:{PORTS['nginx']}/")
     time.sleep(2)  # squid and tinyproxy take a moment to listen
     procs.check_alive()
@@ -113,20 +141,36 @@ PidFile "{work}/tinyproxy.pid"
 
     targets = [
         ("direct", f"http://127.0.0.1:{UP}/", None, None),
-        ("sluice (forward)", f"http://127.0.0.1:{PORTS['sluice']}", forward, "sluice"),
+        ("sluice as shipped (forward)", f"http://127.0.0.1:{PORTS['sluice']}", forward, "sluice"),
+        ("sluice, access log off (forward)", f"http://127.0.0.1:{PORTS['sluice-off']}", forward, "sluice-off"),
     ] + ([
-        ("sluice baseline (forward)", f"http://127.0.0.1:{PORTS['baseline']}", forward, "baseline"),
+        ("sluice baseline as shipped (forward)", f"http://127.0.0.1:{PORTS['baseline']}", forward, "baseline"),
     ] if BASELINE else []) + [
+        (f"haproxy, {WORKERS} threads (reverse)", f"http://127.0.0.1:{PORTS['haproxy']}/", None, "haproxy"),
+        ("haproxy, 1 thread (reverse)", f"http://127.0.0.1:{PORTS['haproxy-1']}/", None, "haproxy-1"),
+        (f"nginx, {WORKERS} workers (reverse)", f"http://127.0.0.1:{PORTS['nginx']}/", None, "nginx"),
         ("squid (forward)", f"http://127.0.0.1:{PORTS['squid']}", forward, "squid"),
         ("tinyproxy (forward)", f"http://127.0.0.1:{PORTS['tinyproxy']}", forward, "tinyproxy"),
-        ("haproxy (reverse)", f"http://127.0.0.1:{PORTS['haproxy']}/", None, "haproxy"),
-        ("nginx (reverse)", f"http://127.0.0.1:{PORTS['nginx']}/", None, "nginx"),
     ]
     if ONLY:
         wanted = ONLY.split(",")
         targets = [t for t in targets if t[0] == "direct" or t[3] in wanted]
     for _, url, script, _ in targets:
         subprocess.run(["wrk", "-t1", "-c4", "-d1s"] + (["-s", script] if script else []) + [url], capture_output=True, check=True)
+    for threads in [1, 2]:
+        measure(targets, pids, threads, shipped)
+
+
+def settle(p):
+    """Waits until the reader of `p`'s stderr has caught up, so that the next target is
+    not measured while this one's log lines are still being read."""
+    last = -1
+    while p.log_lines[0] != last:
+        last = p.log_lines[0]
+        time.sleep(0.5)
+
+
+def measure(targets, pids, threads, shipped):
     results = {t[0]: [] for t in targets}
     cpu = {t[0]: [] for t in targets}
     # CPU microseconds per request, user and system, of the proxy's processes.
@@ -135,18 +179,20 @@ PidFile "{work}/tinyproxy.pid"
         for name, url, script, who in targets:
             watched = family_pids(pids[who]) if who else []
             u0, s0 = cpu_split(watched)
-            results[name].append(wrk(url, CONNS, SECONDS, script))
+            results[name].append(wrk(url, CONNS, SECONDS, script, threads))
             u1, s1 = cpu_split(watched)
             cpu[name].append((u1 + s1 - u0 - s0) / SECONDS * 100)
             n = results[name][-1][0] * SECONDS
             per_req[name].append(((u1 - u0) / n * 1e6, (s1 - s0) / n * 1e6))
-            print(f"round {r + 1} {name}: {results[name][-1][0]:.0f} req/s", file=sys.stderr)
+            settle(shipped)
+            print(f"wrk -t{threads} round {r + 1} {name}: {results[name][-1][0]:.0f} req/s", file=sys.stderr)
 
     def cell(values, fmt):
         return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}–{fmt.format(max(values))})"
 
     direct = statistics.median(v[0] for v in results["direct"])
-    print(f"\nwrk -t2 -c{CONNS} -d{SECONDS}s, {ROUNDS} rounds interleaved; median (min–max)\n")
+    print(f"\nwrk -t{threads} -c{CONNS} -d{SECONDS}s, {ROUNDS} rounds interleaved, "
+          f"sluice with {WORKERS} workers; median (min–max)\n")
     print("| target | req/s | % of direct | p50 ms | p99 ms | proxy CPU % | user µs/req | sys µs/req | proxy RSS MiB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, _, _, who in targets:
@@ -160,6 +206,8 @@ PidFile "{work}/tinyproxy.pid"
             f"| {'–' if not who else f'{statistics.median(u for u, _ in per_req[name]):.1f}'} "
             f"| {'–' if not who else f'{statistics.median(s for _, s in per_req[name]):.1f}'} | {rss} |"
         )
+    print(f"\n{shipped.log_lines[0]} log lines read from the as-shipped instance's stderr so far",
+          flush=True)
 
 
 try:

@@ -193,8 +193,8 @@ async fn a_lone_access_line_reaches_the_pipe_while_sluice_runs() {
     let r = client_via(port).get(up.url("/lone")).send().await.unwrap();
     assert_eq!(r.status(), 200);
     let found = tokio::task::spawn_blocking(move || {
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while let Some(left) = deadline.checked_duration_since(tokio::time::Instant::now()) {
             match rx.recv_timeout(left) {
                 Ok(line) if line.contains("sluice::access") && line.contains("path=/lone ") => {
                     return true;
