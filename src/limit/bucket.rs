@@ -407,6 +407,29 @@ impl<W> Bucket<W> {
         Some((slot, q.remove(i)?))
     }
 
+    /// A request of `family` arriving at `now` to a bucket where no one waits: admitted
+    /// at once when every limit it pays allows it (its sequence number returned), exactly
+    /// as queueing it and dispatching would, without the queue.
+    pub fn admit_now(&mut self, family: usize, now: Instant) -> Option<u64> {
+        if self.waiting != 0 || paused(self.paused_until, now) {
+            return None;
+        }
+        let f = &mut self.families[family];
+        if paused(f.paused_until, now) || !f.limits.iter_mut().all(|l| l.can_take(now)) {
+            return None;
+        }
+        let only = f.spec.concurrency_only;
+        if !paid(&mut self.upstream, only).all(|l| l.can_take(now)) {
+            return None;
+        }
+        for l in f.limits.iter_mut().chain(paid(&mut self.upstream, only)) {
+            l.take(now);
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        Some(seq)
+    }
+
     /// Admits every waiter that can go at `now`, in order, into `out`.
     pub fn dispatch(&mut self, now: Instant, out: &mut Vec<Admitted<W>>) {
         if paused(self.paused_until, now) {

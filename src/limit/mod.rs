@@ -305,29 +305,8 @@ impl Cell {
                 let m = st.metrics(a.family);
                 m.depth.dec();
                 m.wait.observe((a.at - a.since).as_secs_f64());
+                let grant = self.grant(st, a.family, a.seq, a.at, a.edge, epoch);
                 let family = st.bucket.family_ref(a.family);
-                let ticket = st.bucket.pays_rate(a.family).then(|| {
-                    Arc::new(Ticket {
-                        cell: self.clone(),
-                        family,
-                        id: a.seq,
-                        epoch,
-                        phase: AtomicU8::new(ADMITTED),
-                        admitted: a.at,
-                        sent_after: AtomicU64::new(0),
-                        edge: a.edge,
-                        global: None,
-                    })
-                });
-                let grant = Grant {
-                    permit: Some(Permit {
-                        cell: self.clone(),
-                        family,
-                        epoch,
-                        holds: st.bucket.holds_concurrency(a.family),
-                        ticket,
-                    }),
-                };
                 if let Err(mut g) = a.waiter.tx.send(grant) {
                     g.disarm();
                     st.bucket.undo(family, epoch);
@@ -337,6 +316,41 @@ impl Cell {
             if !undone {
                 return;
             }
+        }
+    }
+
+    /// The grant of a request of `slot` admitted as `seq` at `at`.
+    fn grant(
+        self: &Arc<Self>,
+        st: &CellState,
+        slot: usize,
+        seq: u64,
+        at: Instant,
+        edge: Option<LimitRef>,
+        epoch: u64,
+    ) -> Grant {
+        let family = st.bucket.family_ref(slot);
+        let ticket = st.bucket.pays_rate(slot).then(|| {
+            Arc::new(Ticket {
+                cell: self.clone(),
+                family,
+                id: seq,
+                epoch,
+                phase: AtomicU8::new(ADMITTED),
+                admitted: at,
+                sent_after: AtomicU64::new(0),
+                edge,
+                global: None,
+            })
+        });
+        Grant {
+            permit: Some(Permit {
+                cell: self.clone(),
+                family,
+                epoch,
+                holds: st.bucket.holds_concurrency(slot),
+                ticket,
+            }),
         }
     }
 
@@ -920,6 +934,15 @@ impl Limiter {
                     Reject::QueueTimeout { .. } => m.queue_timeout.inc(),
                 }
                 return Err(r.into());
+            }
+            // No one waits and every limit allows it: admitted without the queue, its
+            // channel or a dispatch round.
+            if let Some(seq) = st.bucket.admit_now(slot, now) {
+                let m = st.metrics(slot);
+                m.wait.observe(0.0);
+                let epoch = st.bucket.epoch();
+                let grant = cell.grant(&st, slot, seq, now, None, epoch);
+                return Ok(grant.into_permit());
             }
             let (tx, rx) = oneshot::channel();
             let seq = st.bucket.push(slot, Waiter { tx }, now);

@@ -701,3 +701,68 @@ proptest! {
         prop_assert!(b.is_idle(now + Duration::from_secs(60)), "permits still out: {:?}", b);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// The limiter's shortcut for a request that finds no one waiting (`admit_now`) admits
+    /// exactly what queueing it and dispatching would, at the same instants, and leaves
+    /// the same state behind.
+    #[test]
+    fn admitting_at_once_is_queueing_then_dispatching(ops in prop::collection::vec(op(), 1..300)) {
+        let s = spec(
+            vec![sliding(5, 1000), conc(4)],
+            vec![
+                fam("a", Priority::High, vec![token(3, 1000, 2)]),
+                fam("b", Priority::Low, vec![fixed(3, 700)]),
+            ],
+        );
+        let t0 = Instant::now();
+        let mut now = t0;
+        let (mut queued_b, mut direct_b): (Bucket<u32>, Bucket<u32>) =
+            (Bucket::new(&s, t0), Bucket::new(&s, t0));
+        let (mut queued_log, mut direct_log) = (Vec::new(), Vec::new());
+        let (mut queued_in, mut direct_in): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
+        let mut out = Vec::new();
+        for op in ops {
+            match op {
+                Op::Arrive(f) => {
+                    queued_b.push(f, 0, now);
+                    match direct_b.admit_now(f, now) {
+                        Some(seq) => {
+                            let r = direct_b.family_ref(f);
+                            direct_b.sent(r, seq, Some(direct_b.epoch()), now);
+                            direct_b.answered(r, seq, now, Duration::ZERO);
+                            direct_log.push((f, seq, now));
+                            direct_in.push(f);
+                        }
+                        None => {
+                            direct_b.push(f, 0, now);
+                        }
+                    }
+                }
+                Op::Complete(i) if !queued_in.is_empty() => {
+                    let f = queued_in.remove(i % queued_in.len());
+                    queued_b.release(queued_b.family_ref(f), 0);
+                    let f = direct_in.remove(i % direct_in.len());
+                    direct_b.release(direct_b.family_ref(f), 0);
+                }
+                Op::Advance(d) => now += ms(d),
+                _ => {}
+            }
+            for (b, log, inflight) in [
+                (&mut queued_b, &mut queued_log, &mut queued_in),
+                (&mut direct_b, &mut direct_log, &mut direct_in),
+            ] {
+                dispatch(b, now, &mut out);
+                for a in out.drain(..) {
+                    log.push((a.family, a.seq, a.at));
+                    inflight.push(a.family);
+                }
+            }
+            prop_assert_eq!(&queued_log, &direct_log);
+            prop_assert_eq!(&queued_in, &direct_in);
+            prop_assert_eq!(state(&queued_b), state(&direct_b));
+        }
+    }
+}
