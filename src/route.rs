@@ -3,7 +3,6 @@
 //! request is counted against. Pure lookups; nothing here does I/O (the key of displayed
 //! partition hashes is read from the environment once).
 
-use std::collections::HashMap;
 use std::fmt;
 
 use http::{HeaderMap, Method};
@@ -17,7 +16,9 @@ use crate::config::{Config, HostPattern, KeySource, Upstream};
 /// the precedence nginx uses for `server_name`, so it surprises nobody.
 #[derive(Debug, Default)]
 pub struct Router {
-    exact: HashMap<String, Vec<(Option<u16>, usize)>>,
+    /// Fx rather than SipHash: the names come from the config, and a client's host is only
+    /// looked up, never inserted, so it cannot crowd a bucket.
+    exact: rustc_hash::FxHashMap<String, Vec<(Option<u16>, usize)>>,
     /// (suffix with leading dot, port, upstream index), longest suffix first.
     wildcards: Vec<(String, Option<u16>, usize)>,
 }
