@@ -71,7 +71,7 @@ pub fn run<'a>(
                 upstreams,
                 None,
                 p.attempt_timeout,
-                head.request(body.for_attempt()),
+                head.into_request(body.for_attempt()),
                 None,
             );
             let result = if p.attempt_timeout <= p.total_timeout {
@@ -141,6 +141,16 @@ struct Head {
 }
 
 impl Head {
+    /// The one attempt of a request that is never retried: moved, not cloned.
+    fn into_request(self, body: Body) -> Request<Body> {
+        let mut r = Request::new(body);
+        *r.method_mut() = self.method;
+        *r.uri_mut() = self.uri;
+        *r.version_mut() = self.version;
+        *r.headers_mut() = self.headers;
+        r
+    }
+
     fn request(&self, body: Body) -> Request<Body> {
         let mut r = Request::new(body);
         *r.method_mut() = self.method.clone();
