@@ -20,6 +20,8 @@ from common import SLUICE, Procs, absolute_form_script, hello_nginx, passthrough
 
 SECONDS = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 8
 TOP = "--top" in sys.argv or "--self" in sys.argv
+HAPROXY = "--haproxy" in sys.argv
+HAPROXY_PORT = 13139
 SELF = "--self" in sys.argv
 NGINX_PORT, NGINX_PORT_MATCHED = 18090, 18091
 PROXY_PORT, ADMIN_PORT = 13138, 19911
@@ -28,9 +30,9 @@ work = tempfile.mkdtemp(prefix="sluice-cg-")
 procs = Procs()
 
 
-def wrk(script, seconds):
+def wrk(script, seconds, url=f"http://127.0.0.1:{PROXY_PORT}"):
     out = subprocess.run(
-        ["wrk", "-t1", "-c4", f"-d{seconds}s", "-s", script, f"http://127.0.0.1:{PROXY_PORT}"],
+        ["wrk", "-t1", "-c4", f"-d{seconds}s"] + (["-s", script] if script else []) + [url],
         capture_output=True, text=True, check=True,
     ).stdout
     if "Non-2xx" in out:
@@ -38,10 +40,10 @@ def wrk(script, seconds):
     return int(re.search(r"(\d+) requests in", out).group(1))
 
 
-def measure(name, script, pid):
-    wrk(script, 3)
+def measure(name, script, pid, url=f"http://127.0.0.1:{PROXY_PORT}"):
+    wrk(script, 3, url)
     subprocess.run(["callgrind_control", "-z", str(pid)], check=True, capture_output=True)
-    requests = wrk(script, SECONDS)
+    requests = wrk(script, SECONDS, url)
     for f in glob.glob(os.path.join(work, "cg.out.*")):
         os.remove(f)
     subprocess.run(["callgrind_control", "-d", str(pid)], check=True, capture_output=True)
@@ -91,6 +93,33 @@ def main():
     print("| --- | --- | --- |")
     for name, port in [("unmatched host", NGINX_PORT), ("matched upstream + generous limit", NGINX_PORT_MATCHED)]:
         measure(name, absolute_form_script(work, port), sluice.pid)
+    if HAPROXY:
+        # The same upstream behind haproxy (one thread, its defaults, no log), counted the
+        # same way: the instruction count a proxy of the same job needs.
+        conf = os.path.join(work, "haproxy.cfg")
+        with open(conf, "w") as f:
+            f.write(f"""global
+  nbthread 1
+defaults
+  mode http
+  timeout connect 5s
+  timeout client 30s
+  timeout server 30s
+frontend fe
+  bind 127.0.0.1:{HAPROXY_PORT}
+  default_backend be
+backend be
+  server s1 127.0.0.1:{NGINX_PORT}
+""")
+        peer = procs.start(["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/cg.out",
+                            "haproxy", "-db", "-f", conf])
+        for _ in range(600):
+            try:
+                wait_http(f"http://127.0.0.1:{HAPROXY_PORT}/")
+                break
+            except SystemExit:
+                time.sleep(0.1)
+        measure("haproxy, 1 thread (reverse)", None, peer.pid, f"http://127.0.0.1:{HAPROXY_PORT}/")
 
 
 try:

@@ -113,6 +113,28 @@ def cpu_split(pids):
     return user, system
 
 
+def context_switches(pids):
+    """(voluntary, involuntary) context switches so far of every thread of the given
+    processes: a thread that sleeps when it has nothing to do, or one preempted by
+    another runnable thread (on a saturated machine, its connections wait meanwhile)."""
+    vol = invol = 0
+    for pid in pids:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                for line in open(f"/proc/{pid}/task/{t}/status"):
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        vol += int(line.split()[1])
+                    elif line.startswith("nonvoluntary_ctxt_switches:"):
+                        invol += int(line.split()[1])
+            except OSError:
+                pass
+    return vol, invol
+
+
 def cpu_seconds(pids):
     """User + system CPU time so far of the given processes."""
     return sum(cpu_split(pids))

@@ -3,8 +3,9 @@ target sits in front of the same nginx `return 200`; wrk drives each with 32 con
 once with one thread and once with two; targets interleave over the rounds.
 
 - sluice as shipped: the bundled config/sluice.toml (ports changed, loopback allowed), the
-  default log level, one access line per request on stderr read through a pipe; and the
-  same instance's twin with RUST_LOG=warn (access log off).
+  default log level, one access line per request on stderr read through a pipe; its twin
+  with RUST_LOG=warn (access log off); and one as shipped with one worker
+  (SLUICE_WORKERS=1), for the one-thread comparison.
 - haproxy (reverse) with as many threads as sluice has workers, and with one thread; its
   defaults otherwise (`http-reuse safe`, no log).
 - nginx (reverse) with as many worker processes as sluice has workers, no access log.
@@ -26,6 +27,7 @@ import time
 from common import (
     Procs,
     absolute_form_script,
+    context_switches,
     cpu_split,
     rss_kib,
     shipped_config,
@@ -41,7 +43,7 @@ CONNS = 32
 WORKERS = len(os.sched_getaffinity(0))
 UP = 18200
 PORTS = {"sluice": 13160, "squid": 13161, "tinyproxy": 13162, "haproxy": 13163, "nginx": 13164,
-         "baseline": 13165, "sluice-off": 13166, "haproxy-1": 13167}
+         "baseline": 13165, "sluice-off": 13166, "haproxy-1": 13167, "sluice-1": 13168}
 # Another sluice binary to compare with, e.g. a build of the previous commit.
 BASELINE = os.environ.get("BASELINE")
 # Comma-separated names to measure (default all), e.g. ONLY=sluice,haproxy for an A/B.
@@ -116,9 +118,13 @@ PidFile "{work}/tinyproxy.pid"
 """)
     shipped = start_sluice(procs, shipped_config(work, "sluice.toml", PORTS["sluice"], ADMIN))
     off = start_sluice(procs, shipped_config(work, "sluice-off.toml", PORTS["sluice-off"], ADMIN + 2), log="off")
+    # One worker, for the one-thread comparison with haproxy.
+    one = start_sluice(procs, shipped_config(work, "sluice-1.toml", PORTS["sluice-1"], ADMIN + 3),
+                       extra_env={"SLUICE_WORKERS": "1"})
     pids = {
         "sluice": shipped.pid,
         "sluice-off": off.pid,
+        "sluice-1": one.pid,
         "squid": procs.start(["squid", "-N", "-f", squid]).pid,
         "tinyproxy": procs.start(["tinyproxy", "-d", "-c", tiny]).pid,
         "haproxy": procs.start(["haproxy", "-db", "-f", haproxy]).pid,
@@ -130,6 +136,7 @@ PidFile "{work}/tinyproxy.pid"
         pids["baseline"] = start_sluice(procs, base_conf, binary=BASELINE).pid
         wait_http(f"http://127.0.0.1:{ADMIN + 1}/readyz")
     wait_http(f"http://127.0.0.1:{ADMIN + 2}/readyz")
+    wait_http(f"http://127.0.0.1:{ADMIN + 3}/readyz")
     wait_http(f"http://127.0.0.1:{UP}/")
     wait_http(f"http://127.0.0.1:{ADMIN}/readyz")
     wait_http(f"http://127.0.0.1:{PORTS['haproxy']}/")
@@ -143,6 +150,7 @@ PidFile "{work}/tinyproxy.pid"
         ("direct", f"http://127.0.0.1:{UP}/", None, None),
         ("sluice as shipped (forward)", f"http://127.0.0.1:{PORTS['sluice']}", forward, "sluice"),
         ("sluice, access log off (forward)", f"http://127.0.0.1:{PORTS['sluice-off']}", forward, "sluice-off"),
+        ("sluice as shipped, 1 worker (forward)", f"http://127.0.0.1:{PORTS['sluice-1']}", forward, "sluice-1"),
     ] + ([
         ("sluice baseline as shipped (forward)", f"http://127.0.0.1:{PORTS['baseline']}", forward, "baseline"),
     ] if BASELINE else []) + [
@@ -158,33 +166,38 @@ PidFile "{work}/tinyproxy.pid"
     for _, url, script, _ in targets:
         subprocess.run(["wrk", "-t1", "-c4", "-d1s"] + (["-s", script] if script else []) + [url], capture_output=True, check=True)
     for threads in [1, 2]:
-        measure(targets, pids, threads, shipped)
+        measure(targets, pids, threads, shipped, [shipped, one])
 
 
-def settle(p):
-    """Waits until the reader of `p`'s stderr has caught up, so that the next target is
-    not measured while this one's log lines are still being read."""
-    last = -1
-    while p.log_lines[0] != last:
-        last = p.log_lines[0]
+def settle(logging):
+    """Waits until the readers of the logging instances' stderr have caught up, so that
+    the next target is not measured while this one's log lines are still being read."""
+    last = None
+    while last != [p.log_lines[0] for p in logging]:
+        last = [p.log_lines[0] for p in logging]
         time.sleep(0.5)
 
 
-def measure(targets, pids, threads, shipped):
+def measure(targets, pids, threads, shipped, logging):
     results = {t[0]: [] for t in targets}
     cpu = {t[0]: [] for t in targets}
     # CPU microseconds per request, user and system, of the proxy's processes.
     per_req = {t[0]: [] for t in targets}
+    # Context switches per 1000 requests, voluntary and involuntary.
+    switches = {t[0]: [] for t in targets}
     for r in range(ROUNDS):
         for name, url, script, who in targets:
             watched = family_pids(pids[who]) if who else []
             u0, s0 = cpu_split(watched)
+            v0, i0 = context_switches(watched)
             results[name].append(wrk(url, CONNS, SECONDS, script, threads))
             u1, s1 = cpu_split(watched)
+            v1, i1 = context_switches(watched)
             cpu[name].append((u1 + s1 - u0 - s0) / SECONDS * 100)
             n = results[name][-1][0] * SECONDS
             per_req[name].append(((u1 - u0) / n * 1e6, (s1 - s0) / n * 1e6))
-            settle(shipped)
+            switches[name].append(((v1 - v0) / n * 1000, (i1 - i0) / n * 1000))
+            settle(logging)
             print(f"wrk -t{threads} round {r + 1} {name}: {results[name][-1][0]:.0f} req/s", file=sys.stderr)
 
     def cell(values, fmt):
@@ -193,8 +206,9 @@ def measure(targets, pids, threads, shipped):
     direct = statistics.median(v[0] for v in results["direct"])
     print(f"\nwrk -t{threads} -c{CONNS} -d{SECONDS}s, {ROUNDS} rounds interleaved, "
           f"sluice with {WORKERS} workers; median (min–max)\n")
-    print("| target | req/s | % of direct | p50 ms | p99 ms | proxy CPU % | user µs/req | sys µs/req | proxy RSS MiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| target | req/s | % of direct | p50 ms | p99 ms | proxy CPU % | user µs/req | sys µs/req "
+          "| switches per 1k req (vol. / invol.) | proxy RSS MiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, _, _, who in targets:
         rows = results[name]
         rps = [v[0] for v in rows]
@@ -204,7 +218,9 @@ def measure(targets, pids, threads, shipped):
             f"| {cell([v[1] for v in rows], '{:.2f}')} | {cell([v[2] for v in rows], '{:.2f}')} "
             f"| {statistics.median(cpu[name]):.0f} "
             f"| {'–' if not who else f'{statistics.median(u for u, _ in per_req[name]):.1f}'} "
-            f"| {'–' if not who else f'{statistics.median(s for _, s in per_req[name]):.1f}'} | {rss} |"
+            f"| {'–' if not who else f'{statistics.median(s for _, s in per_req[name]):.1f}'} "
+            f"| {'–' if not who else f'{statistics.median(v for v, _ in switches[name]):.0f} / {statistics.median(i for _, i in switches[name]):.0f}'} "
+            f"| {rss} |"
         )
     print(f"\n{shipped.log_lines[0]} log lines read from the as-shipped instance's stderr so far",
           flush=True)
