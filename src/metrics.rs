@@ -95,13 +95,32 @@ pub fn warn_on_dropped_log_lines() {
 /// One upstream and family's per-request series, resolved when the config is loaded: a
 /// lookup by label values hashes every value and takes the vector's lock, three times per
 /// request otherwise.
+/// Every series is created on first use: one that never counted anything does not appear.
 pub struct RouteMetrics {
     /// `sluice_upstream_duration_seconds`.
-    pub upstream_duration: Histogram,
+    durations: HistogramVec,
+    upstream_duration: Lazy<Histogram>,
     /// `sluice_requests_total` by outcome.
     pub requests: ByOutcome,
     /// `sluice_upstream_responses_total` by status.
     pub upstream_responses: ByOutcome,
+}
+
+/// A handle created by its first use.
+struct Lazy<T> {
+    cell: OnceLock<T>,
+}
+
+impl<T> Lazy<T> {
+    fn new() -> Lazy<T> {
+        Lazy {
+            cell: OnceLock::new(),
+        }
+    }
+
+    fn get(&self, make: impl FnOnce() -> T) -> &T {
+        self.cell.get_or_init(make)
+    }
 }
 
 /// The statuses almost every request ends in, whose counters are kept once created.
@@ -114,7 +133,7 @@ pub struct ByOutcome {
     vec: IntCounterVec,
     upstream: String,
     family: String,
-    common: [OnceLock<IntCounter>; COMMON_OUTCOMES.len()],
+    common: [Lazy<IntCounter>; COMMON_OUTCOMES.len()],
 }
 
 impl ByOutcome {
@@ -123,7 +142,7 @@ impl ByOutcome {
             vec: vec.clone(),
             upstream: upstream.to_owned(),
             family: family.to_owned(),
-            common: Default::default(),
+            common: std::array::from_fn(|_| Lazy::new()),
         }
     }
 
@@ -131,7 +150,7 @@ impl ByOutcome {
         let labels = [self.upstream.as_str(), self.family.as_str(), outcome];
         match COMMON_OUTCOMES.iter().position(|c| *c == outcome) {
             Some(i) => self.common[i]
-                .get_or_init(|| self.vec.with_label_values(&labels))
+                .get(|| self.vec.with_label_values(&labels))
                 .inc(),
             None => self.vec.with_label_values(&labels).inc(),
         }
@@ -141,12 +160,22 @@ impl ByOutcome {
 impl RouteMetrics {
     pub fn new(metrics: &Metrics, upstream: &str, family: &str) -> RouteMetrics {
         RouteMetrics {
-            upstream_duration: metrics
-                .upstream_duration
-                .with_label_values(&[upstream, family]),
+            durations: metrics.upstream_duration.clone(),
+            upstream_duration: Lazy::new(),
             requests: ByOutcome::new(&metrics.requests, upstream, family),
             upstream_responses: ByOutcome::new(&metrics.upstream_responses, upstream, family),
         }
+    }
+
+    /// Records an attempt's time to response headers.
+    pub fn upstream_duration(&self, seconds: f64) {
+        let r = &self.requests;
+        self.upstream_duration
+            .get(|| {
+                self.durations
+                    .with_label_values(&[r.upstream.as_str(), r.family.as_str()])
+            })
+            .observe(seconds);
     }
 }
 
@@ -476,6 +505,13 @@ mod tests {
         .unwrap();
         let metrics = Metrics::new(Registry::new()).unwrap();
         let table = RouteTable::new(&config, &metrics);
+        // Building the handles creates no series: one appears once it counts something.
+        let empty = metrics.render();
+        assert!(!empty.contains("sluice_requests_total{"), "{empty}");
+        assert!(
+            !empty.contains("sluice_upstream_duration_seconds_bucket{"),
+            "{empty}"
+        );
         let route = |family| Route {
             upstream: 0,
             family,
@@ -490,6 +526,7 @@ mod tests {
         ] {
             table.get(r.as_ref()).requests.inc(outcome);
             table.get(r.as_ref()).upstream_responses.inc(outcome);
+            table.get(r.as_ref()).upstream_duration(0.01);
         }
         for (labels, n) in [
             (["unmatched", "-", "200"], 1),
@@ -503,7 +540,15 @@ mod tests {
                 n
             );
         }
+        assert_eq!(
+            metrics
+                .upstream_duration
+                .with_label_values(&["api", "-"])
+                .get_sample_count(),
+            2
+        );
         // Series appear only once they count something.
-        assert!(!metrics.render().contains(r#"outcome="201""#));
+        let text = metrics.render();
+        assert!(!text.contains(r#"outcome="201""#), "{text}");
     }
 }

@@ -424,7 +424,7 @@ fn attempt<'a>(
             p.answered(resp.status().as_u16());
         }
         let m = config.route_metrics.get(route);
-        m.upstream_duration.observe(start.elapsed().as_secs_f64());
+        m.upstream_duration(start.elapsed().as_secs_f64());
         m.upstream_responses.inc(resp.status().as_str());
         Ok(resp.map(|b| ResponseBody::wrap(b, permit, lease, timeout)))
     }
