@@ -16,7 +16,16 @@ import tempfile
 import threading
 import time
 
-from common import SLUICE, Procs, absolute_form_script, hello_nginx, passthrough_config, wait_http
+from common import (
+    SLUICE,
+    Procs,
+    absolute_form_script,
+    haproxy_config,
+    hello_nginx,
+    passthrough_config,
+    wait_http,
+    wait_slow,
+)
 
 SECONDS = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 8
 TOP = "--top" in sys.argv or "--self" in sys.argv
@@ -83,12 +92,7 @@ def main():
                      daemon=True).start()
     print(f"log: {'as shipped (access lines to a pipe)' if shipped else 'off (RUST_LOG=warn)'}")
     wait_http(f"http://127.0.0.1:{NGINX_PORT}/")
-    for _ in range(600):
-        try:
-            wait_http(f"http://127.0.0.1:{ADMIN_PORT}/readyz")
-            break
-        except SystemExit:
-            time.sleep(0.1)
+    wait_slow(f"http://127.0.0.1:{ADMIN_PORT}/readyz")
     print("| target | requests counted | instructions per request |")
     print("| --- | --- | --- |")
     for name, port in [("unmatched host", NGINX_PORT), ("matched upstream + generous limit", NGINX_PORT_MATCHED)]:
@@ -96,29 +100,10 @@ def main():
     if HAPROXY:
         # The same upstream behind haproxy (one thread, its defaults, no log), counted the
         # same way: the instruction count a proxy of the same job needs.
-        conf = os.path.join(work, "haproxy.cfg")
-        with open(conf, "w") as f:
-            f.write(f"""global
-  nbthread 1
-defaults
-  mode http
-  timeout connect 5s
-  timeout client 30s
-  timeout server 30s
-frontend fe
-  bind 127.0.0.1:{HAPROXY_PORT}
-  default_backend be
-backend be
-  server s1 127.0.0.1:{NGINX_PORT}
-""")
+        conf = haproxy_config(work, "haproxy.cfg", HAPROXY_PORT, NGINX_PORT, 1)
         peer = procs.start(["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/cg.out",
                             "haproxy", "-db", "-f", conf])
-        for _ in range(600):
-            try:
-                wait_http(f"http://127.0.0.1:{HAPROXY_PORT}/")
-                break
-            except SystemExit:
-                time.sleep(0.1)
+        wait_slow(f"http://127.0.0.1:{HAPROXY_PORT}/")
         measure("haproxy, 1 thread (reverse)", None, peer.pid, f"http://127.0.0.1:{HAPROXY_PORT}/")
 
 

@@ -206,6 +206,38 @@ limits = [{{ kind = "token_bucket", rate = 100000000, per = "1s", burst = 100000
     return path
 
 
+def haproxy_config(work, name, port, upstream_port, threads):
+    """A haproxy config with its defaults (no log, `http-reuse safe`): `threads` threads
+    listening on 127.0.0.1:`port` in front of 127.0.0.1:`upstream_port`. Returns its
+    path."""
+    path = os.path.join(work, name)
+    with open(path, "w") as f:
+        f.write(f"""global
+  nbthread {threads}
+defaults
+  mode http
+  timeout connect 5s
+  timeout client 30s
+  timeout server 30s
+frontend fe
+  bind 127.0.0.1:{port}
+  default_backend be
+backend be
+  server s1 127.0.0.1:{upstream_port}
+""")
+    return path
+
+
+def wait_slow(url):
+    """`wait_http` for a process that starts slowly (under valgrind): up to a minute."""
+    for _ in range(600):
+        try:
+            return wait_http(url)
+        except SystemExit:
+            time.sleep(0.1)
+    raise SystemExit(f"{url} never answered")
+
+
 def shipped_config(work, name, listen, admin):
     """The bundled config/sluice.toml as a user starts it, changed only where a benchmark
     must: its two ports, and loopback allowed as a destination (the upstreams here are on

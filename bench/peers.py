@@ -29,6 +29,7 @@ from common import (
     absolute_form_script,
     context_switches,
     cpu_split,
+    haproxy_config,
     rss_kib,
     shipped_config,
     start_sluice,
@@ -62,22 +63,6 @@ def write(name, text):
     return path
 
 
-def haproxy_config(name, port, threads):
-    return write(name, f"""global
-  nbthread {threads}
-defaults
-  mode http
-  timeout connect 5s
-  timeout client 30s
-  timeout server 30s
-frontend fe
-  bind 127.0.0.1:{port}
-  default_backend be
-backend be
-  server s1 127.0.0.1:{UP}
-""")
-
-
 def family_pids(root):
     """The process and its children (nginx and squid work in child processes)."""
     out = subprocess.run(["pgrep", "-P", str(root)], capture_output=True, text=True).stdout.split()
@@ -98,8 +83,8 @@ http {{ access_log off; keepalive_requests 1000000;
   server {{ listen 127.0.0.1:{PORTS["nginx"]};
     location / {{ proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection ""; }} }} }}
 """)
-    haproxy = haproxy_config("haproxy.cfg", PORTS["haproxy"], WORKERS)
-    haproxy_1 = haproxy_config("haproxy-1.cfg", PORTS["haproxy-1"], 1)
+    haproxy = haproxy_config(work, "haproxy.cfg", PORTS["haproxy"], UP, WORKERS)
+    haproxy_1 = haproxy_config(work, "haproxy-1.cfg", PORTS["haproxy-1"], UP, 1)
     squid = write("squid.conf", f"""http_port 127.0.0.1:{PORTS["squid"]}
 http_access allow all
 cache deny all

@@ -12,8 +12,8 @@
 //!
 //! The writer wakes on the first line after it went idle, lingers briefly so that lines
 //! arriving meanwhile share one `write(2)`, swaps the buffer for its spare and writes
-//! outside the lock. Dropping the [`Guard`] writes what is left; a line logged after that
-//! is written directly.
+//! outside the lock. Dropping the [`Guard`] writes what is left (waiting at most 2 s for a
+//! stderr that takes nothing); a line logged after that is written directly.
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
@@ -34,6 +34,8 @@ const KEEP_CAPACITY: usize = 256 << 10;
 struct Sink {
     state: Mutex<State>,
     wake: Condvar,
+    /// Signalled when the writer has stopped.
+    stopped: Condvar,
     max_lines: usize,
     max_bytes: usize,
 }
@@ -99,6 +101,7 @@ impl Sink {
             if st.buf.is_empty() {
                 // Stopped with nothing left: from now on a line is written directly.
                 st.closed = true;
+                self.stopped.notify_all();
                 return;
             }
             if !st.stop {
@@ -120,20 +123,27 @@ impl Sink {
     }
 }
 
-/// Stops the writer when dropped, after it wrote every line queued so far.
+/// How long the process waits at exit for the writer to write what is queued. A pipe that
+/// no one reads would otherwise keep the process from exiting at all.
+const EXIT_WAIT: Duration = Duration::from_secs(2);
+
+/// Stops the writer when dropped, after it wrote every line queued so far, or after
+/// [`EXIT_WAIT`] if stderr takes nothing.
 pub struct Guard {
-    writer: Option<std::thread::JoinHandle<()>>,
+    started: bool,
 }
 
 impl Drop for Guard {
     fn drop(&mut self) {
-        if let Some(sink) = SINK.get() {
-            lock(sink).stop = true;
-            sink.wake.notify_one();
-        }
-        if let Some(w) = self.writer.take() {
-            let _ = w.join();
-        }
+        let Some(sink) = SINK.get().filter(|_| self.started) else {
+            return;
+        };
+        let mut st = lock(sink);
+        st.stop = true;
+        sink.wake.notify_one();
+        let _ = sink
+            .stopped
+            .wait_timeout_while(st, EXIT_WAIT, |st| !st.closed);
     }
 }
 
@@ -144,22 +154,28 @@ pub fn install(queue: usize) -> std::io::Result<Guard> {
     let sink = Sink {
         state: Mutex::new(State::default()),
         wake: Condvar::new(),
+        stopped: Condvar::new(),
         max_lines: queue,
         max_bytes: queue.saturating_mul(BYTES_PER_LINE),
     };
     if SINK.set(sink).is_err() {
-        return Ok(Guard { writer: None });
+        return Ok(Guard { started: false });
     }
-    let writer = std::thread::Builder::new()
+    let spawned = std::thread::Builder::new()
         .name("sluice-log".into())
         .spawn(|| {
             if let Some(sink) = SINK.get() {
                 sink.run();
             }
-        })?;
-    Ok(Guard {
-        writer: Some(writer),
-    })
+        });
+    if let Err(e) = spawned {
+        // No writer: lines are written directly, as after the writer stops.
+        if let Some(sink) = SINK.get() {
+            lock(sink).closed = true;
+        }
+        return Err(e);
+    }
+    Ok(Guard { started: true })
 }
 
 /// tracing-subscriber's writer: its lines go through the same buffer as access lines, so
@@ -512,6 +528,7 @@ mod tests {
         let sink = Sink {
             state: Mutex::new(State::default()),
             wake: Condvar::new(),
+            stopped: Condvar::new(),
             max_lines: 2,
             max_bytes: 1 << 20,
         };

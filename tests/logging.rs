@@ -19,6 +19,16 @@ fn config_for(dir: &std::path::Path, up: &Upstream) -> (std::path::PathBuf, u16,
     )
 }
 
+/// The binary on `path` with its stderr piped to the test (a `Sluice` reads the whole
+/// pipe itself; these tests hold it or read it as it comes).
+fn spawn_piped(
+    path: &std::path::Path,
+    env: &[(&str, &str)],
+) -> (std::process::Child, std::process::ChildStderr, KillOnDrop) {
+    let binary = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+    piped(binary, &["run", "-c", path.to_str().unwrap()], env)
+}
+
 /// Every request of a run that ends in SIGTERM has its access line, with stderr read
 /// through a pipe as a container runtime reads it.
 #[tokio::test]
@@ -57,17 +67,8 @@ async fn a_stalled_log_pipe_never_blocks_a_request() {
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
     let (path, port, admin) = config_for(dir.path(), &up);
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["run", "-c", path.to_str().unwrap()])
-        .env("RUST_LOG", "info")
-        .env("SLUICE_LOG_QUEUE", "1000")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let _reaper = KillOnDrop(child.id());
-    // Held, never read: the pipe (64 KiB) fills after a few hundred lines.
-    let mut stderr = child.stderr.take().unwrap();
+    // stderr held, never read: the pipe (64 KiB) fills after a few hundred lines.
+    let (mut child, mut stderr, _reaper) = spawn_piped(&path, &[("SLUICE_LOG_QUEUE", "1000")]);
     let url = format!("http://127.0.0.1:{admin}/readyz");
     assert!(
         eventually(Duration::from_secs(10), || async {
@@ -103,8 +104,30 @@ async fn a_stalled_log_pipe_never_blocks_a_request() {
     let mut buf = vec![0u8; 1 << 16];
     let n = stderr.read(&mut buf).unwrap();
     assert!(n > 0);
-    child.kill().unwrap();
-    child.wait().unwrap();
+    // With the pipe full again and still not read, SIGTERM still ends the process: the
+    // exit waits a bounded time for the writer, not for a reader that never comes.
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exited = tokio::task::spawn_blocking(move || {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while tokio::time::Instant::now() < deadline {
+            if let Some(status) = child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    })
+    .await
+    .unwrap();
+    drop(stderr);
+    assert!(
+        exited.is_some_and(|s| s.success()),
+        "sluice exits on SIGTERM with an unread stderr: {exited:?}"
+    );
 }
 
 /// `access_log` per upstream: 0 turns its lines off, a fraction samples them; requests
@@ -163,16 +186,8 @@ async fn a_lone_access_line_reaches_the_pipe_while_sluice_runs() {
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
     let (path, port, admin) = config_for(dir.path(), &up);
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["run", "-c", path.to_str().unwrap()])
-        .env("RUST_LOG", "info")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let _reaper = KillOnDrop(child.id());
+    let (mut child, stderr, _reaper) = spawn_piped(&path, &[]);
     let (tx, rx) = std::sync::mpsc::channel();
-    let stderr = child.stderr.take().unwrap();
     std::thread::spawn(move || {
         for line in std::io::BufReader::new(stderr)
             .lines()

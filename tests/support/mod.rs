@@ -463,6 +463,26 @@ impl ConfigMapDir {
     }
 }
 
+/// `command` run with `args` and `env` (and `RUST_LOG=info`), its stderr a pipe handed to
+/// the caller, killed when the returned guard drops.
+pub fn piped(
+    mut command: std::process::Command,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (std::process::Child, std::process::ChildStderr, KillOnDrop) {
+    let mut child = command
+        .args(args)
+        .env("RUST_LOG", "info")
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let reaper = KillOnDrop(child.id());
+    let stderr = child.stderr.take().unwrap();
+    (child, stderr, reaper)
+}
+
 /// The real `sluice` binary, run with `args`; its stderr is collected line by line.
 pub struct Sluice {
     child: std::process::Child,
@@ -498,17 +518,9 @@ impl Sluice {
         Sluice::spawn_command(command, args)
     }
 
-    fn spawn_command(mut command: std::process::Command, args: &[&str]) -> Sluice {
+    fn spawn_command(command: std::process::Command, args: &[&str]) -> Sluice {
         use std::io::BufRead;
-        let mut child = command
-            .args(args)
-            .env("RUST_LOG", "info")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let reaper = KillOnDrop(child.id());
-        let stderr = child.stderr.take().unwrap();
+        let (child, stderr, reaper) = piped(command, args, &[]);
         let log = std::thread::spawn(move || {
             std::io::BufReader::new(stderr)
                 .lines()
