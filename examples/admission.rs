@@ -70,10 +70,10 @@ async fn main() {
         let mut fwd = Vec::new();
         for _ in 0..20 {
             tokio::time::sleep(Duration::from_secs_f64(1.5 / f64::from(rate))).await;
-            let before = arrivals.lock().expect("lock").len();
+            let before = arrivals.lock().len();
             let t = Instant::now();
             client.get(&url).send().await.expect("request");
-            let arrived = arrivals.lock().expect("lock")[before].0;
+            let arrived = arrivals.lock()[before].0;
             fwd.push((arrived - t).as_secs_f64() * 1000.0);
         }
         fwd.sort_by(f64::total_cmp);
@@ -82,7 +82,7 @@ async fn main() {
             f64::from(BURST as u32 + 1) / f64::from(rate),
         ))
         .await;
-        arrivals.lock().expect("lock").clear();
+        arrivals.lock().clear();
 
         let total = rate as usize * secs as usize + BURST;
         let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -103,7 +103,7 @@ async fn main() {
         }
         drop(child);
 
-        let mut seen: Vec<Instant> = arrivals.lock().expect("lock").iter().map(|a| a.0).collect();
+        let mut seen: Vec<Instant> = arrivals.lock().iter().map(|a| a.0).collect();
         seen.sort();
         let period = Duration::from_secs(1) / rate;
         // Request k >= BURST is due at T0 + (k - BURST + 1)·T.

@@ -17,10 +17,16 @@
 //! Needs `redis-server` and `redis-cli` on the PATH (bench/cluster.sh installs them).
 //! Usage: cluster [seconds of saturation per kind] [saturation|latency|failover]
 
-#[allow(dead_code)]
+#[allow(
+    dead_code,
+    reason = "shared with other drivers; this one uses part of it"
+)]
 #[path = "support/bench.rs"]
 mod bench;
-#[allow(dead_code)]
+#[allow(
+    dead_code,
+    reason = "shared with other drivers; this one uses part of it"
+)]
 #[path = "../tests/support/provider.rs"]
 mod provider;
 #[path = "support/upstream.rs"]
@@ -255,7 +261,7 @@ async fn saturation(sluice: &str, dir: &std::path::Path, seconds: u64) {
         // 3 × 16 clients: each replica alone offers about three times the whole limit.
         load(&reps, up, 16, start + Duration::from_secs(seconds)).await;
         let calls = redis.calls();
-        let mut arrivals = log.lock().expect("log").clone();
+        let mut arrivals = log.lock().clone();
         arrivals.sort();
         let over = arrivals
             .iter()

@@ -17,15 +17,24 @@
 //! arrival to the last.
 
 // Shared with the tests; this driver uses part of them.
-#[allow(dead_code)]
+#[allow(
+    dead_code,
+    reason = "shared with other drivers; this one uses part of it"
+)]
 #[path = "../tests/support/certs.rs"]
 mod certs;
-#[allow(dead_code)]
+#[allow(
+    dead_code,
+    reason = "shared with other drivers; this one uses part of it"
+)]
 #[path = "../tests/support/provider.rs"]
 mod provider;
 
 // Shared with the other drivers; this one uses part of it.
-#[allow(dead_code)]
+#[allow(
+    dead_code,
+    reason = "shared with other drivers; this one uses part of it"
+)]
 #[path = "support/bench.rs"]
 mod bench;
 
@@ -150,7 +159,7 @@ async fn run(sluice: &str, case: &Case, windows: u32, clients: usize, margin: &s
     drop(child);
     let (log_lines, edge_hints) = reader.join().expect("stderr reader");
 
-    let log = provider.log.lock().expect("log").clone();
+    let log = provider.log.lock().clone();
     let accepted: Vec<Instant> = log.iter().filter(|e| e.1).map(|e| e.0).collect();
     let span = match (accepted.first(), accepted.last()) {
         (Some(a), Some(b)) => *b - *a + WINDOW,

@@ -3,10 +3,11 @@
 //! [`Live`] beside the old one and swaps it in only when every part of it succeeded.
 //! Tests build their own app with [`App::builder`].
 
+use parking_lot::Mutex;
 use std::ops::Deref;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 
 use prometheus::Registry;
 use tokio::sync::watch;
@@ -277,11 +278,6 @@ impl App {
         self.live.borrow().clone()
     }
 
-    /// Subscribe to config changes (reloads).
-    pub fn watch_config(&self) -> watch::Receiver<Arc<Live>> {
-        self.live.subscribe()
-    }
-
     /// The client for an upstream of `live`: its own when it trusts an extra CA.
     pub(crate) fn client_for<'a>(
         &'a self,
@@ -341,7 +337,7 @@ impl App {
     /// Validates and builds everything `config` needs, then swaps it in. Settings that
     /// cannot change live keep their running values.
     pub fn apply(&self, mut config: Config) -> Result<ReloadSummary, ReloadError> {
-        let _one = self.reloading.lock().unwrap_or_else(|e| e.into_inner());
+        let _one = self.reloading.lock();
         let old = self.config();
         let summary = diff(&old, &config);
         if !summary.changed {

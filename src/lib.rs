@@ -24,9 +24,13 @@
 //!   driver); [`policy`]: backoff, wait hints, retry budget, classification, breaker.
 //! - [`config`]: the TOML file, validated into an immutable [`config::Config`].
 //! - [`explain`]: `sluice explain`, through the same routing code.
+//! - [`log`]: the access line and the buffer every stderr line goes through; process-wide,
+//!   as stderr is.
 //! - [`admin`] and [`metrics`]: the operator's side; [`reload`]: the file watcher and
 //!   SIGHUP, which with `POST /reload` end in [`app::App::reload`].
 //! - [`app::App`]: wires the parts together; no globals, tests build their own.
+
+#![deny(unsafe_code)]
 
 pub mod admin;
 pub mod app;

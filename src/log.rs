@@ -15,9 +15,10 @@
 //! outside the lock. Dropping the [`Guard`] writes what is left (waiting at most 2 s for a
 //! stderr that takes nothing); a line logged after that is written directly.
 
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::io::Write;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, SystemTime};
 
 /// How long the writer waits after waking for more lines to join the same write. Bounds
@@ -61,8 +62,8 @@ pub fn dropped_lines() -> u64 {
 }
 
 fn lock(sink: &Sink) -> MutexGuard<'_, State> {
-    // A panic while holding this lock leaves a buffer of whole lines: nothing to repair.
-    sink.state.lock().unwrap_or_else(|e| e.into_inner())
+    // Not poisoned by a panic (parking_lot): the buffer holds whole lines at every step.
+    sink.state.lock()
 }
 
 impl Sink {
@@ -95,7 +96,7 @@ impl Sink {
         loop {
             while st.buf.is_empty() && !st.stop {
                 st.idle = true;
-                st = self.wake.wait(st).unwrap_or_else(|e| e.into_inner());
+                self.wake.wait(&mut st);
             }
             st.idle = false;
             if st.buf.is_empty() {
@@ -141,9 +142,8 @@ impl Drop for Guard {
         let mut st = lock(sink);
         st.stop = true;
         sink.wake.notify_one();
-        let _ = sink
-            .stopped
-            .wait_timeout_while(st, EXIT_WAIT, |st| !st.closed);
+        sink.stopped
+            .wait_while_for(&mut st, |st| !st.closed, EXIT_WAIT);
     }
 }
 

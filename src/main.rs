@@ -1,5 +1,7 @@
 //! The `sluice` binary: command line, logging, and the process around the library.
 
+#![deny(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;

@@ -85,7 +85,7 @@ type Events = mpsc::UnboundedReceiver<()>;
 
 /// The file names whose events count: the config file's, `..data`, and the symlink
 /// target's when it lives elsewhere.
-type Names = Arc<std::sync::RwLock<Vec<std::ffi::OsString>>>;
+type Names = Arc<parking_lot::RwLock<Vec<std::ffi::OsString>>>;
 
 fn names_of(path: &Path) -> Vec<std::ffi::OsString> {
     let mut names = vec![std::ffi::OsString::from("..data")];
@@ -121,7 +121,7 @@ fn follow(
     names: &Names,
     path: &Path,
 ) {
-    *names.write().unwrap_or_else(|e| e.into_inner()) = names_of(path);
+    *names.write() = names_of(path);
     let now = target_dir(path);
     if now == *followed {
         return;
@@ -142,7 +142,7 @@ fn follow(
 fn watch(path: &Path) -> notify::Result<(notify::RecommendedWatcher, Events, Names)> {
     let dir = dir_of(path);
     let (tx, rx) = mpsc::unbounded_channel();
-    let names: Names = Arc::new(std::sync::RwLock::new(names_of(path)));
+    let names: Names = Arc::new(parking_lot::RwLock::new(names_of(path)));
     let ours = names.clone();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
         let Ok(event) = event else { return };
@@ -150,7 +150,7 @@ fn watch(path: &Path) -> notify::Result<(notify::RecommendedWatcher, Events, Nam
         if event.kind.is_access() {
             return;
         }
-        let names = ours.read().unwrap_or_else(|e| e.into_inner());
+        let names = ours.read();
         let relevant = event.need_rescan()
             || event
                 .paths

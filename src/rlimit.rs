@@ -13,6 +13,10 @@ pub const DEFAULT_MAX_CONNECTIONS: u64 = 10_000;
 
 /// Raises the soft open-file limit to the hard one; returns (before, after).
 #[cfg(unix)]
+#[allow(
+    unsafe_code,
+    reason = "getrlimit and setrlimit have no safe wrapper in std"
+)]
 pub fn raise_nofile() -> std::io::Result<(u64, u64)> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
@@ -42,6 +46,7 @@ pub fn raise_nofile() -> std::io::Result<(u64, u64)> {
 
 /// The soft open-file limit now, if the platform has one.
 #[cfg(unix)]
+#[allow(unsafe_code, reason = "getrlimit has no safe wrapper in std")]
 pub fn nofile() -> Option<u64> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,

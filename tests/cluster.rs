@@ -183,8 +183,8 @@ fn req() -> impl Strategy<Value = Req> {
         })
 }
 
-fn redis() -> &'static (Redis, std::sync::Mutex<redis::Connection>) {
-    static R: std::sync::OnceLock<(Redis, std::sync::Mutex<redis::Connection>)> =
+fn redis() -> &'static (Redis, parking_lot::Mutex<redis::Connection>) {
+    static R: std::sync::OnceLock<(Redis, parking_lot::Mutex<redis::Connection>)> =
         std::sync::OnceLock::new();
     R.get_or_init(|| {
         let r = Redis::start();
@@ -192,7 +192,7 @@ fn redis() -> &'static (Redis, std::sync::Mutex<redis::Connection>) {
             .unwrap()
             .get_connection()
             .unwrap();
-        (r, std::sync::Mutex::new(con))
+        (r, parking_lot::Mutex::new(con))
     })
 }
 
@@ -210,7 +210,7 @@ proptest! {
     ) {
         let script = redis::Script::new(sluice::cluster::SCRIPT);
         let (_, con) = redis();
-        let mut con = con.lock().unwrap();
+        let mut con = con.lock();
         let keys = Keys { script: &script, tag: format!("{{m{}}}", rand_id()), shape: &shape };
         let t0 = Instant::now();
         let base = 1_000_000_000u64;
@@ -251,7 +251,7 @@ proptest! {
     ) {
         let script = redis::Script::new(sluice::cluster::SCRIPT);
         let (_, con) = redis();
-        let mut con = con.lock().unwrap();
+        let mut con = con.lock();
         let keys = Keys { script: &script, tag: format!("{{p{}}}", rand_id()), shape: &shape };
         let base = 1_000_000_000u64;
         let mut now = base;

@@ -83,7 +83,7 @@ async fn intercepted_https_is_limited_like_plain_http_over_h1_and_h2() {
         "9 at 3/s take 2 s: {:?}",
         t0.elapsed()
     );
-    let arrivals: Vec<Instant> = up.seen.lock().unwrap().iter().map(|s| s.0).collect();
+    let arrivals: Vec<Instant> = up.seen.lock().iter().map(|s| s.0).collect();
     assert_eq!(arrivals.len(), 9);
     let most = arrivals
         .iter()
@@ -138,7 +138,7 @@ async fn an_untrusted_upstream_certificate_is_a_502() {
     assert!(ok, "{err}");
     assert!(out.ends_with(" 502"), "{out}");
     assert!(out.contains("sluice_upstream_unreachable"), "{out}");
-    assert!(up.seen.lock().unwrap().is_empty());
+    assert!(up.seen.lock().is_empty());
 }
 
 #[tokio::test]
@@ -158,7 +158,7 @@ async fn tls_origination_for_plain_http_requests() {
         .unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.text().await.unwrap(), "secure hello");
-    assert_eq!(up.seen.lock().unwrap().len(), 1);
+    assert_eq!(up.seen.lock().len(), 1);
 }
 
 #[tokio::test]
@@ -221,7 +221,7 @@ async fn reqwest_with_the_ca_added_over_http1_and_http2() {
         );
         assert_eq!(resp.text().await.unwrap(), "secure hello");
     }
-    assert_eq!(up.seen.lock().unwrap().len(), 2);
+    assert_eq!(up.seen.lock().len(), 2);
 }
 
 /// `generate_ca`: sluice makes its CA at start, keeps the key to itself, and writes the

@@ -163,7 +163,7 @@ limits = [{ kind = "token_bucket", rate = 40, per = "1s", burst = 1 }]
     s.write_all(req.as_bytes()).await.unwrap();
     let arrived = || {
         let seen = up.seen.clone();
-        async move { seen.lock().unwrap().len() == 41 }
+        async move { seen.lock().len() == 41 }
     };
     assert!(eventually(Duration::from_secs(5), arrived).await);
     proxy.shutdown();

@@ -1,9 +1,10 @@
 //! An upstream on loopback for the benchmark drivers: answers `ok` to everything and
 //! logs every arrival, with the number in its `x-replica` header (0 without one).
 
+use parking_lot::Mutex;
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -33,9 +34,7 @@ pub async fn start() -> (SocketAddr, Log) {
                         .and_then(|v| v.to_str().ok())
                         .and_then(|v| v.parse().ok())
                         .unwrap_or(0);
-                    log.lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push((Instant::now(), replica));
+                    log.lock().push((Instant::now(), replica));
                     async {
                         Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from_static(
                             b"ok\n",

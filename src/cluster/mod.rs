@@ -26,8 +26,9 @@
 mod breaker;
 pub mod partition;
 
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
@@ -340,8 +341,8 @@ impl Cluster {
         )
     }
 
-    fn breaker(&self) -> std::sync::MutexGuard<'_, Breaker> {
-        self.breaker.lock().unwrap_or_else(|e| e.into_inner())
+    fn breaker(&self) -> parking_lot::MutexGuard<'_, Breaker> {
+        self.breaker.lock()
     }
 
     /// How global limits are decided now: through Redis while the breaker lets calls

@@ -4,8 +4,9 @@
 //! replica's own admissions still inside their windows (written back when Redis returns
 //! or lost its data), and the local fallback while Redis is away.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -110,11 +111,11 @@ impl Shared {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock()
     }
 
     fn gate(&self, family: &str) -> Arc<tokio::sync::Mutex<Gate>> {
-        let mut gates = self.gates.lock().unwrap_or_else(|e| e.into_inner());
+        let mut gates = self.gates.lock();
         match gates.get(family) {
             Some(g) => g.clone(),
             None => {
@@ -495,7 +496,10 @@ impl Shared {
     }
 
     /// Keys and the arguments before the corrections (see `reserve.lua`).
-    #[allow(clippy::too_many_arguments)]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the script's keys and arguments, each named at the call"
+    )]
     fn head(
         &self,
         inv: &mut redis::ScriptInvocation<'_>,

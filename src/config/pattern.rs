@@ -232,10 +232,6 @@ impl PathGlob {
         let path = path.strip_prefix('/').unwrap_or(path);
         match_segments(&self.segments, path.split('/'))
     }
-
-    pub fn as_str(&self) -> &str {
-        &self.source
-    }
 }
 
 /// Every segment other than `**` matches exactly one path segment, so when the pattern

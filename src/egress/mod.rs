@@ -11,12 +11,13 @@
 
 pub mod ip;
 
+use parking_lot::RwLock;
 use std::fmt;
 use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -194,7 +195,7 @@ impl Resolver {
 
     /// The rules connections use from now on.
     pub fn set_rules(&self, rules: Arc<Rules>) {
-        *self.rules.write().unwrap_or_else(|e| e.into_inner()) = rules;
+        *self.rules.write() = rules;
     }
 
     /// The listeners sluice serves on, never a destination.
@@ -203,7 +204,7 @@ impl Resolver {
     }
 
     fn rules(&self) -> Arc<Rules> {
-        self.rules.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.rules.read().clone()
     }
 
     /// Whether `rules` let a connection to `ip:port` through, for a request to `host`

@@ -23,9 +23,10 @@
 pub mod bucket;
 pub mod kinds;
 
+use parking_lot::{Mutex, MutexGuard, RwLock};
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use prometheus::{Histogram, IntCounter, IntGauge};
@@ -160,10 +161,6 @@ impl Plan {
         &self.global[index]
     }
 
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
     /// The queue index of a route's family: its own, or the one for requests of none.
     fn family_index(&self, family: Option<usize>) -> usize {
         family.unwrap_or(self.spec.families.len() - 2)
@@ -282,9 +279,9 @@ impl Cell {
     }
 
     fn lock(&self) -> MutexGuard<'_, CellState> {
-        // Nothing panics while holding this lock; if something did, the state is still
-        // consistent at every await-free step, so keep serving rather than poison.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        // parking_lot's locks do not poison: nothing panics while holding this one, and if
+        // something did, the state is consistent at every await-free step.
+        self.state.lock()
     }
 
     /// Admits whoever can go now and hands them their grants. A grant whose waiter is
@@ -396,7 +393,7 @@ impl Cell {
         let limit_text = spec.to_string();
         let m = st.metrics(slot);
         m.edge_429.inc();
-        let mut last = m.last_hint.lock().unwrap_or_else(|e| e.into_inner());
+        let mut last = m.last_hint.lock();
         if last.is_some_and(|t| now.saturating_duration_since(t) < HINT_EVERY) {
             return;
         }
@@ -749,22 +746,16 @@ impl Limiter {
 
     /// The cluster shared limits go through from now on (`None`: no `[cluster]`).
     pub fn set_cluster(&self, cluster: Option<Arc<Cluster>>) {
-        *self.cluster.write().unwrap_or_else(|e| e.into_inner()) = cluster;
+        *self.cluster.write() = cluster;
     }
 
     fn cluster(&self) -> Option<Arc<Cluster>> {
-        self.cluster
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.cluster.read().clone()
     }
 
     /// The plans new partitions are built from.
     pub fn plans(&self) -> Plans {
-        self.current
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.current.read().clone()
     }
 
     /// A reload: every live partition of an upstream that `plans` has moves to its new
@@ -775,8 +766,8 @@ impl Limiter {
         // now is in `cells`. The registry is not held while they are moved one by one, so
         // requests keep flowing; one that reaches a partition first moves it itself.
         let cells: Vec<Arc<Cell>> = {
-            let registry = self.cells.write().unwrap_or_else(|e| e.into_inner());
-            *self.current.write().unwrap_or_else(|e| e.into_inner()) = plans.clone();
+            let registry = self.cells.write();
+            *self.current.write() = plans.clone();
             registry.values().cloned().collect()
         };
         for cell in cells {
@@ -803,21 +794,16 @@ impl Limiter {
 
     fn cell(&self, plan: &Arc<Plan>, route: &Route) -> Arc<Cell> {
         let key = (plan.name.clone(), route.partition);
-        if let Some(c) = self
-            .cells
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&key)
-        {
+        if let Some(c) = self.cells.read().get(&key) {
             return c.clone();
         }
-        let mut cells = self.cells.write().unwrap_or_else(|e| e.into_inner());
+        let mut cells = self.cells.write();
         cells
             .entry(key)
             .or_insert_with(|| {
                 // Built from the live plan, even for a request routed just before a reload,
                 // so no partition is born with limits that are already gone.
-                let current = self.current.read().unwrap_or_else(|e| e.into_inner());
+                let current = self.current.read();
                 let plan = current
                     .iter()
                     .find(|p| p.name == plan.name)
@@ -1028,7 +1014,7 @@ impl Limiter {
     /// many remain. Memory is thus bounded by the partitions active recently.
     pub fn sweep(&self) -> usize {
         let now = Instant::now();
-        let mut cells = self.cells.write().unwrap_or_else(|e| e.into_inner());
+        let mut cells = self.cells.write();
         // Only the map holds an idle cell (no waiter, driver, permit or grant has a
         // clone), and the write lock keeps anyone from taking a new one meanwhile.
         cells.retain(|_, c| Arc::strong_count(c) > 1 || !c.lock().bucket.is_idle(now));
@@ -1039,16 +1025,11 @@ impl Limiter {
 
     /// The live cells, cloned out so no lock on the registry is held while each is locked.
     fn all_cells(&self) -> Vec<Arc<Cell>> {
-        self.cells
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect()
+        self.cells.read().values().cloned().collect()
     }
 
     pub fn partitions(&self) -> usize {
-        self.cells.read().unwrap_or_else(|e| e.into_inner()).len()
+        self.cells.read().len()
     }
 
     /// Every live bucket for `/buckets`: one entry for each partition's upstream limits and

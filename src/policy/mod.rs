@@ -9,7 +9,8 @@ pub mod classify;
 pub mod hints;
 mod window;
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use parking_lot::{Mutex, MutexGuard};
+use std::sync::Arc;
 
 use http::Method;
 use prometheus::IntGaugeVec;
@@ -50,7 +51,7 @@ pub fn wants_retry(
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    m.lock()
 }
 
 /// A circuit with the gauge that shows its state.

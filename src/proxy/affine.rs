@@ -15,12 +15,13 @@
 //! TLS upstreams keep the shared pooled client ([`super::client`]): a handshake and an
 //! HTTP/2 connection are worth sharing between clients.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::IpAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
@@ -52,7 +53,7 @@ type Driver = Pin<Box<dyn Future<Output = ()> + Send>>;
 type Sender = http1::SendRequest<Outbound>;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    m.lock()
 }
 
 /// One upstream connection: the handle requests are sent on, and the future that does the

@@ -161,7 +161,10 @@ impl Head {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the loop's inputs; issue 18 splits the decision from the loop"
+)]
 async fn retry_loop(
     app: &App,
     config: &Live,
@@ -350,18 +353,9 @@ fn finish(
 
 /// A random UUIDv4 for `idempotency_generate`.
 fn idempotency_key() -> HeaderValue {
-    let b =
-        (rand::random::<u128>() & !(0xf000 << 64) | (0x4000 << 64)) & !(0xc << 60) | (0x8 << 60);
-    let h = format!("{b:032x}");
-    let key = format!(
-        "{}-{}-{}-{}-{}",
-        &h[..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..]
-    );
-    HeaderValue::from_str(&key).unwrap_or(HeaderValue::from_static("sluice-generated"))
+    let mut text = [0u8; uuid::fmt::Hyphenated::LENGTH];
+    let key = uuid::Uuid::new_v4().hyphenated().encode_lower(&mut text);
+    HeaderValue::from_str(key).unwrap_or(HeaderValue::from_static("sluice-generated"))
 }
 
 /// A half-open probe that ends without an outcome (client gone, queue timeout) frees the

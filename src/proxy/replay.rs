@@ -9,8 +9,9 @@
 //! (malformed chunk, disconnect) or is too slow to send is the client's fault, never the
 //! upstream's, whatever error the upstream connection then reports.
 
+use parking_lot::{Mutex, MutexGuard};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -107,7 +108,7 @@ impl Drop for State {
 }
 
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    m.lock()
 }
 
 impl Replay {

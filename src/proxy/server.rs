@@ -318,6 +318,10 @@ async fn sweep_idle_partitions(app: Arc<App>, stop: CancellationToken) {
 /// After many partitions are dropped, hands the freed heap back to the OS. glibc keeps
 /// freed memory in its per-thread arenas otherwise, so a burst of 100k keys would leave
 /// the resident size at its peak for good.
+#[allow(
+    unsafe_code,
+    reason = "malloc_trim is a libc call with no safe wrapper"
+)]
 fn return_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only releases free pages of the allocator's own arenas; it

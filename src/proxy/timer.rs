@@ -10,9 +10,10 @@
 //! wheel is touched about once per timeout period: when the timer fires early for a
 //! deadline that has since moved, it is set again.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -36,7 +37,7 @@ struct Shared {
 }
 
 fn lock(m: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    m.lock()
 }
 
 impl ConnTimer {
@@ -64,7 +65,10 @@ impl ConnTimer {
 
 // hyper's `Timer` speaks `std::time::Instant`; everything here converts to tokio's at once
 // so that paused time in tests applies.
-#[allow(clippy::disallowed_types)]
+#[allow(
+    clippy::disallowed_types,
+    reason = "hyper's Timer speaks std::time::Instant (see above)"
+)]
 impl hyper::rt::Timer for ConnTimer {
     fn sleep(&self, duration: Duration) -> Pin<Box<dyn hyper::rt::Sleep>> {
         Box::pin(self.at(Instant::now() + duration))

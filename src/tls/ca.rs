@@ -2,9 +2,10 @@
 //! certificate per host name on demand, cached so that a second connection to the same
 //! name does no signing.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use rcgen::{
@@ -187,13 +188,13 @@ impl Authority {
     pub fn leaf(&self, name: &str) -> Result<Arc<CertifiedKey>, TlsError> {
         let now = SystemTime::now();
         {
-            let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            let cache = self.cache.lock();
             if let Some(l) = cache.0.get(name).filter(|l| l.renew_at > now) {
                 return Ok(l.key.clone());
             }
         }
         let key = Arc::new(self.sign(name, now)?);
-        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let mut cache = self.cache.lock();
         let (map, counter) = &mut *cache;
         *counter += 1;
         if map.len() >= CACHE_LIMIT
@@ -218,7 +219,7 @@ impl Authority {
 
     /// How many leaves have been signed since start (for tests and metrics).
     pub fn signed(&self) -> u64 {
-        self.cache.lock().unwrap_or_else(|e| e.into_inner()).1
+        self.cache.lock().1
     }
 
     fn sign(&self, name: &str, now: SystemTime) -> Result<CertifiedKey, TlsError> {

@@ -3,11 +3,12 @@
 //! serves HTTP/1.1 or HTTP/2 (by ALPN) inside. Every request then goes through the same
 //! pipeline as plain HTTP, addressed to the CONNECT target over verified TLS.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::Request;
@@ -52,7 +53,7 @@ pub struct HandshakeLog {
 impl HandshakeLog {
     fn should_log(&self, ip: IpAddr) -> bool {
         let now = Instant::now();
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let mut last = self.last.lock();
         if last.len() > 4096 {
             last.retain(|_, t| now - *t < Duration::from_secs(60));
         }

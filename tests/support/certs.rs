@@ -1,9 +1,10 @@
 //! A private CA and a certificate for 127.0.0.1 signed by it, for TLS upstreams.
 
+use parking_lot::Mutex;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -95,7 +96,7 @@ pub async fn tls_upstream(dir: &Path) -> TlsUpstream {
                 let svc = service_fn(move |req: Request<Incoming>| {
                     let s = s.clone();
                     async move {
-                        s.lock().unwrap().push((
+                        s.lock().push((
                             Instant::now(),
                             format!("{:?} {}", req.version(), req.uri().path()),
                         ));

@@ -3,17 +3,18 @@
 //! HTTP/1.1 client for the cases well-behaved clients never send, and a config directory
 //! updated the way the kubelet updates a mounted ConfigMap.
 
-#![allow(dead_code)]
+#![allow(dead_code, reason = "each test crate uses part of the support")]
 
 pub mod certs;
 pub mod provider;
 pub mod redis;
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -117,12 +118,12 @@ impl Upstream {
     }
 
     pub fn seen(&self) -> Vec<Seen> {
-        self.seen.lock().unwrap().clone()
+        self.seen.lock().clone()
     }
 }
 
 async fn respond(req: Request<Incoming>, seen: &Mutex<Vec<Seen>>) -> Response<TestBody> {
-    seen.lock().unwrap().push(Seen {
+    seen.lock().push(Seen {
         at: tokio::time::Instant::now(),
         method: req.method().to_string(),
         uri: req.uri().to_string(),
@@ -140,7 +141,6 @@ async fn respond(req: Request<Incoming>, seen: &Mutex<Vec<Seen>>) -> Response<Te
     let path = req.uri().path().to_string();
     let nth = seen
         .lock()
-        .unwrap()
         .iter()
         .filter(|x| x.uri.split('?').next() == Some(path.as_str()))
         .count();

@@ -6,10 +6,11 @@
 //! provider with the delays of a real network: a TLS handshake's round trips on each new
 //! connection, and a little jitter on every request.
 
+use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -165,8 +166,8 @@ impl Provider {
                 tokio::spawn(async move {
                     let svc = service_fn(move |_req| {
                         let at = Instant::now();
-                        let ok = counter.lock().unwrap().arrive(at);
-                        log.lock().unwrap().push((at, ok));
+                        let ok = counter.lock().arrive(at);
+                        log.lock().push((at, ok));
                         let (status, body) = if ok {
                             (StatusCode::OK, "ok\n")
                         } else {
@@ -196,7 +197,7 @@ impl Provider {
 
     /// Requests accepted and refused so far.
     pub fn counts(&self) -> (usize, usize) {
-        let log = self.log.lock().unwrap();
+        let log = self.log.lock();
         let ok = log.iter().filter(|e| e.1).count();
         (ok, log.len() - ok)
     }

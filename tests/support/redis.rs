@@ -1,8 +1,8 @@
 //! A real `redis-server` on a free loopback port, without persistence, stopped by PID:
 //! killed and started again on the same port, frozen with SIGSTOP, flushed.
 
+use parking_lot::Mutex;
 use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
 use std::time::Duration;
 
 pub struct Redis {
@@ -62,7 +62,7 @@ impl Redis {
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server runs (scripts/test installs it)");
-        *self.child.lock().unwrap() = Some(child);
+        *self.child.lock() = Some(child);
         // Ready when it answers.
         for _ in 0..200 {
             if self.try_cmd(&["PING"]).is_ok_and(|r| r.contains("PONG")) {
@@ -83,7 +83,7 @@ impl Redis {
     }
 
     fn pid(&self) -> Option<u32> {
-        self.child.lock().unwrap().as_ref().map(Child::id)
+        self.child.lock().as_ref().map(Child::id)
     }
 
     fn signal(&self, sig: &str) {
@@ -97,7 +97,7 @@ impl Redis {
     /// SIGKILL: gone, with everything it held.
     pub fn kill(&self) {
         self.signal("KILL");
-        let child = self.child.lock().unwrap().take();
+        let child = self.child.lock().take();
         if let Some(mut c) = child {
             let _ = c.wait();
         }
