@@ -17,7 +17,8 @@
 //!    └─ circuit breaker         open: fail fast, no permit spent
 //!       └─ limiter              wait FIFO until every limit admits; cool-down pauses
 //!          └─ attempt timeout
-//!             └─ upstream call  pooled client, hop-by-hop stripped
+//!             └─ upstream call  http://: the client connection's own upstream
+//!                               connections; TLS: the shared pool
 //! ```
 //!
 //! - [`limit`]: the limiter (limit kinds, per-partition buckets and queues, the async

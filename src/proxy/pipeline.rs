@@ -7,7 +7,8 @@
 //!    └─ circuit breaker                       open: fail fast, no permit spent
 //!       └─ limiter                            FIFO admission within every limit
 //!          └─ attempt timeout attempt()       headers in time, then no stall between chunks
-//!             └─ upstream call                pooled client
+//!             └─ upstream call                http://: the client connection's own
+//!                                             connections (affine.rs); TLS: the pool
 //! ```
 //!
 //! Retries sit outside the limiter, so every attempt pays the limits again; the breaker
