@@ -104,9 +104,7 @@ pub fn run<'a>(
         let deadline = Instant::now() + policy.total_timeout;
         tokio::time::timeout_at(
             deadline,
-            retry_loop(
-                app, config, upstreams, route, policy, &head, &body, deadline,
-            ),
+            retry_loop(app, config, upstreams, route, policy, head, &body, deadline),
         )
         .await
         .unwrap_or_else(|_| Err(timed_out(&body, policy.total_timeout, true)))
@@ -172,7 +170,7 @@ async fn retry_loop(
     upstreams: Option<&Affine>,
     route: &Route,
     policy: &Policy,
-    head: &Head,
+    mut head: Head,
     body: &Replay,
     deadline: Instant,
 ) -> Result<Response<Body>, ProxyError> {
@@ -204,13 +202,20 @@ async fn retry_loop(
             armed: probe,
         };
         let permit = app.limiter.acquire(plan, route).await?;
+        // The attempt no other can follow (the body cannot be replayed, or it is the last
+        // one allowed) takes the head; the others send a copy and keep it for the next.
+        let (req, kept) = if !body.replayable() || attempt_no >= retry.max_attempts {
+            (head.into_request(body.for_attempt()), None)
+        } else {
+            (head.request(body.for_attempt()), Some(head))
+        };
         let result = attempt(
             app,
             config,
             upstreams,
             Some(route),
             policy.attempt_timeout,
-            head.request(body.for_attempt()),
+            req,
             permit,
         )
         .await;
@@ -318,6 +323,11 @@ async fn retry_loop(
             "not retrying: the retry budget is exhausted");
             return finish(outcome, attempt_no);
         }
+        // Never empty here: an attempt that took the head allows no retry.
+        head = match kept {
+            Some(h) => h,
+            None => return finish(outcome, attempt_no),
+        };
         retry_metric(&reason);
         tracing::info!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
         delay_ms = delay.as_millis() as u64, why, "retrying");
