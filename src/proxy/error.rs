@@ -47,38 +47,41 @@ pub enum ProxyError {
 }
 
 impl ProxyError {
-    /// The `sluice-reason` value; metrics use `sluice_<reason>` as the outcome.
-    pub fn reason(&self) -> &'static str {
+    /// The `sluice-reason` value and the status of the local response, by variant (the
+    /// table in PRODUCT.md): one exhaustive match, so a new variant must say both.
+    fn kind(&self) -> (&'static str, StatusCode) {
+        use StatusCode as S;
         match self {
             ProxyError::NotProxyRequest | ProxyError::BadRequest(_) | ProxyError::ClientBody(_) => {
-                "bad_request"
+                ("bad_request", S::BAD_REQUEST)
             }
-            ProxyError::ClientTimeout(_) => "client_timeout",
-            ProxyError::UnmatchedDenied => "denied",
-            ProxyError::Egress(e) if e.is_refusal() => "denied",
-            ProxyError::Egress(_) | ProxyError::UpstreamUnreachable(_) => "upstream_unreachable",
-            ProxyError::TotalTimeout(_) => "total_timeout",
-            ProxyError::BreakerOpen { .. } => "breaker_open",
-            ProxyError::UpstreamTimeout(_) => "upstream_timeout",
-            ProxyError::Limit(LimitError::QueueFull { .. }) => "queue_full",
-            ProxyError::Limit(LimitError::QueueTimeout { .. }) => "queue_timeout",
-            ProxyError::Limit(LimitError::ShuttingDown) => "shutting_down",
-            ProxyError::Limit(LimitError::ClusterUnavailable { .. }) => "cluster_unavailable",
+            ProxyError::ClientTimeout(_) => ("client_timeout", S::REQUEST_TIMEOUT),
+            ProxyError::UnmatchedDenied => ("denied", S::FORBIDDEN),
+            ProxyError::Egress(e) if e.is_refusal() => ("denied", S::FORBIDDEN),
+            ProxyError::Egress(_) | ProxyError::UpstreamUnreachable(_) => {
+                ("upstream_unreachable", S::BAD_GATEWAY)
+            }
+            ProxyError::TotalTimeout(_) => ("total_timeout", S::GATEWAY_TIMEOUT),
+            ProxyError::BreakerOpen { .. } => ("breaker_open", S::SERVICE_UNAVAILABLE),
+            ProxyError::UpstreamTimeout(_) => ("upstream_timeout", S::GATEWAY_TIMEOUT),
+            ProxyError::Limit(e) => match e {
+                LimitError::QueueFull { .. } => ("queue_full", S::TOO_MANY_REQUESTS),
+                LimitError::QueueTimeout { .. } => ("queue_timeout", S::TOO_MANY_REQUESTS),
+                LimitError::ShuttingDown => ("shutting_down", S::SERVICE_UNAVAILABLE),
+                LimitError::ClusterUnavailable { .. } => {
+                    ("cluster_unavailable", S::SERVICE_UNAVAILABLE)
+                }
+            },
         }
     }
 
+    /// The `sluice-reason` value; metrics use `sluice_<reason>` as the outcome.
+    pub fn reason(&self) -> &'static str {
+        self.kind().0
+    }
+
     pub fn status(&self) -> StatusCode {
-        match self.reason() {
-            "bad_request" => StatusCode::BAD_REQUEST,
-            "client_timeout" => StatusCode::REQUEST_TIMEOUT,
-            "denied" => StatusCode::FORBIDDEN,
-            "total_timeout" | "upstream_timeout" => StatusCode::GATEWAY_TIMEOUT,
-            "breaker_open" | "shutting_down" | "cluster_unavailable" => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
-            "queue_full" | "queue_timeout" => StatusCode::TOO_MANY_REQUESTS,
-            _ => StatusCode::BAD_GATEWAY,
-        }
+        self.kind().1
     }
 
     /// The `Retry-After` a local response carries, when waiting helps.
@@ -184,6 +187,80 @@ mod tests {
                 .unwrap()
                 .contains("unmatched")
         );
+    }
+
+    /// Every variant against PRODUCT.md's table of local responses: reason, status and
+    /// whether Retry-After is sent.
+    #[test]
+    fn every_variant_maps_as_the_product_table_says() {
+        let d = Duration::from_secs(2);
+        let io = || -> BoxError { Box::new(std::io::Error::other("reset")) };
+        let cases: Vec<(ProxyError, &str, u16, bool)> = vec![
+            (
+                LimitError::QueueFull { retry_after: d }.into(),
+                "queue_full",
+                429,
+                true,
+            ),
+            (
+                LimitError::QueueTimeout { retry_after: d }.into(),
+                "queue_timeout",
+                429,
+                true,
+            ),
+            (
+                ProxyError::BreakerOpen { retry_after: d },
+                "breaker_open",
+                503,
+                true,
+            ),
+            (ProxyError::TotalTimeout(d), "total_timeout", 504, false),
+            (
+                ProxyError::UpstreamUnreachable(io()),
+                "upstream_unreachable",
+                502,
+                false,
+            ),
+            (ProxyError::UnmatchedDenied, "denied", 403, false),
+            (LimitError::ShuttingDown.into(), "shutting_down", 503, false),
+            (ProxyError::NotProxyRequest, "bad_request", 400, false),
+            (
+                ProxyError::BadRequest("x".into()),
+                "bad_request",
+                400,
+                false,
+            ),
+            (
+                ProxyError::ClientBody("x".into()),
+                "bad_request",
+                400,
+                false,
+            ),
+            (ProxyError::ClientTimeout(d), "client_timeout", 408, false),
+            (
+                ProxyError::UpstreamTimeout(d),
+                "upstream_timeout",
+                504,
+                false,
+            ),
+            (
+                LimitError::ClusterUnavailable { retry_after: d }.into(),
+                "cluster_unavailable",
+                503,
+                true,
+            ),
+        ];
+        for (e, reason, status, retry_after) in cases {
+            let resp = e.to_response();
+            assert_eq!(e.reason(), reason, "{e}");
+            assert_eq!(resp.status().as_u16(), status, "{e}");
+            assert_eq!(resp.headers()["sluice-reason"], reason, "{e}");
+            assert_eq!(
+                resp.headers().contains_key(header::RETRY_AFTER),
+                retry_after,
+                "{e}"
+            );
+        }
     }
 
     #[test]
