@@ -23,7 +23,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::{Context, Poll, Wake, Waker};
-use std::time::Duration;
 
 use http::uri::{PathAndQuery, Uri};
 use http::{Request, Response, StatusCode};
@@ -39,9 +38,7 @@ use super::timer::{ConnTimer, Deadline};
 use crate::egress::{Resolver, Rules};
 use crate::route::normalize_host;
 
-/// An idle upstream connection older than this is closed rather than reused: shorter than
-/// the common 60 s+ server keep-alive, so we rarely send on one the upstream is closing.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(50);
+use super::IDLE_TIMEOUT;
 
 /// Idle connections kept per upstream address in the shared list; more are closed.
 const MAX_IDLE_PER_ADDR: usize = 256;

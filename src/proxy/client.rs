@@ -34,9 +34,7 @@ impl UpstreamClient {
         let inner = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .timer(TokioTimer::new())
-            // Shorter than the common 60 s+ server keep-alive, so we rarely reuse a
-            // connection the upstream is about to close.
-            .pool_idle_timeout(Duration::from_secs(50))
+            .pool_idle_timeout(super::IDLE_TIMEOUT)
             .set_host(false)
             .build(https);
         UpstreamClient { inner }

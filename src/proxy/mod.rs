@@ -23,6 +23,11 @@ use http_body_util::combinators::UnsyncBoxBody;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// An idle upstream connection older than this is closed rather than reused, by both
+/// upstream clients: shorter than the common 60 s+ server keep-alive, so we rarely send on
+/// one the upstream is closing.
+pub const IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(50);
+
 /// Bodies in both directions: streamed from the peer, or small and made here.
 pub type Body = UnsyncBoxBody<Bytes, BoxError>;
 
