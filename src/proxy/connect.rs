@@ -20,7 +20,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::error::ProxyError;
-use super::forward::finish;
+use super::forward::{Record, finish};
 use super::server::Lifecycle;
 use super::{Body, empty};
 use crate::app::App;
@@ -43,19 +43,25 @@ pub(crate) async fn tunnel(
         .and_then(|(h, p)| Some((normalize_host(h), p?.parse::<u16>().ok()?)))
     else {
         let err = ProxyError::BadRequest("CONNECT needs host:port".into());
-        return finish(&config, None, &Method::CONNECT, "-", "-", start, Err(err));
+        let record = Record {
+            route: None,
+            method: &Method::CONNECT,
+            host: "-",
+            path: "-",
+            start,
+        };
+        return finish(&config, &record, Err(err));
     };
     let route = config.route(&host, port, &Method::CONNECT, "", req.headers());
     let done = |result| {
-        finish(
-            &config,
-            route.as_ref(),
-            &Method::CONNECT,
-            &host,
-            "-",
+        let record = Record {
+            route: route.as_ref(),
+            method: &Method::CONNECT,
+            host: &host,
+            path: "-",
             start,
-            result,
-        )
+        };
+        finish(&config, &record, result)
     };
     if route.is_none() && config.proxy.unmatched == Unmatched::Deny {
         return done(Err(ProxyError::UnmatchedDenied));

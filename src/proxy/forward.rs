@@ -127,7 +127,14 @@ pub fn forward<'a>(
         Ok(target) => Either::Left(route_and_send(app, Some(upstreams), req, target, start)),
         Err(e) => {
             let config = app.config();
-            let resp = finish(&config, None, req.method(), "-", "-", start, Err(e));
+            let record = Record {
+                route: None,
+                method: req.method(),
+                host: "-",
+                path: "-",
+                start,
+            };
+            let resp = finish(&config, &record, Err(e));
             Either::Right(std::future::ready(resp))
         }
     }
@@ -173,8 +180,14 @@ fn route_and_send<'a>(
             target.originate_tls(req.uri().port_u16().is_some());
         }
         let done = |result| {
-            let (route, host, path) = (route.as_ref(), &target.host, target.path());
-            finish(&config, route, &method, host, path, start, result)
+            let record = Record {
+                route: route.as_ref(),
+                method: &method,
+                host: &target.host,
+                path: target.path(),
+                start,
+            };
+            finish(&config, &record, result)
         };
         // Not a `match` around the await: its scrutinee (the request, 240 bytes) would
         // stay in the future while the upstream answers.
@@ -268,22 +281,32 @@ fn from_upstream(resp: Response<Body>) -> Response<Body> {
     Response::from_parts(parts, body)
 }
 
+/// What the request counter and the access line say about one request.
+pub(crate) struct Record<'a> {
+    pub route: Option<&'a Route>,
+    pub method: &'a Method,
+    /// The target host as routed, or `-` when there is none.
+    pub host: &'a str,
+    /// The path without its query, or `-`.
+    pub path: &'a str,
+    pub start: Instant,
+}
+
 /// Turns the result into the client's response and records it: one counter increment and
 /// one access-log line per request. The log names the path without its query, where
 /// secrets tend to travel, and never a header value.
-#[allow(
-    clippy::too_many_arguments,
-    reason = "one request's record; issue 18 turns it into a struct"
-)]
 pub(crate) fn finish(
     config: &Live,
-    route: Option<&Route>,
-    method: &Method,
-    host: &str,
-    path: &str,
-    start: Instant,
+    record: &Record<'_>,
     result: Result<Response<Body>, ProxyError>,
 ) -> Response<Body> {
+    let Record {
+        route,
+        method,
+        host,
+        path,
+        start,
+    } = *record;
     let (upstream, family) = config.labels(route);
     let (resp, failure) = match result {
         Ok(resp) => (resp, None),
