@@ -305,18 +305,22 @@ async fn retry_loop(
             Ok(resp) => resp.status().as_str().to_string(),
             Err(e) => e.label().to_string(),
         };
-        if !(wants_retry && may_retry) {
-            return finish(outcome, attempt_no);
-        }
-        let (delay, why) = match hint {
-            Some(h) => (h.wait, h.source),
-            None => (backoff_delay(policy, attempt_no, prev_delay), "backoff"),
+        let next = Next {
+            wants_retry,
+            may_retry,
+            hint,
+            max_retry_after: retry.max_retry_after,
+            room: deadline.saturating_duration_since(now),
         };
-        if hint.is_some_and(|h| h.wait > retry.max_retry_after) || now + delay >= deadline {
-            tracing::info!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
-            wait_ms = delay.as_millis() as u64, why, "not retrying: the wait is longer than allowed");
-            return finish(outcome, attempt_no);
-        }
+        let (delay, why) = match next.verdict(|| backoff_delay(policy, attempt_no, prev_delay)) {
+            Verdict::Answer => return finish(outcome, attempt_no),
+            Verdict::TooLong { delay, why } => {
+                tracing::info!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
+                wait_ms = delay.as_millis() as u64, why, "not retrying: the wait is longer than allowed");
+                return finish(outcome, attempt_no);
+            }
+            Verdict::Retry { delay, why } => (delay, why),
+        };
         if !shared.budget().try_retry(now) {
             retry_metric("budget_exhausted");
             tracing::warn!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
@@ -336,6 +340,49 @@ async fn retry_loop(
         tokio::time::sleep(delay).await;
         prev_delay = delay;
         attempt_no += 1;
+    }
+}
+
+/// What an attempt's outcome means for the next, decided without the clock, the budget
+/// or the network: the loop above asks, then waits, counts and sends.
+struct Next {
+    /// The outcome is one the policy retries (`retry.on`, the 429 classification).
+    wants_retry: bool,
+    /// The body can be sent again and attempts are left.
+    may_retry: bool,
+    /// The upstream's own wait (Retry-After or a reset header), if it gave one.
+    hint: Option<hints::Hint>,
+    max_retry_after: Duration,
+    /// Time left before `total_timeout`.
+    room: Duration,
+}
+
+#[derive(Debug, PartialEq)]
+enum Verdict {
+    /// The outcome goes to the client as it is.
+    Answer,
+    /// A retry would wait longer than allowed: more than `max_retry_after` as the
+    /// upstream asks, or past the total timeout.
+    TooLong { delay: Duration, why: &'static str },
+    /// Retry after `delay`; `why` names where the wait came from.
+    Retry { delay: Duration, why: &'static str },
+}
+
+impl Next {
+    /// `backoff` is the jittered backoff, asked for only when the upstream gave no wait.
+    fn verdict(&self, backoff: impl FnOnce() -> Duration) -> Verdict {
+        if !(self.wants_retry && self.may_retry) {
+            return Verdict::Answer;
+        }
+        let (delay, why) = match self.hint {
+            Some(h) => (h.wait, h.source),
+            None => (backoff(), "backoff"),
+        };
+        if self.hint.is_some_and(|h| h.wait > self.max_retry_after) || delay >= self.room {
+            Verdict::TooLong { delay, why }
+        } else {
+            Verdict::Retry { delay, why }
+        }
     }
 }
 
@@ -437,6 +484,87 @@ fn attempt<'a>(
 
 #[cfg(test)]
 mod tests {
+    use super::{Next, Verdict};
+    use crate::policy::hints::Hint;
+    use std::time::Duration;
+
+    /// The retry decision, case by case: when the outcome goes to the client, when a
+    /// retry would wait too long, and where the wait comes from.
+    #[test]
+    fn retry_verdicts() {
+        let s = Duration::from_secs;
+        let hint = |secs| {
+            Some(Hint {
+                wait: s(secs),
+                source: "retry-after",
+            })
+        };
+        let next = |wants_retry, may_retry, hint, room| Next {
+            wants_retry,
+            may_retry,
+            hint,
+            max_retry_after: s(60),
+            room: s(room),
+        };
+        let retry = |secs, why| Verdict::Retry {
+            delay: s(secs),
+            why,
+        };
+        let too_long = |secs, why| Verdict::TooLong {
+            delay: s(secs),
+            why,
+        };
+        for (case, n, want) in [
+            (
+                "not a retryable outcome",
+                next(false, true, None, 30),
+                Verdict::Answer,
+            ),
+            (
+                "no attempts or replay left",
+                next(true, false, hint(1), 30),
+                Verdict::Answer,
+            ),
+            (
+                "backoff when the upstream says nothing",
+                next(true, true, None, 30),
+                retry(2, "backoff"),
+            ),
+            (
+                "the upstream's wait wins over backoff",
+                next(true, true, hint(5), 30),
+                retry(5, "retry-after"),
+            ),
+            (
+                "a wait over max_retry_after",
+                next(true, true, hint(61), 600),
+                too_long(61, "retry-after"),
+            ),
+            (
+                "a wait past the total timeout",
+                next(true, true, hint(5), 5),
+                too_long(5, "retry-after"),
+            ),
+            (
+                "backoff past the total timeout",
+                next(true, true, None, 1),
+                too_long(2, "backoff"),
+            ),
+        ] {
+            assert_eq!(n.verdict(|| s(2)), want, "{case}");
+        }
+        // Backoff is drawn only when it is used.
+        let drawn = std::cell::Cell::new(false);
+        next(true, true, hint(1), 30).verdict(|| {
+            drawn.set(true);
+            s(2)
+        });
+        assert!(
+            !drawn.get(),
+            "no backoff drawn when the upstream gave a wait"
+        );
+    }
+
     #[test]
     fn generated_keys_are_uuid_v4() {
         let k = super::idempotency_key();
