@@ -759,7 +759,48 @@ fn parse_addr(v: &Option<toml::Spanned<String>>, default: &str) -> Result<Socket
 }
 
 fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
-    let p = &spec.proxy;
+    let proxy = check_proxy(&spec.proxy)?;
+    let defaults = merge_policy(&builtin_policy(), &spec.defaults)?;
+
+    let has_cluster = spec.cluster.is_some();
+    let mut upstreams = Vec::with_capacity(spec.upstream.len());
+    let mut names: HashMap<String, ()> = HashMap::new();
+    let mut hosts_seen: HashMap<HostPattern, String> = HashMap::new();
+    for u in spec.upstream {
+        upstreams.push(check_upstream(
+            u,
+            &defaults,
+            has_cluster,
+            &mut names,
+            &mut hosts_seen,
+        )?);
+    }
+    let tls = match spec.tls {
+        None => None,
+        Some(t) => Some(check_tls(t)?),
+    };
+    let cluster = match spec.cluster {
+        None => None,
+        Some(c) => Some(check_cluster(c)?),
+    };
+
+    let egress = check_egress(&spec.egress)?;
+
+    let router = Router::new(&upstreams);
+    Ok(Config {
+        proxy,
+        defaults,
+        upstreams,
+        tls,
+        cluster,
+        egress,
+        sha256,
+        router,
+    })
+}
+
+/// `[proxy]`.
+fn check_proxy(p: &spec::ProxySpec) -> Result<ProxyConfig> {
     let proxy = ProxyConfig {
         listen: parse_addr(&p.listen, "127.0.0.1:3128")?,
         admin: parse_addr(&p.admin, "127.0.0.1:9901")?,
@@ -784,141 +825,138 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
             format!("admin and listen are both {}", l.get_ref()),
         ));
     }
+    Ok(proxy)
+}
 
-    let defaults = merge_policy(&builtin_policy(), &spec.defaults)?;
-
-    let has_cluster = spec.cluster.is_some();
-    let mut upstreams = Vec::with_capacity(spec.upstream.len());
-    let mut names: HashMap<String, ()> = HashMap::new();
-    let mut hosts_seen: HashMap<HostPattern, String> = HashMap::new();
-    for u in spec.upstream {
-        let name = check_name(&u.name, "upstream")?;
-        if name == "unmatched" {
-            return Err(invalid(
-                u.name.span(),
-                "\"unmatched\" is reserved for requests no upstream matches",
-            ));
-        }
-        if names.insert(name.clone(), ()).is_some() {
-            return Err(invalid(
-                u.name.span(),
-                format!("duplicate upstream name {name:?}"),
-            ));
-        }
-        if u.hosts.get_ref().is_empty() {
-            return Err(invalid(
-                u.hosts.span(),
-                format!("upstream {name:?} needs at least one host"),
-            ));
-        }
-        for h in u.hosts.get_ref() {
-            if let Some(other) = hosts_seen.insert(h.get_ref().clone(), name.clone()) {
-                return Err(invalid(
-                    h.span(),
-                    format!(
-                        "host {} is already claimed by upstream {other:?}",
-                        h.get_ref()
-                    ),
-                ));
-            }
-        }
-        let key = match &u.key {
-            None => None,
-            Some(k) => Some(parse_key(k)?),
-        };
-        let policy = merge_policy(&defaults, &u.policy())?;
-
-        let mut families = Vec::with_capacity(u.family.len());
-        let mut fam_names: HashMap<String, ()> = HashMap::new();
-        for f in &u.family {
-            let fname = check_name(&f.name, "family")?;
-            if fname == "-" {
-                // `family="-"` in metrics means "no family matched".
-                return Err(invalid(
-                    f.name.span(),
-                    "family name \"-\" is reserved for requests that match no family",
-                ));
-            }
-            if fam_names.insert(fname.clone(), ()).is_some() {
-                return Err(invalid(
-                    f.name.span(),
-                    format!("duplicate family name {fname:?} in upstream {name:?}"),
-                ));
-            }
-            let methods = match &f.methods {
-                None => None,
-                Some(ms) => Some(ms.iter().map(parse_method).collect::<Result<Vec<_>>>()?),
-            };
-            families.push(Family {
-                name: fname,
-                methods,
-                paths: f.paths.clone().unwrap_or_default(),
-                priority: f.priority,
-                limits: check_limits(&f.limits, has_cluster)?,
-                own_breaker: f.breaker.is_some(),
-                policy: merge_policy(&policy, &f.policy())?,
-            });
-        }
-
-        let classify = u
-            .classify
-            .iter()
-            .map(check_classify)
-            .collect::<Result<Vec<_>>>()?;
-
-        upstreams.push(Upstream {
-            name,
-            hosts: u
-                .hosts
-                .into_inner()
-                .into_iter()
-                .map(|h| h.into_inner())
-                .collect(),
-            key,
-            tls: u.tls,
-            scheme: u.scheme,
-            upstream_ca: u.upstream_ca.map(PathBuf::from),
-            limits: check_limits(&u.limits, has_cluster)?,
-            families,
-            classify,
-            idempotency_generate: u.idempotency_generate.unwrap_or(false),
-            access_log: match &u.access_log {
-                None => 1.0,
-                Some(a) if (0.0..=1.0).contains(a.get_ref()) => *a.get_ref(),
-                Some(a) => {
-                    return Err(invalid(
-                        a.span(),
-                        "access_log is the share of requests logged: 1 (all), 0 (none), or \
-                         a fraction in between",
-                    ));
-                }
-            },
-            cooldown: u.cooldown.unwrap_or_default(),
-            policy,
-        });
+/// One `[[upstream]]`, over `defaults`; `names` and `hosts_seen` are what the upstreams
+/// before it claimed.
+fn check_upstream(
+    u: spec::UpstreamSpec,
+    defaults: &Policy,
+    has_cluster: bool,
+    names: &mut HashMap<String, ()>,
+    hosts_seen: &mut HashMap<HostPattern, String>,
+) -> Result<Upstream> {
+    let name = check_name(&u.name, "upstream")?;
+    if name == "unmatched" {
+        return Err(invalid(
+            u.name.span(),
+            "\"unmatched\" is reserved for requests no upstream matches",
+        ));
     }
-
-    let tls = match spec.tls {
+    if names.insert(name.clone(), ()).is_some() {
+        return Err(invalid(
+            u.name.span(),
+            format!("duplicate upstream name {name:?}"),
+        ));
+    }
+    if u.hosts.get_ref().is_empty() {
+        return Err(invalid(
+            u.hosts.span(),
+            format!("upstream {name:?} needs at least one host"),
+        ));
+    }
+    for h in u.hosts.get_ref() {
+        if let Some(other) = hosts_seen.insert(h.get_ref().clone(), name.clone()) {
+            return Err(invalid(
+                h.span(),
+                format!(
+                    "host {} is already claimed by upstream {other:?}",
+                    h.get_ref()
+                ),
+            ));
+        }
+    }
+    let key = match &u.key {
         None => None,
-        Some(t) => Some(check_tls(t)?),
+        Some(k) => Some(parse_key(k)?),
     };
-    let cluster = match spec.cluster {
+    let policy = merge_policy(defaults, &u.policy())?;
+
+    let mut families = Vec::with_capacity(u.family.len());
+    let mut fam_names: HashMap<String, ()> = HashMap::new();
+    for f in &u.family {
+        families.push(check_family(
+            f,
+            &name,
+            &policy,
+            has_cluster,
+            &mut fam_names,
+        )?);
+    }
+    let classify = u
+        .classify
+        .iter()
+        .map(check_classify)
+        .collect::<Result<Vec<_>>>()?;
+
+    Ok(Upstream {
+        name,
+        hosts: u
+            .hosts
+            .into_inner()
+            .into_iter()
+            .map(|h| h.into_inner())
+            .collect(),
+        key,
+        tls: u.tls,
+        scheme: u.scheme,
+        upstream_ca: u.upstream_ca.map(PathBuf::from),
+        limits: check_limits(&u.limits, has_cluster)?,
+        families,
+        classify,
+        idempotency_generate: u.idempotency_generate.unwrap_or(false),
+        access_log: match &u.access_log {
+            None => 1.0,
+            Some(a) if (0.0..=1.0).contains(a.get_ref()) => *a.get_ref(),
+            Some(a) => {
+                return Err(invalid(
+                    a.span(),
+                    "access_log is the share of requests logged: 1 (all), 0 (none), or \
+                     a fraction in between",
+                ));
+            }
+        },
+        cooldown: u.cooldown.unwrap_or_default(),
+        policy,
+    })
+}
+
+/// One `[[upstream.family]]` of upstream `name`, whose policy it inherits; `names` are
+/// the family names seen so far in that upstream.
+fn check_family(
+    f: &spec::FamilySpec,
+    name: &str,
+    policy: &Policy,
+    has_cluster: bool,
+    names: &mut HashMap<String, ()>,
+) -> Result<Family> {
+    let fname = check_name(&f.name, "family")?;
+    if fname == "-" {
+        // `family="-"` in metrics means "no family matched".
+        return Err(invalid(
+            f.name.span(),
+            "family name \"-\" is reserved for requests that match no family",
+        ));
+    }
+    if names.insert(fname.clone(), ()).is_some() {
+        return Err(invalid(
+            f.name.span(),
+            format!("duplicate family name {fname:?} in upstream {name:?}"),
+        ));
+    }
+    let methods = match &f.methods {
         None => None,
-        Some(c) => Some(check_cluster(c)?),
+        Some(ms) => Some(ms.iter().map(parse_method).collect::<Result<Vec<_>>>()?),
     };
-
-    let egress = check_egress(&spec.egress)?;
-
-    let router = Router::new(&upstreams);
-    Ok(Config {
-        proxy,
-        defaults,
-        upstreams,
-        tls,
-        cluster,
-        egress,
-        sha256,
-        router,
+    Ok(Family {
+        name: fname,
+        methods,
+        paths: f.paths.clone().unwrap_or_default(),
+        priority: f.priority,
+        limits: check_limits(&f.limits, has_cluster)?,
+        own_breaker: f.breaker.is_some(),
+        policy: merge_policy(policy, &f.policy())?,
     })
 }
 
