@@ -162,7 +162,7 @@ impl Head {
 
 #[allow(
     clippy::too_many_arguments,
-    reason = "the loop's inputs; issue 18 splits the decision from the loop"
+    reason = "what all attempts of one request share"
 )]
 async fn retry_loop(
     app: &App,
