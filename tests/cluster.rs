@@ -585,6 +585,56 @@ async fn redis_failing_under_load_never_lets_the_limit_through() {
     }
 }
 
+/// A replica that fell back while Redis was frozen but admitted nothing itself (its
+/// share was still drained) comes back to a Redis that knows nothing of what the other
+/// replicas admitted locally meanwhile. It must not spend a whole window on top of
+/// them: it writes back first, which fills the window as after any fallback, so its
+/// first request after the outage waits a window (nothing real is in it) instead of
+/// going at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn back_from_an_outage_having_admitted_nothing_a_replica_starts_drained() {
+    support::crypto();
+    let redis = Redis::start();
+    let up = support::Upstream::start().await;
+    let proxy = support::Proxy::start(&format!(
+        "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1\"]\n\
+         limits = [{{ kind = \"sliding_window\", permits = 12, window = \"3s\", scope = \"global\" }}]\n\
+         [upstream.retry]\nmax_attempts = 1\n\
+         [cluster]\nredis = \"{}\"\nreplicas = 3\nopen_for = \"1s\"\n",
+        redis.url()
+    ))
+    .await;
+    let client = proxy.client();
+    assert_eq!(redis.cmd(&["PING"]).trim(), "PONG");
+    redis.freeze();
+    // Its calls hang until the breaker opens; the drained share admits nothing for a
+    // window, and the client gives up first.
+    let during = client
+        .get(up.url("/during"))
+        .timeout(Duration::from_secs(1))
+        .send()
+        .await;
+    assert!(during.is_err(), "admitted during the outage: {during:?}");
+    redis.thaw();
+    // Past `open_for`: the next request's call probes, and Redis answers.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let t = Instant::now();
+    let r = client
+        .get(up.url("/after"))
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let waited = t.elapsed();
+    assert!(
+        waited >= Duration::from_millis(2500),
+        "the window was filled before reserving: waited {waited:?}"
+    );
+    let paths: Vec<String> = up.seen().iter().map(|s| s.uri.clone()).collect();
+    assert_eq!(paths, ["/after"]);
+}
+
 fn client_via(port: u16, timeout: Duration) -> reqwest::Client {
     reqwest::Client::builder()
         .proxy(reqwest::Proxy::all(format!("http://127.0.0.1:{port}")).unwrap())

@@ -21,6 +21,8 @@ pub struct Breaker {
     in_a_row: u32,
     open_until: Option<Instant>,
     probing: bool,
+    /// When it last opened, and when a call succeeded after that, if one has.
+    outage: Option<(Instant, Option<Instant>)>,
 }
 
 impl Breaker {
@@ -31,6 +33,7 @@ impl Breaker {
             in_a_row: 0,
             open_until: None,
             probing: false,
+            outage: None,
         }
     }
 
@@ -61,10 +64,18 @@ impl Breaker {
         self.open_until
     }
 
-    pub fn success(&mut self) {
+    pub fn success(&mut self, now: Instant) {
+        if let Some((_, back @ None)) = &mut self.outage {
+            *back = Some(now);
+        }
         self.in_a_row = 0;
         self.open_until = None;
         self.probing = false;
+    }
+
+    /// When the breaker last opened, and when a call succeeded after that, if one has.
+    pub fn outage(&self) -> Option<(Instant, Option<Instant>)> {
+        self.outage
     }
 
     /// A failed call; returns whether this one opened the breaker.
@@ -72,6 +83,9 @@ impl Breaker {
         self.in_a_row = self.in_a_row.saturating_add(1);
         let was_closed = self.open_until.is_none();
         if self.probing || self.in_a_row >= self.failures {
+            if self.open_until.is_none() {
+                self.outage = Some((now, None));
+            }
             self.open_until = Some(now + self.open_for);
             self.probing = false;
             return was_closed;
@@ -90,11 +104,13 @@ mod tests {
         let s = Duration::from_secs(1);
         let mut b = Breaker::new(3, Duration::from_secs(5));
         assert!(!b.failure(t0));
-        b.success();
+        b.success(t0);
+        assert_eq!(b.outage(), None, "never open");
         assert!(!b.failure(t0));
         assert!(!b.failure(t0));
         assert_eq!(b.state(t0), State::Closed);
         assert!(b.failure(t0), "the third in a row opens it");
+        assert_eq!(b.outage(), Some((t0, None)));
         assert_eq!(b.state(t0), State::Open);
         assert!(!b.allow(t0 + 4 * s));
         assert!(b.allow(t0 + 5 * s), "the probe");
@@ -103,8 +119,13 @@ mod tests {
         assert!(!b.failure(t0 + 5 * s), "was not closed");
         assert!(!b.allow(t0 + 9 * s), "reopened by the failed probe");
         assert!(b.allow(t0 + 10 * s));
-        b.success();
+        b.success(t0 + 10 * s);
         assert_eq!(b.state(t0 + 10 * s), State::Closed);
+        assert_eq!(
+            b.outage(),
+            Some((t0, Some(t0 + 10 * s))),
+            "from the first opening"
+        );
         assert!(b.allow(t0 + 10 * s));
     }
 }

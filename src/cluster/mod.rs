@@ -378,6 +378,16 @@ impl Cluster {
         }
     }
 
+    /// The last outage during which replicas may have admitted without Redis: when the
+    /// breaker opened, and when Redis answered again if it has (`None` under `deny`,
+    /// where nothing is admitted without Redis).
+    pub fn outage(&self) -> Option<(Instant, Option<Instant>)> {
+        match self.config.on_redis_error {
+            OnRedisError::Deny => None,
+            OnRedisError::Local | OnRedisError::Allow => self.breaker().outage(),
+        }
+    }
+
     /// When the breaker lets a call through again, if it is holding them back.
     pub fn reopens_at(&self) -> Option<Instant> {
         self.breaker().open_until()
@@ -415,7 +425,7 @@ impl Cluster {
             .with_label_values(&[op])
             .observe(start.elapsed().as_secs_f64());
         match &result {
-            Ok(_) => self.breaker().success(),
+            Ok(_) => self.breaker().success(Instant::now()),
             Err(e) => {
                 self.metrics
                     .cluster_errors
@@ -475,7 +485,7 @@ impl Cluster {
                 .unwrap_or(Err(CallError::Timeout));
                 match ping {
                     Ok(_) => {
-                        me.breaker().success();
+                        me.breaker().success(Instant::now());
                         break;
                     }
                     Err(e) => {

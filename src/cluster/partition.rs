@@ -67,6 +67,8 @@ struct State {
     fallback: Option<HashMap<Arc<str>, LimitState>>,
     /// Admitted without Redis, or Redis lost its data: write back before reserving.
     absorb: bool,
+    /// When this partition last wrote back to Redis.
+    synced: Option<Instant>,
     /// A flush is scheduled.
     flushing: bool,
     /// When the oldest correction still waiting was queued: a flush waits for it to be
@@ -173,8 +175,8 @@ impl Shared {
             let left = deadline.saturating_duration_since(now);
             match cluster.mode(now) {
                 Mode::Redis => {
-                    if self.state().absorb
-                        && let Err(e) = self.absorb(cluster).await
+                    if self.must_absorb(cluster, limits, now)
+                        && let Err(e) = self.absorb(cluster, limits).await
                     {
                         tracing::debug!(error = %e, "writing back to Redis failed");
                         continue;
@@ -367,9 +369,37 @@ impl Shared {
         }
     }
 
-    /// Writes back this replica's admissions still inside their windows, then forgets the
-    /// local fallback: Redis holds everything again.
-    async fn absorb(self: &Arc<Self>, cluster: &Arc<Cluster>) -> Result<(), CallError> {
+    /// Whether to write back before reserving: this replica admitted without Redis, or
+    /// Redis lost its data, or this partition has not written back since an outage whose
+    /// admissions may still be in a window. In the last case the other replicas may
+    /// have admitted their shares locally while this one admitted nothing (its share
+    /// was still drained, or no request came): Redis knows none of it, and the
+    /// write-back's filling the windows keeps this replica, back first, from spending a
+    /// whole window on top of theirs.
+    fn must_absorb(&self, cluster: &Cluster, limits: &[Arc<GlobalLimit>], now: Instant) -> bool {
+        let st = self.state();
+        if st.absorb {
+            return true;
+        }
+        let Some((opened, back)) = cluster.outage() else {
+            return false;
+        };
+        let reach = limits
+            .iter()
+            .map(|l| l.span + l.margin)
+            .max()
+            .unwrap_or_default();
+        st.synced.is_none_or(|s| s < opened) && back.is_none_or(|b| now < b + reach)
+    }
+
+    /// Writes back this replica's admissions still inside their windows, with `limits`
+    /// (the request's) among the limits filled, then forgets the local fallback: Redis
+    /// holds everything again.
+    async fn absorb(
+        self: &Arc<Self>,
+        cluster: &Arc<Cluster>,
+        limits: &[Arc<GlobalLimit>],
+    ) -> Result<(), CallError> {
         let (all, entries) = {
             let mut st = self.state();
             let now_us = st.redis_now(Instant::now());
@@ -383,6 +413,12 @@ impl Shared {
                     m.opening,
                     (m.debt_until - now_us).max(0.0),
                 ));
+            }
+            for l in limits {
+                if !all.iter().any(|(a, _)| a.id == l.id) {
+                    all.push((l.clone(), false));
+                    entries.push((Vec::new(), None, 0.0));
+                }
             }
             (all, entries)
         };
@@ -427,6 +463,7 @@ impl Shared {
             st.clock = Some((received, now));
             st.clock_rtt_us = micros(received - sent);
             st.absorb = false;
+            st.synced = Some(Instant::now());
             st.fallback = None;
             tracing::info!(partition = %self.tag, "wrote this replica's admissions back to Redis");
         }
