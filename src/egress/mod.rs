@@ -9,7 +9,10 @@
 //! passes. CONNECT also needs an allowed port (443, ports upstreams name, or
 //! `[egress] connect_ports`).
 
+mod dial;
 pub mod ip;
+
+pub use dial::connect;
 
 use parking_lot::RwLock;
 use std::fmt;
@@ -19,7 +22,6 @@ use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use http::Uri;
 use hyper_util::rt::TokioIo;
@@ -270,40 +272,6 @@ impl Resolver {
 /// Whether `ip` is an address of this host: one it can bind to.
 fn is_local(ip: IpAddr) -> bool {
     ip.is_loopback() || std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
-}
-
-/// How long a connect to one of a name's addresses may take before the next is tried.
-const NEXT_ADDRESS_AFTER: Duration = Duration::from_millis(300);
-
-/// Connects to the first of `addrs` that answers. An address that does not (say an IPv6
-/// route that drops packets) must not use up the caller's whole timeout: the next one
-/// gets its turn after a moment, as in happy eyeballs (RFC 8305). The last one has the
-/// caller's own timeout.
-pub async fn connect(addrs: &[SocketAddr]) -> io::Result<TcpStream> {
-    let mut last = None;
-    for (i, addr) in addrs.iter().enumerate() {
-        let attempt = TcpStream::connect(addr);
-        let result = if i + 1 < addrs.len() {
-            tokio::time::timeout(NEXT_ADDRESS_AFTER, attempt)
-                .await
-                .unwrap_or_else(|_| {
-                    Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        format!("connect to {addr} timed out"),
-                    ))
-                })
-        } else {
-            attempt.await
-        };
-        match result {
-            Ok(s) => {
-                let _ = s.set_nodelay(true);
-                return Ok(s);
-            }
-            Err(e) => last = Some(e),
-        }
-    }
-    Err(last.unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address to connect to")))
 }
 
 /// Why a pooled connection could not be made.

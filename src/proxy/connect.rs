@@ -211,7 +211,7 @@ fn ok_response() -> Response<Body> {
     resp
 }
 
-/// Tries each address in turn, each bounded by `timeout`.
+/// Races the addresses (see `egress::connect`), the whole race bounded by `timeout`.
 async fn connect_any(addrs: &[SocketAddr], timeout: Duration) -> io::Result<TcpStream> {
     tokio::time::timeout(timeout, crate::egress::connect(addrs))
         .await
