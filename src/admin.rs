@@ -123,7 +123,16 @@ pub async fn handle(app: &Arc<App>, req: &Request<Incoming>, peer: IpAddr) -> Re
             "draining\n".into(),
         ),
         ("/readyz", true) => reply(StatusCode::OK, "text/plain", "ready\n".into()),
-        ("/config", true) => json(&app.config().to_redacted_json()),
+        ("/config", true) => {
+            let mut v = app.config().to_redacted_json();
+            if let (Some((proxy, admin)), Some(obj)) = (app.listening.get(), v.as_object_mut()) {
+                obj.insert(
+                    "listening".into(),
+                    serde_json::json!({ "proxy": proxy.to_string(), "admin": admin.to_string() }),
+                );
+            }
+            json(&v)
+        }
         ("/buckets", true) => json(&app.limiter.snapshot()),
         ("/metrics" | "/livez" | "/healthz" | "/readyz" | "/config" | "/buckets", false) => {
             let mut r = reply(

@@ -74,6 +74,9 @@ pub struct App {
     overrides: Overrides,
     /// One reload at a time, whichever trigger started it.
     reloading: Mutex<()>,
+    /// The addresses the proxy and admin listeners bound (port 0 in the config names
+    /// none in advance); `/config` shows them.
+    pub(crate) listening: std::sync::OnceLock<(std::net::SocketAddr, std::net::SocketAddr)>,
 }
 
 pub struct AppBuilder {
@@ -150,6 +153,7 @@ impl AppBuilder {
             path: self.path,
             overrides: self.overrides,
             reloading: Mutex::new(()),
+            listening: std::sync::OnceLock::new(),
         }))
     }
 }

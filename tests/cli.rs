@@ -125,17 +125,14 @@ async fn run_serves_logs_safely_and_drains_on_sigterm() {
     support::crypto();
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let (port, admin) = (free_port(), free_port());
     let config = dir.path().join("sluice.toml");
     std::fs::write(
         &config,
-        format!(
-            "[proxy]\nlisten = \"127.0.0.1:{port}\"\nadmin = \"127.0.0.1:{admin}\"\ndrain_timeout = \"10s\"\n\
-             [[upstream]]\nname = \"local\"\nhosts = [\"127.0.0.1\"]\nkey = \"header:Authorization\"\n"
-        ),
+        "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\ndrain_timeout = \"10s\"\n\
+         [[upstream]]\nname = \"local\"\nhosts = [\"127.0.0.1\"]\nkey = \"header:Authorization\"\n",
     )
     .unwrap();
-    let sluice = Sluice::spawn(&[
+    let mut sluice = Sluice::spawn(&[
         "--log-format",
         "json",
         "run",
@@ -144,6 +141,7 @@ async fn run_serves_logs_safely_and_drains_on_sigterm() {
         "-c",
         config.to_str().unwrap(),
     ]);
+    let (port, admin) = sluice.listening().await;
     assert!(sluice.ready(admin).await, "the binary became ready");
 
     let client = reqwest::Client::builder()

@@ -320,12 +320,11 @@ impl Three {
         let dir = tempfile::tempdir().unwrap();
         let mut replicas = Vec::new();
         for i in 0..3 {
-            let (port, admin) = (support::free_port(), support::free_port());
             let path = dir.path().join(format!("sluice-{i}.toml"));
             std::fs::write(
                 &path,
                 format!(
-                    "[proxy]\nlisten = \"127.0.0.1:{port}\"\nadmin = \"127.0.0.1:{admin}\"\n\
+                    "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n\
                      [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1\"]\n\
                      limits = [{limit}]\n[upstream.retry]\nmax_attempts = 1\n\
                      [cluster]\nredis = \"{}\"\nreplicas = 3\n{cluster_extra}",
@@ -333,8 +332,9 @@ impl Three {
                 ),
             )
             .unwrap();
-            let s =
+            let mut s =
                 support::Sluice::spawn(&["run", "--workers", "1", "-c", path.to_str().unwrap()]);
+            let (port, admin) = s.listening().await;
             assert!(s.ready(admin).await, "replica {i} became ready");
             replicas.push((s, port, admin));
         }

@@ -43,7 +43,6 @@ async fn probes_answer_the_pod_network_and_control_stays_on_loopback() {
     crypto();
     let pod_ip = non_loopback_address()
         .expect("this machine has an address other than loopback, as a pod has");
-    let (port, admin) = (free_port(), free_port());
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("sluice.toml");
     // The file says loopback; the environment opens both listeners on every address.
@@ -54,10 +53,11 @@ async fn probes_answer_the_pod_network_and_control_stays_on_loopback() {
     .unwrap();
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
     command
-        .env("SLUICE_LISTEN", format!("0.0.0.0:{port}"))
-        .env("SLUICE_ADMIN", format!("0.0.0.0:{admin}"))
+        .env("SLUICE_LISTEN", "0.0.0.0:0")
+        .env("SLUICE_ADMIN", "0.0.0.0:0")
         .env("SLUICE_LOG_FORMAT", "json");
-    let sluice = Sluice::spawn_shell(command, &["run", "-c", path.to_str().unwrap()]);
+    let mut sluice = Sluice::spawn_shell(command, &["run", "-c", path.to_str().unwrap()]);
+    let (port, admin) = sluice.listening().await;
     assert!(sluice.ready(admin).await);
 
     let outside = |p: &str| format!("http://{pod_ip}:{admin}{p}");
@@ -111,7 +111,16 @@ async fn probes_answer_the_pod_network_and_control_stays_on_loopback() {
             .unwrap(),
     )
     .unwrap();
-    assert_eq!(config["proxy"]["admin"], format!("0.0.0.0:{admin}"));
+    assert_eq!(
+        config["proxy"]["admin"], "0.0.0.0:0",
+        "as the environment set it"
+    );
+    assert_eq!(
+        config["listening"]["admin"],
+        format!("0.0.0.0:{admin}"),
+        "and as bound"
+    );
+    assert_eq!(config["listening"]["proxy"], format!("0.0.0.0:{port}"));
     assert_eq!(config["proxy"]["admin_control"], "loopback");
 
     sluice.signal("TERM");
@@ -133,10 +142,11 @@ async fn admin_control_any_opens_control_to_the_network() {
     crypto();
     let pod_ip = non_loopback_address().expect("an address other than loopback");
     let dir = tempfile::tempdir().unwrap();
-    let (path, _, admin) = binary_config(dir.path(), "admin_control = \"any\"");
+    let path = binary_config(dir.path(), "admin_control = \"any\"");
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
-    command.env("SLUICE_ADMIN", format!("0.0.0.0:{admin}"));
-    let sluice = Sluice::spawn_shell(command, &["run", "-c", path.to_str().unwrap()]);
+    command.env("SLUICE_ADMIN", "0.0.0.0:0");
+    let mut sluice = Sluice::spawn_shell(command, &["run", "-c", path.to_str().unwrap()]);
+    let (_, admin) = sluice.listening().await;
     assert!(sluice.ready(admin).await);
     let url = format!("http://{pod_ip}:{admin}/config");
     assert_eq!(status(reqwest::Method::GET, &url).await, 200);
@@ -224,16 +234,16 @@ impl ImageRoot {
     /// The binary as uid and gid 65532, with 65532 as its supplementary group (a pod's
     /// fsGroup), listening on loopback ports.
     async fn run(&self, config: &std::path::Path) -> (Sluice, u16) {
-        let (port, admin) = (free_port(), free_port());
         let mut command = std::process::Command::new("setpriv");
         command
             .args(["--reuid", "65532", "--regid", "65532", "--groups", "65532"])
             .arg(&self.bin)
             .env("SLUICE_CONFIG", config)
-            .env("SLUICE_LISTEN", format!("127.0.0.1:{port}"))
-            .env("SLUICE_ADMIN", format!("127.0.0.1:{admin}"))
+            .env("SLUICE_LISTEN", "127.0.0.1:0")
+            .env("SLUICE_ADMIN", "127.0.0.1:0")
             .current_dir(&self.dir);
-        let sluice = Sluice::spawn_shell(command, &["run"]);
+        let mut sluice = Sluice::spawn_shell(command, &["run"]);
+        let (port, admin) = sluice.listening().await;
         assert!(sluice.ready(admin).await, "started as uid 65532");
         let status = std::fs::read_to_string(format!("/proc/{}/status", sluice.pid())).unwrap();
         assert!(
@@ -490,7 +500,7 @@ async fn the_shutdown_delay_from_the_environment_keeps_serving_after_sigterm() {
     crypto();
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let (path, port, admin) = binary_config(
+    let path = binary_config(
         dir.path(),
         &format!(
             "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n",
@@ -499,7 +509,8 @@ async fn the_shutdown_delay_from_the_environment_keeps_serving_after_sigterm() {
     );
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
     command.env("SLUICE_SHUTDOWN_DELAY", "5s");
-    let sluice = Sluice::spawn_shell(command, &["run", "-c", path.to_str().unwrap()]);
+    let mut sluice = Sluice::spawn_shell(command, &["run", "-c", path.to_str().unwrap()]);
+    let (port, admin) = sluice.listening().await;
     assert!(sluice.ready(admin).await);
     let started = tokio::time::Instant::now();
     sluice.signal("TERM");

@@ -455,19 +455,19 @@ async fn connections_beyond_the_cap_are_refused_cleanly() {
 #[tokio::test]
 async fn under_a_small_descriptor_limit_the_admin_listener_still_answers() {
     let echo = echo_server().await;
-    let (port, admin) = (free_port(), free_port());
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("sluice.toml");
     std::fs::write(
         &path,
         format!(
-            "[proxy]\nlisten = \"127.0.0.1:{port}\"\nadmin = \"127.0.0.1:{admin}\"\n\
+            "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n\
              [[upstream]]\nname = \"echo\"\nhosts = [\"127.0.0.1:{}\"]\n",
             echo.port()
         ),
     )
     .unwrap();
-    let sluice = Sluice::spawn_with_nofile(512, &["run", "-c", path.to_str().unwrap()]);
+    let mut sluice = Sluice::spawn_with_nofile(512, &["run", "-c", path.to_str().unwrap()]);
+    let (port, admin) = sluice.listening().await;
     assert!(sluice.ready(admin).await);
     let limits = std::fs::read_to_string(format!("/proc/{}/limits", sluice.pid())).unwrap();
     assert!(
@@ -505,19 +505,19 @@ async fn under_a_small_descriptor_limit_the_admin_listener_still_answers() {
 /// The soft open-file limit is raised to the hard one at start.
 #[tokio::test]
 async fn the_soft_descriptor_limit_is_raised() {
-    let (port, admin) = (free_port(), free_port());
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("sluice.toml");
     std::fs::write(
         &path,
-        format!("[proxy]\nlisten = \"127.0.0.1:{port}\"\nadmin = \"127.0.0.1:{admin}\"\n"),
+        "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n",
     )
     .unwrap();
     let mut sh = std::process::Command::new("sh");
     sh.arg("-c")
         .arg("ulimit -Sn 256 && exec \"$0\" \"$@\"")
         .arg(env!("CARGO_BIN_EXE_sluice"));
-    let sluice = Sluice::spawn_shell(sh, &["run", "-c", path.to_str().unwrap()]);
+    let mut sluice = Sluice::spawn_shell(sh, &["run", "-c", path.to_str().unwrap()]);
+    let (_, admin) = sluice.listening().await;
     assert!(sluice.ready(admin).await);
     let limits = std::fs::read_to_string(format!("/proc/{}/limits", sluice.pid())).unwrap();
     let line = limits
@@ -795,7 +795,7 @@ async fn an_endless_config_file_is_refused_at_once() {
 /// The partition a request of tenant `value` is shown as in `/buckets`.
 async fn shown_partition(env: Option<&str>, up: &Upstream, value: &str) -> String {
     let dir = tempfile::tempdir().unwrap();
-    let (path, port, admin) = binary_config(
+    let path = binary_config(
         dir.path(),
         &format!(
             "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\nkey = \"header:X-Tenant\"\n\
@@ -807,7 +807,8 @@ async fn shown_partition(env: Option<&str>, up: &Upstream, value: &str) -> Strin
     if let Some(secret) = env {
         command.env("SLUICE_PARTITION_SECRET", secret);
     }
-    let sluice = Sluice::spawn_shell(command, &["run", "-c", path.to_str().unwrap()]);
+    let mut sluice = Sluice::spawn_shell(command, &["run", "-c", path.to_str().unwrap()]);
+    let (port, admin) = sluice.listening().await;
     assert!(sluice.ready(admin).await);
     let client = client_via(port);
     let r = client
@@ -877,14 +878,15 @@ async fn partition_hashes_are_keyed() {
 async fn an_upstream_failure_logs_its_causes_once() {
     let closed = closed_port().await;
     let dir = tempfile::tempdir().unwrap();
-    let (path, port, admin) = binary_config(
+    let path = binary_config(
         dir.path(),
         &format!(
             "[[upstream]]\nname = \"gone\"\nhosts = [\"127.0.0.1:{}\"]\nretry = {{ max_attempts = 1 }}\n",
             closed.port()
         ),
     );
-    let sluice = Sluice::spawn(&["run", "-c", path.to_str().unwrap()]);
+    let mut sluice = Sluice::spawn(&["run", "-c", path.to_str().unwrap()]);
+    let (port, admin) = sluice.listening().await;
     assert!(sluice.ready(admin).await);
     let client = client_via(port);
     let r = client

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use support::*;
 
-/// A config for the binary, on free ports, with `up` as an upstream.
-fn config_for(dir: &std::path::Path, up: &Upstream) -> (std::path::PathBuf, u16, u16) {
+/// A config for the binary, with `up` as an upstream.
+fn config_for(dir: &std::path::Path, up: &Upstream) -> std::path::PathBuf {
     binary_config(
         dir,
         &format!(
@@ -36,8 +36,9 @@ async fn every_access_line_reaches_the_pipe_by_the_end_of_a_sigterm() {
     crypto();
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let (path, port, admin) = config_for(dir.path(), &up);
-    let sluice = Sluice::spawn(&["run", "-c", path.to_str().unwrap()]);
+    let path = config_for(dir.path(), &up);
+    let mut sluice = Sluice::spawn(&["run", "-c", path.to_str().unwrap()]);
+    let (port, admin) = sluice.listening().await;
     assert!(sluice.ready(admin).await);
     let client = client_via(port);
     const N: usize = 500;
@@ -66,9 +67,11 @@ async fn a_stalled_log_pipe_never_blocks_a_request() {
     crypto();
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let (path, port, admin) = config_for(dir.path(), &up);
-    // stderr held, never read: the pipe (64 KiB) fills after a few hundred lines.
+    let path = config_for(dir.path(), &up);
+    // stderr held, never read after the "listening" line: the pipe (64 KiB) fills after
+    // a few hundred lines.
     let (mut child, mut stderr, _reaper) = spawn_piped(&path, &[("SLUICE_LOG_QUEUE", "1000")]);
+    let (port, admin) = listening_from(&mut stderr);
     let url = format!("http://127.0.0.1:{admin}/readyz");
     assert!(
         eventually(Duration::from_secs(10), || async {
@@ -137,7 +140,7 @@ async fn access_lines_can_be_sampled_or_turned_off_per_upstream() {
     crypto();
     let (quiet, sampled) = (Upstream::start().await, Upstream::start().await);
     let dir = tempfile::tempdir().unwrap();
-    let (path, port, admin) = binary_config(
+    let path = binary_config(
         dir.path(),
         &format!(
             "[[upstream]]\nname = \"quiet\"\nhosts = [\"127.0.0.1:{}\"]\naccess_log = 0\n\
@@ -146,7 +149,8 @@ async fn access_lines_can_be_sampled_or_turned_off_per_upstream() {
             sampled.addr.port()
         ),
     );
-    let sluice = Sluice::spawn(&["run", "-c", path.to_str().unwrap()]);
+    let mut sluice = Sluice::spawn(&["run", "-c", path.to_str().unwrap()]);
+    let (port, admin) = sluice.listening().await;
     assert!(sluice.ready(admin).await);
     let client = client_via(port);
     const N: usize = 400;
@@ -185,8 +189,9 @@ async fn a_lone_access_line_reaches_the_pipe_while_sluice_runs() {
     crypto();
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let (path, port, admin) = config_for(dir.path(), &up);
-    let (mut child, stderr, _reaper) = spawn_piped(&path, &[]);
+    let path = config_for(dir.path(), &up);
+    let (mut child, mut stderr, _reaper) = spawn_piped(&path, &[]);
+    let (port, admin) = listening_from(&mut stderr);
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in std::io::BufReader::new(stderr)

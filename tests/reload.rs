@@ -411,17 +411,10 @@ async fn the_binary_reloads_under_traffic_and_shuts_down_with_a_full_queue() {
     crypto();
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let (port, admin) = (free_port(), free_port());
-    let text = |limits: &str| {
-        config_on(
-            &format!("127.0.0.1:{port}"),
-            &format!("127.0.0.1:{admin}"),
-            limits,
-            "",
-        )
-    };
+    let text = |limits: &str| config(limits, "");
     let mut cm = ConfigMapDir::new(dir.path(), "sluice.toml", &text(&window(2, "1s")));
-    let sluice = Sluice::spawn(&["run", "-c", cm.path("sluice.toml").to_str().unwrap()]);
+    let mut sluice = Sluice::spawn(&["run", "-c", cm.path("sluice.toml").to_str().unwrap()]);
+    let (port, admin) = sluice.listening().await;
     assert!(sluice.ready(admin).await);
     let admin_url = format!("http://127.0.0.1:{admin}");
     let get = |path: &str| {
@@ -589,17 +582,7 @@ async fn busy_neighbours_and_a_restless_file_never_starve_a_reload() {
 async fn trace_logging_into_the_config_directory_is_quiet() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("sluice.toml");
-    let (port, admin) = (free_port(), free_port());
-    std::fs::write(
-        &path,
-        config_on(
-            &format!("127.0.0.1:{port}"),
-            &format!("127.0.0.1:{admin}"),
-            &window(2, "1s"),
-            "",
-        ),
-    )
-    .unwrap();
+    std::fs::write(&path, config(&window(2, "1s"), "")).unwrap();
     let log = dir.path().join("sluice.log");
     let mut sh = std::process::Command::new("sh");
     sh.arg("-c")
@@ -609,6 +592,22 @@ async fn trace_logging_into_the_config_directory_is_quiet() {
         ))
         .arg(env!("CARGO_BIN_EXE_sluice"));
     let sluice = Sluice::spawn_shell(sh, &["run", "-c", path.to_str().unwrap()]);
+    // Its stderr goes to the file: the "listening" line is read from there.
+    let mut admin = 0;
+    assert!(
+        eventually(Duration::from_secs(30), || {
+            let found = std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .lines()
+                .find_map(listening_ports);
+            if let Some((_, a)) = found {
+                admin = a;
+            }
+            async move { found.is_some() }
+        })
+        .await,
+        "sluice wrote its \"listening\" line"
+    );
     assert!(sluice.ready(admin).await);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let cpu = |pid: u32| -> u64 {
@@ -642,16 +641,7 @@ async fn trace_logging_into_the_config_directory_is_quiet() {
         lines_after - lines_before
     );
     // And a change is still seen.
-    std::fs::write(
-        &path,
-        config_on(
-            &format!("127.0.0.1:{port}"),
-            &format!("127.0.0.1:{admin}"),
-            &window(7, "1s"),
-            "",
-        ),
-    )
-    .unwrap();
+    std::fs::write(&path, config(&window(7, "1s"), "")).unwrap();
     let seen = eventually(Duration::from_secs(5), || async {
         let c = reqwest::get(format!("http://127.0.0.1:{admin}/config")).await;
         match c {

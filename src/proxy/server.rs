@@ -191,6 +191,9 @@ impl Server {
                 .filter_map(|l| l.local_addr().ok())
                 .collect(),
         );
+        if let (Ok(p), Ok(a)) = (proxy.local_addr(), admin.local_addr()) {
+            let _ = app.listening.set((p, a));
+        }
         let reloads = crate::reload::Triggers::new(&app);
         Ok(Server {
             app,

@@ -487,6 +487,8 @@ pub fn piped(
 pub struct Sluice {
     child: std::process::Child,
     log: Option<std::thread::JoinHandle<Vec<String>>>,
+    /// The proxy and admin ports from the "listening" line, once.
+    listening: Option<tokio::sync::oneshot::Receiver<(u16, u16)>>,
     // Declared last: if an assertion fails first, the binary must not outlive the test.
     _reaper: KillOnDrop,
 }
@@ -521,16 +523,38 @@ impl Sluice {
     fn spawn_command(command: std::process::Command, args: &[&str]) -> Sluice {
         use std::io::BufRead;
         let (child, stderr, reaper) = piped(command, args, &[]);
+        let (tx, rx) = tokio::sync::oneshot::channel();
         let log = std::thread::spawn(move || {
-            std::io::BufReader::new(stderr)
+            let mut tx = Some(tx);
+            let mut lines = Vec::new();
+            for line in std::io::BufReader::new(stderr)
                 .lines()
                 .map_while(Result::ok)
-                .collect::<Vec<_>>()
+            {
+                if let Some(ports) = listening_ports(&line)
+                    && let Some(tx) = tx.take()
+                {
+                    let _ = tx.send(ports);
+                }
+                lines.push(line);
+            }
+            lines
         });
         Sluice {
             child,
             log: Some(log),
+            listening: Some(rx),
             _reaper: reaper,
+        }
+    }
+
+    /// The ports its listeners bound, from its "listening" line: a config that says port
+    /// 0 for both lets the kernel pick, so no test races another process for a port.
+    pub async fn listening(&mut self) -> (u16, u16) {
+        let rx = self.listening.take().expect("asked once");
+        match tokio::time::timeout(Duration::from_secs(30), rx).await {
+            Ok(Ok(ports)) => ports,
+            _ => panic!("sluice wrote no \"listening\" line within 30 s"),
         }
     }
 
@@ -558,6 +582,7 @@ impl Sluice {
             mut child,
             log,
             _reaper: reaper,
+            ..
         } = self;
         let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
             .await
@@ -578,6 +603,47 @@ impl Drop for KillOnDrop {
             .args(["-KILL", &self.0.to_string()])
             .status();
     }
+}
+
+/// Reads `stderr` up to the "listening" line, byte by byte so that nothing after it is
+/// taken from the pipe; the ports it names.
+pub fn listening_from(stderr: &mut impl std::io::Read) -> (u16, u16) {
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    loop {
+        match stderr.read(&mut byte) {
+            Ok(1) if byte[0] == b'\n' => {
+                if let Some(ports) = listening_ports(&String::from_utf8_lossy(&line)) {
+                    return ports;
+                }
+                line.clear();
+            }
+            Ok(1) => line.push(byte[0]),
+            _ => panic!("sluice ended before its \"listening\" line"),
+        }
+    }
+}
+
+/// The proxy and admin ports of a "listening" line, in the text or the JSON format.
+pub fn listening_ports(line: &str) -> Option<(u16, u16)> {
+    if !line.contains("listening") {
+        return None;
+    }
+    let port = |key: &str| -> Option<u16> {
+        let at = line
+            .find(&format!("{key}="))
+            .map(|i| i + key.len() + 1)
+            .or_else(|| {
+                line.find(&format!("\"{key}\":\""))
+                    .map(|i| i + key.len() + 4)
+            })?;
+        let addr: String = line[at..]
+            .chars()
+            .take_while(|c| !c.is_whitespace() && *c != '"')
+            .collect();
+        addr.parse::<std::net::SocketAddr>().ok().map(|a| a.port())
+    };
+    Some((port("proxy")?, port("admin")?))
 }
 
 /// A port no one listens on now, for a process the test starts to bind. Taken below the
@@ -733,20 +799,19 @@ pub fn body_channel() -> (
     (tx, reqwest::Body::wrap_stream(stream))
 }
 
-/// A config on free ports for the binary, with `extra` appended; returns it with its
-/// proxy and admin ports.
-pub fn binary_config(dir: &std::path::Path, extra: &str) -> (std::path::PathBuf, u16, u16) {
-    let (port, admin) = (free_port(), free_port());
+/// A config for the binary on ports the kernel picks (see [`Sluice::listening`]), with
+/// `extra` appended.
+pub fn binary_config(dir: &std::path::Path, extra: &str) -> std::path::PathBuf {
     let path = dir.join("sluice.toml");
     std::fs::write(
         &path,
         format!(
-            "[proxy]\nlisten = \"127.0.0.1:{port}\"\nadmin = \"127.0.0.1:{admin}\"\n{extra}\n\
+            "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n{extra}\n\
              [egress]\nallow = [\"127.0.0.0/8\"]\n"
         ),
     )
     .unwrap();
-    (path, port, admin)
+    path
 }
 
 /// A client whose requests go through the proxy on `port`.
