@@ -664,7 +664,7 @@ async fn deny_and_allow_while_redis_is_away() {
     assert_eq!(r.status(), 503);
     assert_eq!(r.headers()["sluice-reason"], "cluster_unavailable");
     assert!(r.headers().contains_key("retry-after"));
-    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
     let body: serde_json::Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
     assert_eq!(body["error"]["code"], "sluice_cluster_unavailable");
     // Allow: more than the limit goes through within a second.
@@ -673,8 +673,9 @@ async fn deny_and_allow_while_redis_is_away() {
         let r = a.get(allow.upstream.url("/x")).send().await.unwrap();
         assert_eq!(r.status(), 200);
     }
+    // Limited to 5 a second, the 12 would take 2 s.
     assert!(
-        t.elapsed() < Duration::from_secs(1),
+        t.elapsed() < Duration::from_millis(1800),
         "unlimited: {:?}",
         t.elapsed()
     );
