@@ -85,7 +85,15 @@ async fn families_do_not_block_each_other() {
             c.get(url).send().await.unwrap().status()
         }));
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        metric_reaches(
+            &proxy,
+            r#"sluice_queue_depth{family="orders",upstream="api"}"#,
+            2.0
+        )
+        .await,
+        "two orders wait"
+    );
     let t0 = Instant::now();
     for i in 0..10 {
         let resp = client
@@ -129,7 +137,15 @@ async fn queue_bounds_answer_at_once_with_retry_after() {
         let (c, url) = (client.clone(), up.url("/queued"));
         waiting.push(tokio::spawn(async move { c.get(url).send().await }));
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        metric_reaches(
+            &proxy,
+            r#"sluice_queue_depth{family="-",upstream="api"}"#,
+            2.0
+        )
+        .await,
+        "the queue is full"
+    );
 
     let t0 = Instant::now();
     let full = client.get(up.url("/overflow")).send().await.unwrap();
@@ -233,7 +249,10 @@ async fn clients_that_give_up_while_queued_leave_the_bucket_at_full_speed() {
         let (c, url) = (client.clone(), up.url("/slow/1500"));
         tokio::spawn(async move { c.get(url).send().await.unwrap().status() })
     };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        eventually(Duration::from_secs(10), || async { !up.seen().is_empty() }).await,
+        "the holder reached the upstream"
+    );
     let impatient = reqwest::Client::builder()
         .proxy(reqwest::Proxy::all(proxy.url()).unwrap())
         .timeout(Duration::from_millis(300))

@@ -503,10 +503,11 @@ async fn shutdown_lets_in_flight_requests_finish() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     proxy.shutdown();
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(
-        proxy.admin_get("/readyz").await.0,
-        503,
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            proxy.admin_get("/readyz").await.0 == 503
+        })
+        .await,
         "not ready while draining"
     );
 

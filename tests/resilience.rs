@@ -336,7 +336,10 @@ async fn total_timeout_covers_the_queue_wait() {
         let (c, url) = (client.clone(), up.url("/slow/4000"));
         tokio::spawn(async move { c.get(url).send().await.unwrap().status() })
     };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        eventually(Duration::from_secs(10), || async { !up.seen().is_empty() }).await,
+        "the holder reached the upstream"
+    );
     let t0 = Instant::now();
     let resp = client.get(up.url("/queued")).send().await.unwrap();
     assert_eq!(resp.status(), 504);

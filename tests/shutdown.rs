@@ -31,7 +31,16 @@ async fn fifty_queued_clients_all_get_a_complete_response_when_the_drain_runs_ou
             (status, reason, body)
         }));
     }
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // One in flight, the rest queued behind it.
+    assert!(
+        metric_reaches(
+            &proxy,
+            r#"sluice_queue_depth{family="-",upstream="api"}"#,
+            49.0
+        )
+        .await,
+        "all queued"
+    );
     proxy.shutdown();
 
     let mut ok = 0;

@@ -105,9 +105,11 @@ async fn intercepted_https_is_limited_like_plain_http_over_h1_and_h2() {
     // A client that does not trust sluice's CA fails its handshake; it is counted.
     let (ok, _, _) = curl(strs(&["-sS", "--max-time", "10", "-x", &proxy.url(), &url])).await;
     assert!(!ok);
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let m = proxy.metrics().await;
-    assert!(m.contains("sluice_tls_handshake_failures_total 1"), "{m}");
+    assert!(
+        support::metric_reaches(&proxy, "sluice_tls_handshake_failures_total", 1.0).await,
+        "{}",
+        proxy.metrics().await
+    );
 }
 
 #[tokio::test]

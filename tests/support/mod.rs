@@ -399,6 +399,14 @@ impl Proxy {
 }
 
 /// The value of the sample `series` (name and labels exactly as exported), if present.
+/// Waits (up to 10 s) until `series` in the proxy's metrics reaches `at_least`.
+pub async fn metric_reaches(proxy: &Proxy, series: &str, at_least: f64) -> bool {
+    eventually(Duration::from_secs(10), || async {
+        metric(&proxy.metrics().await, series).is_some_and(|v| v >= at_least)
+    })
+    .await
+}
+
 pub fn metric(text: &str, series: &str) -> Option<f64> {
     text.lines()
         .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
