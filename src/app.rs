@@ -64,7 +64,7 @@ pub struct App {
     /// Replay copies of request bodies, against `proxy.max_replay_memory`.
     pub(crate) replay_budget: Arc<crate::proxy::replay::ReplayBudget>,
     /// Plain-HTTP upstream connections whose client connection has closed.
-    pub(crate) idle_conns: Arc<crate::proxy::affine::IdleConns>,
+    pub(crate) idle_conns: Arc<crate::proxy::pinned::IdleConns>,
     pub(crate) resolver: Resolver,
     pub(crate) handshake_log: HandshakeLog,
     draining: AtomicBool,

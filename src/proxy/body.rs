@@ -13,7 +13,7 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::BodyExt;
 use tokio::time::{Instant, Sleep};
 
-use super::affine::Lease;
+use super::pinned::Lease;
 use super::{Body, BoxError};
 use crate::limit::{Permit, SendHook};
 

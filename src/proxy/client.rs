@@ -10,9 +10,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use super::BoxError;
-use super::affine::Lease;
 use super::body::Outbound;
 use super::error::{ProxyError, chain, find_cause};
+use super::pinned::Lease;
 use crate::config::RetryOn;
 use crate::egress::{Connector, EgressError, Resolver};
 
@@ -41,7 +41,7 @@ impl UpstreamClient {
     }
 
     /// The response, with no lease: the pool keeps its connections (compare
-    /// `Affine::send`).
+    /// `PinnedConns::send`).
     pub async fn send(
         &self,
         req: Request<Outbound>,

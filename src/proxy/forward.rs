@@ -12,9 +12,9 @@ use hyper::body::Incoming;
 use tokio::time::Instant;
 use tokio_util::either::Either;
 
-use super::affine::Affine;
 use super::error::ProxyError;
 use super::headers::{append_via, strip_hop_by_hop};
+use super::pinned::PinnedConns;
 use super::{Body, empty, pipeline, stream};
 use crate::app::App;
 use crate::app::Live;
@@ -119,7 +119,7 @@ fn path_and_query(uri: &Uri) -> PathAndQuery {
 /// copied whole at every level that builds it (docs/BENCHMARKS.md).
 pub fn forward<'a>(
     app: &'a App,
-    upstreams: &'a Affine,
+    upstreams: &'a PinnedConns,
     req: Request<Incoming>,
 ) -> impl Future<Output = Response<Body>> + 'a {
     let start = Instant::now();
@@ -158,7 +158,7 @@ pub fn intercepted<'a>(
 #[allow(clippy::manual_async_fn, reason = "see above: arguments stored once")]
 fn route_and_send<'a>(
     app: &'a App,
-    upstreams: Option<&'a Affine>,
+    upstreams: Option<&'a PinnedConns>,
     req: Request<Incoming>,
     mut target: Target,
     start: Instant,

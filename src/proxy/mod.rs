@@ -1,21 +1,28 @@
 //! The proxy side: listener, worker threads and connections ([`server`], with its
 //! per-connection timers in `timer`), the two request kinds ([`forward`] for
 //! absolute-form, [`connect`] for tunnels), the [`pipeline`] every upstream request goes
-//! through, the upstream clients ([`affine`] for `http://`, the pooled [`client`] for
+//! through, the upstream clients ([`pinned`] for `http://`, the pooled [`client`] for
 //! TLS), and [`error`], the one place that turns failures into the responses sluice
 //! makes itself.
 
-pub mod affine;
 pub mod body;
 pub mod client;
 pub mod connect;
 pub mod error;
 pub mod forward;
 pub mod headers;
+pub mod pinned;
 pub mod pipeline;
 pub mod replay;
 pub mod server;
 pub(crate) mod timer;
+mod wake;
+
+/// The atomics and lock [`wake`] uses; `tests/loom_wake.rs` gives it loom's instead.
+mod sync {
+    pub use parking_lot::Mutex;
+    pub use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+}
 
 use bytes::Bytes;
 use http_body_util::BodyExt;

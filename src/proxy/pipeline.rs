@@ -8,7 +8,7 @@
 //!       └─ limiter                            FIFO admission within every limit
 //!          └─ attempt timeout attempt()       headers in time, then no stall between chunks
 //!             └─ upstream call                http://: the client connection's own
-//!                                             connections (affine.rs); TLS: the pool
+//!                                             connections (pinned.rs); TLS: the pool
 //! ```
 //!
 //! Retries sit outside the limiter, so every attempt pays the limits again; the breaker
@@ -26,10 +26,10 @@ use tokio::time::Instant;
 use tokio_util::either::Either;
 
 use super::Body;
-use super::affine::Affine;
 use super::body::{Outbound, ResponseBody, peek};
 use super::client::AttemptError;
 use super::error::ProxyError;
+use super::pinned::PinnedConns;
 use super::replay::{ClientFault, Replay};
 use super::timer::ConnTimer;
 use crate::app::App;
@@ -48,7 +48,7 @@ use crate::route::Route;
 pub fn run<'a>(
     app: &'a App,
     config: &'a Live,
-    upstreams: Option<&'a Affine>,
+    upstreams: Option<&'a PinnedConns>,
     route: Option<&'a Route>,
     req: Request<Body>,
 ) -> impl Future<Output = Result<Response<Body>, ProxyError>> + 'a {
@@ -167,7 +167,7 @@ impl Head {
 async fn retry_loop(
     app: &App,
     config: &Live,
-    upstreams: Option<&Affine>,
+    upstreams: Option<&PinnedConns>,
     route: &Route,
     policy: &Policy,
     mut head: Head,
@@ -437,7 +437,7 @@ impl Drop for ProbeGuard<'_> {
 fn attempt<'a>(
     app: &'a App,
     config: &'a Live,
-    upstreams: Option<&'a Affine>,
+    upstreams: Option<&'a PinnedConns>,
     route: Option<&'a Route>,
     timeout: Duration,
     req: Request<Body>,

@@ -26,7 +26,7 @@ use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::affine::{Affine, Driven};
+use super::pinned::{ClientAndUpstreams, PinnedConns};
 use super::timer::ConnTimer;
 use super::{Body, connect, forward};
 use crate::admin;
@@ -491,11 +491,11 @@ async fn serve_connection(
     worker: usize,
 ) {
     let send_timeout = app.config().proxy.send_timeout;
-    let affine = Affine::new(app.idle_conns.clone(), worker);
+    let conns = PinnedConns::new(app.idle_conns.clone(), worker);
     let shared = Arc::new(ConnShared {
         app,
         lc: lc.clone(),
-        upstreams: affine.clone(),
+        upstreams: conns.clone(),
         peer,
     });
     let svc = service_fn(move |req: Request<Incoming>| handle(shared.clone(), req));
@@ -508,7 +508,7 @@ async fn serve_connection(
         .max_header_size(MAX_HEAD_BYTES)
         .serve_connection(TokioIo::new(ClientIo::new(stream, slot, send_timeout)), svc)
         .with_upgrades();
-    let result = lc.until_drained(Driven::new(conn, affine)).await;
+    let result = lc.until_drained(ClientAndUpstreams::new(conn, conns)).await;
     if let Err(e) = result {
         tracing::debug!(%peer, error = %e, "client connection ended with an error");
     }
@@ -626,7 +626,7 @@ impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for ClientIo<T> {
 struct ConnShared {
     app: Arc<App>,
     lc: Lifecycle,
-    upstreams: Affine,
+    upstreams: PinnedConns,
     peer: SocketAddr,
 }
 

@@ -2,7 +2,7 @@
 //! task. A keep-alive client's next request goes out on the upstream connection its last
 //! one used: no pool lookup, no shared lock, no spawned task, and no hop to another task
 //! and back (the client connection's task polls its upstream connections itself, see
-//! `Driven`). With one event loop per core (`server::Workers`) a request then stays on
+//! `ClientAndUpstreams`). With one event loop per core (`server::Workers`) a request then stays on
 //! one thread from the client's bytes to the upstream's and back.
 //!
 //! When the client leaves, its idle upstream connections go to an idle list
@@ -21,7 +21,6 @@ use std::future::Future;
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::{Context, Poll, Wake, Waker};
 
 use http::uri::{PathAndQuery, Uri};
@@ -35,6 +34,7 @@ use super::body::Outbound;
 use super::client::AttemptError;
 use super::server::Graceful;
 use super::timer::{ConnTimer, Deadline};
+use super::wake::SideWakes;
 use crate::egress::{Resolver, Rules};
 use crate::route::normalize_host;
 
@@ -106,14 +106,14 @@ struct Slot {
 struct State {
     slots: Vec<Slot>,
     next_id: u64,
-    /// Wakes the side of the `Driven` task that polls the upstream connections: a newly
+    /// Wakes the side of the `ClientAndUpstreams` task that polls the upstream connections: a newly
     /// adopted connection has to be polled once before anything wakes it.
     waker: Option<Waker>,
 }
 
 /// The upstream connections of one client connection.
 #[derive(Clone)]
-pub struct Affine {
+pub struct PinnedConns {
     state: Arc<Mutex<State>>,
     shared: Arc<IdleConns>,
     /// The worker this client connection runs on (see `server::Workers`).
@@ -193,25 +193,25 @@ impl IdleConns {
 /// the connection goes back to its client connection for the next request; dropped
 /// earlier, the connection is closed (its response was not read to the end).
 pub struct Lease {
-    affine: Affine,
+    conns: PinnedConns,
     id: u64,
     sender: Sender,
 }
 
 impl Lease {
     pub fn release(self) {
-        let Lease { affine, id, sender } = self;
-        let mut st = lock(&affine.state);
+        let Lease { conns, id, sender } = self;
+        let mut st = lock(&conns.state);
         if let Some(slot) = st.slots.iter_mut().find(|s| s.id == id) {
             slot.sender = Some((sender, Instant::now()));
         }
     }
 }
 
-impl Affine {
+impl PinnedConns {
     /// Needs a tokio runtime (for its timer).
-    pub fn new(shared: Arc<IdleConns>, worker: usize) -> Affine {
-        Affine {
+    pub fn new(shared: Arc<IdleConns>, worker: usize) -> PinnedConns {
+        PinnedConns {
             state: Arc::default(),
             shared,
             worker,
@@ -268,7 +268,7 @@ impl Affine {
                     }
                     Ok(resp) => {
                         let lease = Lease {
-                            affine: self.clone(),
+                            conns: self.clone(),
                             id,
                             sender,
                         };
@@ -423,16 +423,18 @@ fn origin_form(uri: &Uri) -> Uri {
 ///
 /// The two sides wake each other several times per request (request written, response
 /// head, body wanted, body sent). Going through the scheduler for each would cost a task
-/// poll apiece, so while this future is being polled a wake only marks it to go round
-/// again; only a wake from outside (a socket, a timer, another task) reaches the task.
+/// poll apiece, so while this future is being polled a wake only marks its side to be
+/// polled in another round of the same poll; only a wake from outside (a socket, a
+/// timer, another task) reaches the task. [`SideWakes`] holds the protocol and its
+/// invariants.
 ///
 /// Each side has its own waker, and a round polls only the sides woken since their last
 /// poll: a side not woken has nothing to do, and polling it anyway cost each of its
-/// sockets a readiness check (17 per request, a tenth of the instructions, before).
-pub(crate) struct Driven<C> {
+/// sockets a readiness check.
+pub(crate) struct ClientAndUpstreams<C> {
     conn: Pin<Box<C>>,
-    affine: Affine,
-    wake: Arc<Rewake>,
+    conns: PinnedConns,
+    wakes: Arc<SideWakes>,
     /// For the client connection and everything its requests wait on.
     client: Waker,
     /// For the upstream connections.
@@ -443,122 +445,72 @@ pub(crate) struct Driven<C> {
 /// worker thread from its other tasks.
 const MAX_ROUNDS: usize = 8;
 
-const IDLE: u8 = 0;
-const POLLING: u8 = 1;
-const WOKEN: u8 = 2;
-
-/// Sides of a `Driven`, as bits of `Rewake::dirty`.
+/// The sides of a `ClientAndUpstreams`, as bits of its [`SideWakes`].
 const CLIENT: u8 = 1;
 const UPSTREAM: u8 = 2;
 
-/// What the two sides' wakers share: which sides were woken, and whether the task is
-/// being polled (a wake then only marks the side) or must be woken.
-struct Rewake {
-    state: AtomicU8,
-    dirty: AtomicU8,
-    task: Mutex<Option<Waker>>,
-}
-
-impl Rewake {
-    fn wake(&self, side: u8) {
-        // SeqCst here and in `Driven::poll`: the side is marked before the state is read,
-        // and the poll clears the state before it reads the marks, so that one of the two
-        // always sees the other.
-        self.dirty.fetch_or(side, Ordering::SeqCst);
-        match self
-            .state
-            .compare_exchange(POLLING, WOKEN, Ordering::SeqCst, Ordering::SeqCst)
-        {
-            Ok(_) | Err(WOKEN) => {}
-            Err(_) => {
-                if let Some(task) = lock(&self.task).as_ref() {
-                    task.wake_by_ref();
-                }
-            }
-        }
-    }
-
-    /// Whether `side` was woken, clearing the mark.
-    fn take(&self, side: u8) -> bool {
-        self.dirty.fetch_and(!side, Ordering::SeqCst) & side != 0
-    }
-}
-
 /// One side's waker.
-struct Side {
-    shared: Arc<Rewake>,
-    bit: u8,
+struct SideWaker {
+    wakes: Arc<SideWakes>,
+    side: u8,
 }
 
-impl Wake for Side {
+impl Wake for SideWaker {
     fn wake(self: Arc<Self>) {
         self.wake_by_ref()
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        self.shared.wake(self.bit)
+        self.wakes.wake(self.side)
     }
 }
 
-impl<C> Driven<C> {
-    pub(crate) fn new(conn: C, affine: Affine) -> Driven<C> {
-        let wake = Arc::new(Rewake {
-            state: AtomicU8::new(IDLE),
-            // Both are polled first.
-            dirty: AtomicU8::new(CLIENT | UPSTREAM),
-            task: Mutex::new(None),
-        });
-        let side = |bit| {
-            Waker::from(Arc::new(Side {
-                shared: wake.clone(),
-                bit,
+impl<C> ClientAndUpstreams<C> {
+    pub(crate) fn new(conn: C, conns: PinnedConns) -> ClientAndUpstreams<C> {
+        let wakes = Arc::new(SideWakes::new(CLIENT | UPSTREAM));
+        let side = |side| {
+            Waker::from(Arc::new(SideWaker {
+                wakes: wakes.clone(),
+                side,
             }))
         };
         let (client, upstream) = (side(CLIENT), side(UPSTREAM));
-        lock(&affine.state).waker = Some(upstream.clone());
-        Driven {
+        lock(&conns.state).waker = Some(upstream.clone());
+        ClientAndUpstreams {
             conn: Box::pin(conn),
-            affine,
-            wake,
+            conns,
+            wakes,
             client,
             upstream,
         }
     }
 }
 
-impl<C: Future> Future for Driven<C> {
+impl<C: Future> Future for ClientAndUpstreams<C> {
     type Output = C::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<C::Output> {
         let this = self.get_mut();
-        {
-            let mut task = lock(&this.wake.task);
-            if !task.as_ref().is_some_and(|t| t.will_wake(cx.waker())) {
-                *task = Some(cx.waker().clone());
-            }
-        }
-        let wake = &*this.wake;
+        let wakes = &*this.wakes;
+        wakes.set_task(cx.waker());
         for _ in 0..MAX_ROUNDS {
-            wake.state.store(POLLING, Ordering::SeqCst);
+            wakes.begin_round();
             // The client side first: a request it sends is written by the upstream side
             // just after, in the same round.
-            if wake.take(CLIENT)
+            if wakes.take(CLIENT)
                 && let Poll::Ready(out) = this
                     .conn
                     .as_mut()
                     .poll(&mut Context::from_waker(&this.client))
             {
-                wake.state.store(IDLE, Ordering::SeqCst);
-                this.affine.hand_over();
+                wakes.end_round();
+                this.conns.hand_over();
                 return Poll::Ready(out);
             }
-            if wake.take(UPSTREAM) {
-                this.affine.drive(&mut Context::from_waker(&this.upstream));
+            if wakes.take(UPSTREAM) {
+                this.conns.drive(&mut Context::from_waker(&this.upstream));
             }
-            wake.state.store(IDLE, Ordering::SeqCst);
-            // A wake from here on sees IDLE and wakes the task; one before this left its
-            // mark, and this round's own wakes did too: go round for them.
-            if wake.dirty.load(Ordering::SeqCst) == 0 {
+            if !wakes.end_round() {
                 return Poll::Pending;
             }
         }
@@ -567,11 +519,164 @@ impl<C: Future> Future for Driven<C> {
     }
 }
 
-impl<C: Graceful> Graceful for Driven<C> {
+impl<C: Graceful> Graceful for ClientAndUpstreams<C> {
     fn graceful_shutdown(self: Pin<&mut Self>) {
         let this = self.get_mut();
         this.conn.as_mut().graceful_shutdown();
-        // Nothing woke the client connection, but it has to be polled to act on this.
-        this.wake.dirty.fetch_or(CLIENT, Ordering::SeqCst);
+        // Nothing woke the client connection, but it has to be polled to act on this,
+        // whether or not the caller polls next.
+        this.wakes.wake(CLIENT);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+    /// The task's waker: counts the times the scheduler would have been asked to poll.
+    #[derive(Default)]
+    struct Count(AtomicUsize);
+
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.wake_by_ref()
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// A stand-in client connection that does what `script` says on each poll, keeping
+    /// the waker it was polled with.
+    struct Scripted<F> {
+        polls: Arc<AtomicUsize>,
+        waker: Arc<Mutex<Option<Waker>>>,
+        shutdown: Arc<AtomicBool>,
+        script: F,
+    }
+
+    impl<F: FnMut(usize, &Waker) + Unpin> Future for Scripted<F> {
+        type Output = &'static str;
+        fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<&'static str> {
+            let this = self.get_mut();
+            let n = this.polls.fetch_add(1, Ordering::SeqCst) + 1;
+            *this.waker.lock() = Some(cx.waker().clone());
+            if this.shutdown.load(Ordering::SeqCst) {
+                return Poll::Ready("closed");
+            }
+            (this.script)(n, cx.waker());
+            Poll::Pending
+        }
+    }
+
+    impl<F: FnMut(usize, &Waker) + Unpin> Graceful for Scripted<F> {
+        fn graceful_shutdown(self: Pin<&mut Self>) {
+            self.shutdown.store(true, Ordering::SeqCst);
+        }
+    }
+
+    struct Harness<F> {
+        task: Pin<Box<ClientAndUpstreams<Scripted<F>>>>,
+        polls: Arc<AtomicUsize>,
+        waker: Arc<Mutex<Option<Waker>>>,
+        woken: Arc<Count>,
+    }
+
+    impl<F: FnMut(usize, &Waker) + Unpin> Harness<F> {
+        fn new(script: F) -> Harness<F> {
+            let (polls, waker) = (Arc::new(AtomicUsize::new(0)), Arc::default());
+            let conn = Scripted {
+                polls: Arc::clone(&polls),
+                waker: Arc::clone(&waker),
+                shutdown: Arc::default(),
+                script,
+            };
+            let conns = PinnedConns::new(Arc::default(), 0);
+            Harness {
+                task: Box::pin(ClientAndUpstreams::new(conn, conns)),
+                polls,
+                waker,
+                woken: Arc::default(),
+            }
+        }
+
+        fn poll(&mut self) -> Poll<&'static str> {
+            let waker = Waker::from(self.woken.clone());
+            self.task.as_mut().poll(&mut Context::from_waker(&waker))
+        }
+
+        fn polls(&self) -> usize {
+            self.polls.load(Ordering::SeqCst)
+        }
+
+        fn woken(&self) -> usize {
+            self.woken.0.load(Ordering::SeqCst)
+        }
+
+        /// The client side's waker, as a socket would hold it.
+        fn client_waker(&self) -> Waker {
+            self.waker.lock().clone().expect("polled once")
+        }
+    }
+
+    #[tokio::test]
+    async fn a_wake_during_the_poll_goes_round_instead_of_through_the_scheduler() {
+        let mut h = Harness::new(|n, w: &Waker| {
+            if n == 1 {
+                w.wake_by_ref();
+            }
+        });
+        assert!(h.poll().is_pending());
+        assert_eq!(h.polls(), 2, "polled again in the same poll");
+        assert_eq!(h.woken(), 0, "the task was not woken");
+    }
+
+    #[tokio::test]
+    async fn a_wake_from_another_thread_during_the_poll_is_not_lost() {
+        let mut h = Harness::new(|n, w: &Waker| {
+            if n == 1 {
+                let w = w.clone();
+                std::thread::spawn(move || w.wake()).join().unwrap();
+            }
+        });
+        assert!(h.poll().is_pending());
+        assert_eq!(h.polls(), 2);
+        assert_eq!(h.woken(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_wake_after_the_poll_wakes_the_task_and_only_the_woken_side_is_polled() {
+        let mut h = Harness::new(|_, _: &Waker| {});
+        assert!(h.poll().is_pending());
+        assert_eq!((h.polls(), h.woken()), (1, 0));
+        // Polled again with nothing woken (the upstream side's turn, say): the client
+        // connection has nothing to do and is left alone.
+        assert!(h.poll().is_pending());
+        assert_eq!(h.polls(), 1);
+        let w = h.client_waker();
+        std::thread::spawn(move || w.wake()).join().unwrap();
+        assert_eq!(h.woken(), 1, "the task is woken once");
+        assert!(h.poll().is_pending());
+        assert_eq!(h.polls(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_side_that_keeps_waking_itself_yields_after_the_round_limit() {
+        let mut h = Harness::new(|_, w: &Waker| w.wake_by_ref());
+        assert!(h.poll().is_pending());
+        assert_eq!(h.polls(), MAX_ROUNDS);
+        assert_eq!(h.woken(), 1, "back to the scheduler, to be polled again");
+        assert!(h.poll().is_pending());
+        assert_eq!(h.polls(), 2 * MAX_ROUNDS);
+    }
+
+    #[tokio::test]
+    async fn a_graceful_shutdown_wakes_the_task_to_act_on_it() {
+        let mut h = Harness::new(|_, _: &Waker| {});
+        assert!(h.poll().is_pending());
+        h.task.as_mut().graceful_shutdown();
+        assert_eq!(h.woken(), 1, "no caller has to poll right after");
+        assert_eq!(h.poll(), Poll::Ready("closed"));
     }
 }
