@@ -79,12 +79,11 @@ pub(crate) async fn tunnel(
     let on_upgrade = hyper::upgrade::on(req);
 
     if upstream.is_some_and(|u| u.tls == TlsMode::Intercept) {
-        let (app, lc2) = (app.clone(), lc.clone());
-        let host2 = host.clone();
+        let (app, lifecycle, host) = (app.clone(), lc.clone(), host.clone());
         lc.tracker.spawn(async move {
             match on_upgrade.await {
                 Ok(upgraded) => {
-                    crate::tls::intercept::serve(app, lc2, upgraded, host2, port, peer).await
+                    crate::tls::intercept::serve(app, lifecycle, upgraded, host, port, peer).await
                 }
                 Err(e) => tracing::debug!(error = %e, "CONNECT upgrade failed"),
             }

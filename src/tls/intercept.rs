@@ -29,15 +29,15 @@ use crate::proxy::forward;
 use crate::proxy::server::Lifecycle;
 
 /// Serves one leaf whatever the client asks for: it was chosen for this connection.
-struct Fixed(Arc<CertifiedKey>);
+struct OneLeaf(Arc<CertifiedKey>);
 
-impl fmt::Debug for Fixed {
+impl fmt::Debug for OneLeaf {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Fixed")
+        f.write_str("OneLeaf")
     }
 }
 
-impl ResolvesServerCert for Fixed {
+impl ResolvesServerCert for OneLeaf {
     fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
         Some(self.0.clone())
     }
@@ -105,7 +105,7 @@ pub(crate) async fn serve(
         .with_safe_default_protocol_versions()
         .map(|b| {
             b.with_no_client_auth()
-                .with_cert_resolver(Arc::new(Fixed(leaf)))
+                .with_cert_resolver(Arc::new(OneLeaf(leaf)))
         });
     let mut config = match config {
         Ok(c) => c,
