@@ -19,6 +19,7 @@ use crate::limit::{Limiter, Plans};
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::proxy::client::UpstreamClient;
+use crate::route::{Route, Router};
 use crate::tls::TlsError;
 use crate::tls::ca::Authority;
 use crate::tls::intercept::HandshakeLog;
@@ -28,6 +29,8 @@ use crate::tls::intercept::HandshakeLog;
 /// come from the same config.
 pub struct Live {
     pub config: Config,
+    /// The config's hosts, indexed for routing.
+    pub router: Router,
     /// The limiter's view of each upstream, by upstream index.
     pub plans: Plans,
     pub policies: Policies,
@@ -45,6 +48,21 @@ pub struct Live {
     pub egress_rules: Arc<Rules>,
     /// Each route's per-request metric handles.
     pub route_metrics: crate::metrics::RouteTable,
+}
+
+impl Live {
+    /// Routes a request with this config (see [`Router::route`]).
+    pub fn route(
+        &self,
+        host: &str,
+        port: u16,
+        method: &http::Method,
+        path: &str,
+        headers: &http::HeaderMap,
+    ) -> Option<Route> {
+        self.router
+            .route(&self.config, host, port, method, path, headers)
+    }
 }
 
 impl Deref for Live {
@@ -133,6 +151,7 @@ impl AppBuilder {
             egress_rules,
             client,
             plans: limiter.plans(),
+            router: Router::new(&self.config.upstreams),
             config: self.config,
             policies,
             upstream_clients,
@@ -385,6 +404,7 @@ impl App {
             route_metrics: crate::metrics::RouteTable::new(&config, &self.metrics),
             egress_rules,
             client,
+            router: Router::new(&config.upstreams),
             config,
             plans,
             policies,

@@ -8,7 +8,7 @@ use http::{HeaderMap, Method, Uri};
 use crate::config::units::fmt_duration;
 use crate::config::{Config, Jitter, Limit, Policy, Priority, RetryOn, TlsMode, Unmatched};
 use crate::policy::is_idempotent;
-use crate::route::normalize_host;
+use crate::route::{Router, normalize_host};
 
 impl fmt::Display for Limit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -111,7 +111,8 @@ pub fn explain(
     line(&mut out, "request", &format!("{method} {url}"));
     line(&mut out, "egress", &egress(config, scheme, &host, port));
 
-    let Some(upstream_idx) = config.router.upstream(&host, port) else {
+    let router = Router::new(&config.upstreams);
+    let Some(upstream_idx) = router.upstream(&host, port) else {
         let what = match config.proxy.unmatched {
             Unmatched::Pass => "none: unmatched = \"pass\", forwarded without limits",
             Unmatched::Deny => "none: unmatched = \"deny\", refused with 403 sluice_denied",
@@ -138,8 +139,9 @@ pub fn explain(
     } else {
         method.clone()
     };
-    let route = config
+    let route = router
         .route(
+            config,
             &host,
             port,
             &route_method,

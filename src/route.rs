@@ -9,7 +9,7 @@ use http::{HeaderMap, Method};
 use sha2::{Digest, Sha256};
 
 use crate::config::pattern::{ip_literal, normalize_path};
-use crate::config::{Config, HostPattern, KeySource, Upstream};
+use crate::config::{Config, HostPattern, KeySource, Policy, Upstream};
 
 /// Host index built once per config. Exact names win over wildcards, a longer wildcard
 /// suffix wins over a shorter one, and a pattern with a port wins over one without —
@@ -156,18 +156,20 @@ pub struct Route {
     pub partition: Option<Partition>,
 }
 
-impl Config {
-    /// Routes a request; `None` means no upstream names the host.
+impl Router {
+    /// Routes a request of `config` (the one this router was built from); `None` means
+    /// no upstream names the host.
     pub fn route(
         &self,
+        config: &Config,
         host: &str,
         port: u16,
         method: &Method,
         path: &str,
         headers: &HeaderMap,
     ) -> Option<Route> {
-        let upstream = self.router.upstream(host, port)?;
-        let u = &self.upstreams[upstream];
+        let upstream = self.upstream(host, port)?;
+        let u = &config.upstreams[upstream];
         let path = normalize_path(path);
         let family = u.families.iter().position(|f| f.matches(method, &path));
         let partition = u.key.as_ref().and_then(|k| partition_of(k, headers));
@@ -177,22 +179,24 @@ impl Config {
             partition,
         })
     }
+}
 
-    /// The policy a route runs under: its family's, else its upstream's.
-    pub fn policy(&self, route: &Route) -> &crate::config::Policy {
-        let u = &self.upstreams[route.upstream];
-        route.family.map_or(&u.policy, |f| &u.families[f].policy)
+impl Route {
+    /// The policy this route runs under in `config`: its family's, else its upstream's.
+    pub fn policy<'c>(&self, config: &'c Config) -> &'c Policy {
+        let u = &config.upstreams[self.upstream];
+        self.family.map_or(&u.policy, |f| &u.families[f].policy)
     }
+}
 
-    /// Metric labels for a route: `("unmatched", "-")` when there is none.
-    pub fn labels(&self, route: Option<&Route>) -> (&str, &str) {
-        match route {
-            None => ("unmatched", "-"),
-            Some(r) => {
-                let u = &self.upstreams[r.upstream];
-                let f = r.family.map_or("-", |f| u.families[f].name.as_str());
-                (u.name.as_str(), f)
-            }
+/// Metric labels for a route of `config`: `("unmatched", "-")` when there is none.
+pub fn labels<'c>(config: &'c Config, route: Option<&Route>) -> (&'c str, &'c str) {
+    match route {
+        None => ("unmatched", "-"),
+        Some(r) => {
+            let u = &config.upstreams[r.upstream];
+            let f = r.family.map_or("-", |f| u.families[f].name.as_str());
+            (u.name.as_str(), f)
         }
     }
 }
@@ -250,8 +254,8 @@ hosts = ["api.market.example:8080"]
 
     fn route(c: &Config, host: &str, port: u16, m: &str, path: &str) -> (String, String) {
         let m = Method::from_bytes(m.as_bytes()).unwrap();
-        let r = c.route(host, port, &m, path, &HeaderMap::new());
-        let (u, f) = c.labels(r.as_ref());
+        let r = Router::new(&c.upstreams).route(c, host, port, &m, path, &HeaderMap::new());
+        let (u, f) = labels(c, r.as_ref());
         (u.to_string(), f.to_string())
     }
 
@@ -283,13 +287,14 @@ hosts = ["api.market.example:8080"]
     #[test]
     fn partition_is_stable_and_keyed() {
         let c = conf();
+        let router = Router::new(&c.upstreams);
         let mut h = HeaderMap::new();
         h.insert("authorization", "Bearer live_abc".parse().unwrap());
-        let r1 = c
-            .route("api.market.example", 443, &Method::GET, "/", &h)
+        let r1 = router
+            .route(&c, "api.market.example", 443, &Method::GET, "/", &h)
             .unwrap();
-        let r2 = c
-            .route("api.market.example", 443, &Method::GET, "/", &h)
+        let r2 = router
+            .route(&c, "api.market.example", 443, &Method::GET, "/", &h)
             .unwrap();
         assert_eq!(r1.partition, r2.partition);
         // The same value hashes the same everywhere: pin the digest.
@@ -300,12 +305,13 @@ hosts = ["api.market.example:8080"]
         assert_eq!(Partition::of(b"abc").short(), Partition::of(b"abc").short());
 
         h.insert("authorization", "Bearer test_abc".parse().unwrap());
-        let r3 = c
-            .route("api.market.example", 443, &Method::GET, "/", &h)
+        let r3 = router
+            .route(&c, "api.market.example", 443, &Method::GET, "/", &h)
             .unwrap();
         assert_ne!(r1.partition, r3.partition);
 
-        let none = c.route(
+        let none = router.route(
+            &c,
             "api.market.example",
             443,
             &Method::GET,

@@ -27,8 +27,6 @@ use spec::{BreakerSpec, ConfigSpec, PolicySpec, RetrySpec};
 pub use units::Margin;
 use units::{ser_duration, ser_opt_duration};
 
-use crate::route::Router;
-
 /// A config that could not be loaded; `Display` gives `file:line:col: message`.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -72,8 +70,6 @@ pub struct Config {
     pub egress: EgressConfig,
     /// SHA-256 of the file's bytes, to tell which config is live.
     pub sha256: String,
-    #[serde(skip)]
-    pub router: Router,
 }
 
 #[derive(Debug, Serialize)]
@@ -786,7 +782,6 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
 
     let egress = check_egress(&spec.egress)?;
 
-    let router = Router::new(&upstreams);
     Ok(Config {
         proxy,
         defaults,
@@ -795,7 +790,6 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
         cluster,
         egress,
         sha256,
-        router,
     })
 }
 

@@ -307,7 +307,7 @@ pub(crate) fn finish(
         path,
         start,
     } = *record;
-    let (upstream, family) = config.labels(route);
+    let (upstream, family) = crate::route::labels(&config.config, route);
     let (resp, failure) = match result {
         Ok(resp) => (resp, None),
         Err(e) => {

@@ -87,7 +87,7 @@ pub fn run<'a>(
             };
             return result.map_err(|e| blame(&body, e));
         };
-        let policy = config.policy(route);
+        let policy = route.policy(&config.config);
         let upstream = &config.upstreams[route.upstream];
         let retry = &policy.retry;
         if upstream.idempotency_generate
@@ -175,7 +175,7 @@ async fn retry_loop(
     deadline: Instant,
 ) -> Result<Response<Body>, ProxyError> {
     let upstream = &config.upstreams[route.upstream];
-    let (up_label, fam_label) = config.labels(Some(route));
+    let (up_label, fam_label) = crate::route::labels(&config.config, Some(route));
     let retry = &policy.retry;
     let shared = &config.policies.upstreams[route.upstream];
     let plan = &config.plans[route.upstream];
