@@ -655,7 +655,7 @@ impl Ticket {
 }
 
 /// Reports the instant a request is handed to its upstream connection (see
-/// `proxy::body::Outbound`), once.
+/// `proxy::outbound::Outbound`), once.
 pub struct SendHook(Arc<Ticket>);
 
 impl SendHook {

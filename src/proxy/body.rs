@@ -1,7 +1,7 @@
-//! Body plumbing for the pipeline (the replayable request body is `replay`'s): the
-//! request body that reports when the request is handed to its upstream connection,
-//! peeking at a response body for classification without losing a byte, and the response
-//! body that carries its concurrency permit and enforces the idle timeout between chunks.
+//! Response body plumbing for the pipeline (the request bodies are `outbound`'s and
+//! `replay`'s): peeking at a response body for classification without losing a byte, and
+//! the response body that carries its concurrency permit and its upstream connection's
+//! lease and enforces the idle timeout between chunks.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -15,63 +15,7 @@ use tokio::time::{Instant, Sleep};
 
 use super::pinned::Lease;
 use super::{Body, BoxError};
-use crate::limit::{Permit, SendHook};
-
-/// A request body on its way upstream, carrying the hook that reports the instant the
-/// request is handed to its connection: when hyper takes a request to write its head, it
-/// asks the body whether it is empty or how long it is (`is_end_stream` for HTTP/1,
-/// `size_hint` for HTTP/2), and never before. That is after connecting and TLS, on
-/// whichever connection the request got, and not at all for a request that never got
-/// one, so the limiter counts the request from there.
-pub struct Outbound {
-    inner: Body,
-    /// Taken by the first look; a `Cell` because the first look may be through `&self`.
-    hook: std::cell::Cell<Option<SendHook>>,
-}
-
-impl Outbound {
-    pub fn new(inner: Body, hook: Option<SendHook>) -> Outbound {
-        Outbound {
-            inner,
-            hook: std::cell::Cell::new(hook),
-        }
-    }
-
-    fn handed_over(&self) {
-        if let Some(hook) = self.hook.take() {
-            hook.fire();
-        }
-    }
-}
-
-impl From<Body> for Outbound {
-    fn from(inner: Body) -> Outbound {
-        Outbound::new(inner, None)
-    }
-}
-
-impl HttpBody for Outbound {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.handed_over();
-        Pin::new(&mut self.inner).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.handed_over();
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.handed_over();
-        self.inner.size_hint()
-    }
-}
+use crate::limit::Permit;
 
 /// Reads up to `limit` bytes of `body` for a look at it, and returns them with a body
 /// that still yields every frame, those already read first.

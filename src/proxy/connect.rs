@@ -21,7 +21,7 @@ use tokio::time::Instant;
 
 use super::error::ProxyError;
 use super::forward::{Record, finish};
-use super::server::Lifecycle;
+use super::lifecycle::Lifecycle;
 use super::{Body, empty};
 use crate::app::App;
 use crate::config::pattern::split_host_port;

@@ -11,6 +11,8 @@ pub mod connect;
 pub mod error;
 pub mod forward;
 pub mod headers;
+pub mod outbound;
+pub(crate) mod lifecycle;
 pub mod pinned;
 pub mod pipeline;
 pub mod replay;

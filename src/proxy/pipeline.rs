@@ -26,8 +26,9 @@ use tokio::time::Instant;
 use tokio_util::either::Either;
 
 use super::Body;
-use super::body::{Outbound, ResponseBody, peek};
-use super::client::AttemptError;
+use super::body::{ResponseBody, peek};
+use super::outbound::Outbound;
+use super::error::AttemptError;
 use super::error::ProxyError;
 use super::pinned::PinnedConns;
 use super::replay::{ClientFault, Replay};

@@ -28,6 +28,7 @@ use tokio_util::task::TaskTracker;
 
 use super::pinned::{ClientAndUpstreams, PinnedConns};
 use super::timer::ConnTimer;
+use super::lifecycle::Lifecycle;
 use super::{Body, connect, forward};
 use crate::admin;
 use crate::app::App;
@@ -45,69 +46,6 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// It is hyper's default, and left implicit on purpose: naming any limit makes hyper
 /// allocate and fill a header index array for every request instead of using the stack.
 pub const MAX_HEADERS: usize = 100;
-
-/// What connection and tunnel tasks need to know about shutdown.
-#[derive(Clone)]
-pub(crate) struct Lifecycle {
-    pub tracker: TaskTracker,
-    /// Cancelled when the drain starts: connections finish their current request and close.
-    pub drain: CancellationToken,
-    /// Cancelled when the drain time is up: whatever still runs is cut.
-    pub stop: CancellationToken,
-}
-
-/// A connection that can be asked to finish its current exchange and close.
-pub(crate) trait Graceful: Future {
-    fn graceful_shutdown(self: Pin<&mut Self>);
-}
-
-impl<I, S> Graceful for http1::UpgradeableConnection<I, S>
-where
-    Self: Future,
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-    S: hyper::service::HttpService<Incoming>,
-    S::ResBody: http_body::Body + 'static,
-    <S::ResBody as http_body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    fn graceful_shutdown(self: Pin<&mut Self>) {
-        http1::UpgradeableConnection::graceful_shutdown(self)
-    }
-}
-
-impl<I, S, E> Graceful for hyper_util::server::conn::auto::Connection<'_, I, S, E>
-where
-    Self: Future,
-    S: hyper::service::Service<Request<Incoming>, Response = Response<Body>>,
-    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    S::Future: 'static,
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + 'static,
-    E: hyper::rt::bounds::Http2ServerConnExec<S::Future, Body>,
-{
-    fn graceful_shutdown(self: Pin<&mut Self>) {
-        hyper_util::server::conn::auto::Connection::graceful_shutdown(self)
-    }
-}
-
-impl Lifecycle {
-    /// Serves a connection; when the drain starts it finishes the exchange in progress and
-    /// closes, and when the drain time is up it is cut.
-    pub(crate) async fn until_drained<C, T, E>(&self, conn: C) -> Result<(), E>
-    where
-        C: Graceful + Future<Output = Result<T, E>>,
-    {
-        tokio::pin!(conn);
-        tokio::select! {
-            r = conn.as_mut() => r.map(|_| ()),
-            _ = self.drain.cancelled() => {
-                conn.as_mut().graceful_shutdown();
-                tokio::select! {
-                    r = conn.as_mut() => r.map(|_| ()),
-                    _ = self.stop.cancelled() => Ok(()),
-                }
-            }
-        }
-    }
-}
 
 pub struct Server {
     app: Arc<App>,

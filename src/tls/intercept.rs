@@ -26,7 +26,7 @@ use tokio_rustls::LazyConfigAcceptor;
 use super::provider;
 use crate::app::App;
 use crate::proxy::forward;
-use crate::proxy::server::Lifecycle;
+use crate::proxy::lifecycle::Lifecycle;
 
 /// Serves one leaf whatever the client asks for: it was chosen for this connection.
 struct OneLeaf(Arc<CertifiedKey>);
