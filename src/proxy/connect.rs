@@ -83,7 +83,7 @@ pub(crate) async fn tunnel(
         lc.tracker.spawn(async move {
             match on_upgrade.await {
                 Ok(upgraded) => {
-                    crate::tls::intercept::serve(app, lifecycle, upgraded, host, port, peer).await
+                    super::intercept::serve(app, lifecycle, upgraded, host, port, peer).await
                 }
                 Err(e) => tracing::debug!(error = %e, "CONNECT upgrade failed"),
             }

@@ -11,6 +11,7 @@ pub mod connect;
 pub mod error;
 pub mod forward;
 pub mod headers;
+pub mod intercept;
 pub mod outbound;
 pub(crate) mod lifecycle;
 pub mod pinned;

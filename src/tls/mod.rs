@@ -1,12 +1,18 @@
-//! TLS: the interception CA (`ca`), the client side towards upstreams (`client`), and the
-//! server side that terminates intercepted CONNECT tunnels (`intercept`). rustls with the
+//! TLS: the interception CA (`ca`) and the client side towards upstreams (`client`); the
+//! server side that terminates intercepted CONNECT tunnels is `proxy::intercept`, which
+//! uses both. rustls with the
 //! ring provider throughout, so the build needs no C toolchain beyond the one cargo has.
 
 pub mod ca;
 pub mod client;
-pub mod intercept;
 
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use rustls::crypto::CryptoProvider;
 
@@ -33,4 +39,28 @@ pub enum TlsError {
 /// The one crypto provider sluice uses.
 pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Logs handshake failures once per client address per minute; a client that does not
+/// trust the CA retries often and would flood the log otherwise.
+#[derive(Default)]
+pub struct HandshakeLog {
+    last: Mutex<HashMap<IpAddr, Instant>>,
+}
+
+impl HandshakeLog {
+    pub(crate) fn should_log(&self, ip: IpAddr) -> bool {
+        let now = Instant::now();
+        let mut last = self.last.lock();
+        if last.len() > 4096 {
+            last.retain(|_, t| now - *t < Duration::from_secs(60));
+        }
+        match last.get(&ip) {
+            Some(t) if now - *t < Duration::from_secs(60) => false,
+            _ => {
+                last.insert(ip, now);
+                true
+            }
+        }
+    }
 }

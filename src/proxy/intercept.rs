@@ -3,13 +3,10 @@
 //! serves HTTP/1.1 or HTTP/2 (by ALPN) inside. Every request then goes through the same
 //! pipeline as plain HTTP, addressed to the CONNECT target over verified TLS.
 
-use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::convert::Infallible;
 use std::fmt;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use http::Request;
 use hyper::body::Incoming;
@@ -20,13 +17,12 @@ use hyper_util::server::conn::auto;
 use rustls::ServerConfig;
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
-use tokio::time::Instant;
 use tokio_rustls::LazyConfigAcceptor;
 
-use super::provider;
+use crate::tls::provider;
 use crate::app::App;
-use crate::proxy::forward;
-use crate::proxy::lifecycle::Lifecycle;
+use super::forward;
+use super::lifecycle::Lifecycle;
 
 /// Serves one leaf whatever the client asks for: it was chosen for this connection.
 struct OneLeaf(Arc<CertifiedKey>);
@@ -40,30 +36,6 @@ impl fmt::Debug for OneLeaf {
 impl ResolvesServerCert for OneLeaf {
     fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
         Some(self.0.clone())
-    }
-}
-
-/// Logs handshake failures once per client address per minute; a client that does not
-/// trust the CA retries often and would flood the log otherwise.
-#[derive(Default)]
-pub struct HandshakeLog {
-    last: Mutex<HashMap<IpAddr, Instant>>,
-}
-
-impl HandshakeLog {
-    fn should_log(&self, ip: IpAddr) -> bool {
-        let now = Instant::now();
-        let mut last = self.last.lock();
-        if last.len() > 4096 {
-            last.retain(|_, t| now - *t < Duration::from_secs(60));
-        }
-        match last.get(&ip) {
-            Some(t) if now - *t < Duration::from_secs(60) => false,
-            _ => {
-                last.insert(ip, now);
-                true
-            }
-        }
     }
 }
 
