@@ -3,10 +3,11 @@
 //!
 //! Module map, in the order a request meets them:
 //!
+//! - [`server`]: the process's wiring: listeners, admin, reloads, the shutdown sequence.
 //! - [`proxy::server`]: accept loop, per-connection HTTP/1.1, graceful drain.
 //! - [`proxy::forward`] / [`proxy::connect`]: absolute-form requests and CONNECT tunnels;
-//!   hop-by-hop handling; egress checks ([`egress`]); [`tls`] for intercepted tunnels,
-//!   the interception CA and trust towards upstreams.
+//!   hop-by-hop handling; egress checks ([`egress`]); [`proxy::intercept`] for
+//!   intercepted tunnels, with [`tls`] for the interception CA and trust towards upstreams.
 //! - [`route`]: host → upstream, method + path → family, key header → partition.
 //! - [`proxy::pipeline`]: the single function through which every request reaches an
 //!   upstream. Policies nest in this order, outermost first:
@@ -29,7 +30,11 @@
 //!   as stderr is.
 //! - [`admin`] and [`metrics`]: the operator's side; [`reload`]: the file watcher and
 //!   SIGHUP, which with `POST /reload` end in [`app::App::reload`].
-//! - [`app::App`]: wires the parts together; no globals, tests build their own.
+//! - [`app::App`]: the state every part shares (the live config with its router, plans
+//!   and clients; limiter; metrics); no globals, tests build their own.
+//!
+//! Modules depend downward only (docs/architecture.md, "Layers"); there are no import
+//! cycles.
 
 #![deny(unsafe_code)]
 
@@ -47,8 +52,9 @@ pub mod proxy;
 pub mod reload;
 pub mod rlimit;
 pub mod route;
+pub mod server;
 pub mod tls;
 
 pub use app::App;
 pub use config::Config;
-pub use proxy::server::Server;
+pub use server::Server;

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::{CallError, Cluster, GlobalLimit, Kind, Mode, Reply, micros};
 use crate::config::Limit;
-use crate::limit::LimitError;
+use crate::limit::error::LimitError;
 use crate::limit::kinds::LimitState;
 use crate::route::Partition;
 

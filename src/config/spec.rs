@@ -410,7 +410,7 @@ impl LimitSpec {
 }
 
 mod pos_dur_serde {
-    use super::super::units::{PosDur, ser_duration};
+    use crate::config::units::{PosDur, ser_duration};
     use serde::{Deserialize, Deserializer, Serializer};
     use std::time::Duration;
 

@@ -21,7 +21,10 @@
 //! permits back.
 
 pub mod bucket;
+pub mod error;
 pub mod kinds;
+
+pub use error::LimitError;
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use std::collections::HashMap;
@@ -37,7 +40,8 @@ use tokio::time::Instant;
 use bucket::{Admitted, Bucket, FamilyRef, FamilySpec, LimitRef, PartitionSpec, Reject};
 use kinds::{Id, LimitState};
 
-use crate::cluster::{Admission, Cluster, GlobalLimit, Hold, Shared};
+use crate::cluster::partition::{Admission, Hold, Shared};
+use crate::cluster::{Cluster, GlobalLimit};
 use crate::config::units::fmt_duration;
 use crate::config::{Config, Limit, Priority, Upstream};
 use crate::metrics::Metrics;
@@ -680,27 +684,6 @@ impl SendHook {
             && epoch.is_some()
         {
             g.sent(now);
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum LimitError {
-    #[error("the queue for this bucket is full")]
-    QueueFull { retry_after: Duration },
-    #[error("admission would take longer than max_wait")]
-    QueueTimeout { retry_after: Duration },
-    #[error("sluice is shutting down and the drain time ran out before admission")]
-    ShuttingDown,
-    #[error("the Redis that holds the shared limits cannot be reached (on_redis_error = \"deny\")")]
-    ClusterUnavailable { retry_after: Duration },
-}
-
-impl From<Reject> for LimitError {
-    fn from(r: Reject) -> Self {
-        match r {
-            Reject::QueueFull { retry_after } => LimitError::QueueFull { retry_after },
-            Reject::QueueTimeout { retry_after } => LimitError::QueueTimeout { retry_after },
         }
     }
 }

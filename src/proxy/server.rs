@@ -1,6 +1,7 @@
 //! The proxy listener: accept loops, one HTTP/1.1 connection task per client (keep-alive,
-//! upgrades for CONNECT), and the shutdown sequence: stop being ready, optionally keep
-//! accepting for `shutdown_delay`, stop accepting, let work finish for `drain_timeout`.
+//! upgrades for CONNECT), the cap on connections, and each request's way from the client
+//! connection into `forward` or `connect`. The process around it (admin listener,
+//! reloads, shutdown sequence) is wired in `crate::server`.
 //!
 //! The binary serves clients thread-per-core ([`Workers`]): one single-threaded runtime
 //! per CPU, each running the connections it is given start to end, so a request never
@@ -24,13 +25,11 @@ use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use super::pinned::{ClientAndUpstreams, PinnedConns};
 use super::timer::ConnTimer;
 use super::lifecycle::Lifecycle;
 use super::{Body, connect, forward};
-use crate::admin;
 use crate::app::App;
 
 /// Request heads larger than this (request line plus headers) are answered 431, close to
@@ -46,16 +45,6 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// It is hyper's default, and left implicit on purpose: naming any limit makes hyper
 /// allocate and fill a header index array for every request instead of using the stack.
 pub const MAX_HEADERS: usize = 100;
-
-pub struct Server {
-    app: Arc<App>,
-    proxy: TcpListener,
-    admin: TcpListener,
-    /// Set up at bind, so that no change to the file after `bind` returns is missed.
-    reloads: crate::reload::Triggers,
-    /// Runtimes that accept and serve clients; none: the runtime `run` is called on.
-    workers: Vec<Handle>,
-}
 
 /// Single-threaded runtimes on their own threads, one per core by default, that serve
 /// client connections. Dropping it stops them (after the server has drained).
@@ -101,177 +90,6 @@ impl Drop for Workers {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
-#[error("cannot listen on {addr} ({what}): {source}")]
-pub struct BindError {
-    addr: SocketAddr,
-    what: &'static str,
-    #[source]
-    source: io::Error,
-}
-
-impl Server {
-    /// Binds the proxy and admin listeners named in the config (port 0 picks a free port).
-    pub async fn bind(app: Arc<App>) -> Result<Server, BindError> {
-        let config = app.config();
-        let bind = |addr: SocketAddr, what: &'static str| async move {
-            TcpListener::bind(addr)
-                .await
-                .map_err(|source| BindError { addr, what, source })
-        };
-        let proxy = bind(config.proxy.listen, "proxy listener").await?;
-        let admin = bind(config.proxy.admin, "admin listener").await?;
-        // Never a destination: a request through the proxy must not reach the admin API
-        // or loop back into the proxy.
-        app.resolver.set_own(
-            [&proxy, &admin]
-                .iter()
-                .filter_map(|l| l.local_addr().ok())
-                .collect(),
-        );
-        if let (Ok(p), Ok(a)) = (proxy.local_addr(), admin.local_addr()) {
-            let _ = app.listening.set((p, a));
-        }
-        let reloads = crate::reload::Triggers::new(&app);
-        Ok(Server {
-            app,
-            proxy,
-            admin,
-            reloads,
-            workers: Vec::new(),
-        })
-    }
-
-    /// Serves clients on these runtimes (see [`Workers`]) instead of the caller's.
-    pub fn serve_on(mut self, workers: Vec<Handle>) -> Server {
-        self.workers = workers;
-        self
-    }
-
-    pub fn proxy_addr(&self) -> SocketAddr {
-        self.proxy
-            .local_addr()
-            .unwrap_or_else(|_| self.app.config().proxy.listen)
-    }
-
-    pub fn admin_addr(&self) -> SocketAddr {
-        self.admin
-            .local_addr()
-            .unwrap_or_else(|_| self.app.config().proxy.admin)
-    }
-
-    /// Serves until `shutdown` resolves, then drains and returns.
-    pub async fn run(self, shutdown: impl Future<Output = ()>) {
-        let Server {
-            app,
-            proxy,
-            admin,
-            reloads,
-            workers,
-        } = self;
-        let lc = Lifecycle {
-            tracker: TaskTracker::new(),
-            drain: CancellationToken::new(),
-            stop: CancellationToken::new(),
-        };
-        let admin_task = tokio::spawn(admin::serve(app.clone(), admin, lc.stop.clone()));
-        let sweeper = tokio::spawn(sweep_idle_partitions(app.clone(), lc.stop.clone()));
-        reloads.start(&app, &lc.stop);
-        let default_cap = crate::rlimit::default_max_connections(crate::rlimit::nofile());
-        tracing::info!(
-            listen = %proxy.local_addr().map_or("?".into(), |a| a.to_string()),
-            max_connections = app.config().proxy.max_connections.unwrap_or(default_cap),
-            "sluice is ready"
-        );
-
-        let accepting = CancellationToken::new();
-        if !workers.is_empty() {
-            app.limiter.drive_on(Handle::current());
-        }
-        let workers = workers
-            .into_iter()
-            .map(|handle| Worker {
-                handle,
-                live: Arc::default(),
-            })
-            .collect();
-        let accept = tokio::spawn(accept_loop(
-            app.clone(),
-            (proxy, default_cap),
-            lc.clone(),
-            accepting.clone(),
-            workers,
-        ));
-        shutdown.await;
-
-        let config = app.config();
-        app.start_draining();
-        let delay = config.proxy.shutdown_delay;
-        tracing::info!(shutdown_delay = ?delay, drain_timeout = ?config.proxy.drain_timeout, "shutdown: not ready any more");
-        if !delay.is_zero() {
-            tokio::time::sleep(delay).await; // still accepting meanwhile
-        }
-        accepting.cancel();
-        let _ = accept.await; // the listener is closed: new connections are refused
-
-        lc.drain.cancel();
-        lc.tracker.close();
-        if tokio::time::timeout(config.proxy.drain_timeout, lc.tracker.wait())
-            .await
-            .is_err()
-        {
-            tracing::warn!(
-                remaining = lc.tracker.len(),
-                "drain_timeout ran out: queued requests get 503 shutting_down, the rest is cut"
-            );
-            app.limiter.close();
-            // Time for those 503s to reach their clients before connections are cut.
-            let _ = tokio::time::timeout(Duration::from_secs(1), lc.tracker.wait()).await;
-        }
-        lc.stop.cancel();
-        lc.tracker.wait().await;
-        let _ = admin_task.await;
-        let _ = sweeper.await;
-        tracing::info!("shutdown complete");
-    }
-}
-
-/// Drops partitions that are idle and full again, so memory follows active keys.
-async fn sweep_idle_partitions(app: Arc<App>, stop: CancellationToken) {
-    let mut tick = tokio::time::interval(crate::limit::SWEEP_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {
-                let before = app.limiter.partitions();
-                let live = app.limiter.sweep();
-                app.idle_conns.expire(tokio::time::Instant::now());
-                app.metrics.partitions.set(i64::try_from(live).unwrap_or(i64::MAX));
-                if before.saturating_sub(live) >= 1024 {
-                    return_freed_memory();
-                }
-            }
-            _ = stop.cancelled() => return,
-        }
-    }
-}
-
-/// After many partitions are dropped, hands the freed heap back to the OS. glibc keeps
-/// freed memory in its per-thread arenas otherwise, so a burst of 100k keys would leave
-/// the resident size at its peak for good.
-#[allow(
-    unsafe_code,
-    reason = "malloc_trim is a libc call with no safe wrapper"
-)]
-fn return_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only releases free pages of the allocator's own arenas; it
-    // touches no memory in use and may be called from any thread at any time.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
 /// A runtime that serves clients, and how many connections it has now.
 struct Worker {
     handle: Handle,
@@ -287,7 +105,32 @@ impl Drop for Counted {
     }
 }
 
-/// `default_cap`: the connection cap when the config names none.
+/// Accepts and serves clients on `listener` until `accepting` is cancelled, on these
+/// runtimes (none: the caller's). `default_cap`: the connection cap when the config names
+/// none.
+pub(crate) fn spawn_accepting(
+    app: Arc<App>,
+    (listener, default_cap): (TcpListener, u64),
+    lc: Lifecycle,
+    accepting: CancellationToken,
+    workers: Vec<Handle>,
+) -> tokio::task::JoinHandle<()> {
+    let workers = workers
+        .into_iter()
+        .map(|handle| Worker {
+            handle,
+            live: Arc::default(),
+        })
+        .collect();
+    tokio::spawn(accept_loop(
+        app,
+        (listener, default_cap),
+        lc,
+        accepting,
+        workers,
+    ))
+}
+
 async fn accept_loop(
     app: Arc<App>,
     (listener, default_cap): (TcpListener, u64),

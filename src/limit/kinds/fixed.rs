@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{Id, turns_after};
+use super::time::{Id, turns_after};
 
 #[derive(Debug, Clone)]
 pub struct Fixed {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{Id, turns_after};
+use super::time::{Id, turns_after};
 
 /// `pending` requests are admitted but not sent: each holds a slot with no known return.
 /// `sent` holds, ascending, the latest instant the provider may have counted each sent

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::Id;
+use super::time::Id;
 
 /// GCRA in integers: `tat` is the theoretical arrival time of the next request, in
 /// nanoseconds since `base` multiplied by `rate`, so that the emission interval `per / rate`
