@@ -129,7 +129,7 @@ impl Sink {
 const EXIT_WAIT: Duration = Duration::from_secs(2);
 
 /// Stops the writer when dropped, after it wrote every line queued so far, or after
-/// [`EXIT_WAIT`] if stderr takes nothing.
+/// `EXIT_WAIT` (2 s) if stderr takes nothing.
 pub struct Guard {
     started: bool,
 }

@@ -206,7 +206,7 @@ impl RouteTable {
         }
     }
 
-    /// The handles of `route` (labelled as [`crate::config::Config::labels`] names it).
+    /// The handles of `route` (labelled as [`crate::route::labels`] names it).
     pub fn get(&self, route: Option<&crate::route::Route>) -> &RouteMetrics {
         let Some(r) = route else {
             return &self.unmatched;
@@ -493,7 +493,7 @@ mod tests {
     use super::*;
     use crate::route::Route;
 
-    /// Each route's handles count under the labels `Config::labels` gives it, common
+    /// Each route's handles count under the labels `route::labels` gives it, common
     /// outcomes and others alike.
     #[test]
     fn route_handles_count_under_the_route_labels() {

@@ -72,7 +72,7 @@ impl Server {
         })
     }
 
-    /// Serves clients on these runtimes (see [`Workers`]) instead of the caller's.
+    /// Serves clients on these runtimes (see [`crate::proxy::server::Workers`]) instead of the caller's.
     pub fn serve_on(mut self, workers: Vec<Handle>) -> Server {
         self.workers = workers;
         self
