@@ -20,9 +20,9 @@ use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::proxy::client::UpstreamClient;
 use crate::route::{Route, Router};
+use crate::tls::HandshakeLog;
 use crate::tls::TlsError;
 use crate::tls::ca::Authority;
-use crate::tls::HandshakeLog;
 
 /// One config and everything built from it. A request takes the `Arc<Live>` in force when
 /// it arrives and keeps it to its end, so its route, limits, policies and clients always

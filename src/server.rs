@@ -30,7 +30,6 @@ pub struct Server {
     workers: Vec<Handle>,
 }
 
-
 #[derive(Debug, thiserror::Error)]
 #[error("cannot listen on {addr} ({what}): {source}")]
 pub struct BindError {

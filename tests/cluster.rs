@@ -505,12 +505,18 @@ async fn three_replicas_share_each_limit_kind() {
 /// flushed, under three replicas' load, with `on_redis_error = "local"`: every window
 /// of the upstream's arrivals holds at most the limit throughout, no request waits past
 /// its timeouts, and the replicas are back on Redis, sharing, at the end.
+///
+/// Each of these is an outage every replica sees. The cluster timeout is 250 ms rather
+/// than the default 50 ms: on a loaded 2-core test machine, scheduling alone can make one
+/// replica's calls exceed 50 ms three times in a row while the others carry on through
+/// Redis, a partial outage, which the local fallback does not cover (docs/cluster.md,
+/// "Where this ends").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_failing_under_load_never_lets_the_limit_through() {
     support::crypto();
     let three = Three::start(
         "{ kind = \"sliding_window\", permits = 12, window = \"1s\", scope = \"global\" }",
-        "open_for = \"1s\"\n",
+        "open_for = \"1s\"\ntimeout = \"250ms\"\n",
     )
     .await;
     let t0 = Instant::now();
@@ -534,11 +540,15 @@ async fn redis_failing_under_load_never_lets_the_limit_through() {
     let arrivals = three.arrivals(t0);
     let mut provider = Counter::sliding(12, Duration::from_secs(1));
     if let Some(k) = first_refused(&mut provider, &arrivals) {
-        let at: Vec<f64> = arrivals[k.saturating_sub(13)..=k]
+        let at: Vec<(f64, usize)> = arrivals[k.saturating_sub(13)..=k]
             .iter()
-            .map(|a| (a.0 - t0).as_secs_f64())
+            .map(|a| ((a.0 - t0).as_secs_f64(), a.1))
             .collect();
-        panic!("more than 12 in a second at arrival {k}: {at:?}");
+        // When each replica fell back and came back, to tell a partial outage.
+        for (i, (s, _, _)) in three.replicas.iter().enumerate() {
+            eprintln!("replica {i}: {:#?}", s.log_lines("Redis"));
+        }
+        panic!("more than 12 in a second at arrival {k} (seconds, replica): {at:?}");
     }
     let all: Vec<(u16, Duration)> = statuses.into_iter().flatten().collect();
     assert!(

@@ -38,7 +38,6 @@ use crate::config::{ClusterConfig, Limit, OnRedisError};
 use crate::metrics::Metrics;
 use breaker::Breaker;
 
-
 /// The script every call runs.
 pub const SCRIPT: &str = include_str!("reserve.lua");
 

@@ -1,15 +1,14 @@
 //! The pooled upstream client: hyper-util's client over the egress [`Connector`], so every
 //! pooled connection has passed the egress rules.
 
-
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
-use super::outbound::Outbound;
 use super::error::{AttemptError, find_cause};
+use super::outbound::Outbound;
 use super::pinned::Lease;
 use crate::egress::{Connector, EgressError, Resolver};
 

@@ -7,8 +7,8 @@ use std::time::Duration;
 use http::{HeaderValue, Response, StatusCode, header};
 
 use super::{Body, BoxError, full};
-use crate::config::units::fmt_duration;
 use crate::config::RetryOn;
+use crate::config::units::fmt_duration;
 use crate::egress::EgressError;
 use crate::limit::LimitError;
 use crate::limit::bucket::retry_after as whole_seconds;

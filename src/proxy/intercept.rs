@@ -19,10 +19,10 @@ use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use tokio_rustls::LazyConfigAcceptor;
 
-use crate::tls::provider;
-use crate::app::App;
 use super::forward;
 use super::lifecycle::Lifecycle;
+use crate::app::App;
+use crate::tls::provider;
 
 /// Serves one leaf whatever the client asks for: it was chosen for this connection.
 struct OneLeaf(Arc<CertifiedKey>);

@@ -30,9 +30,9 @@ use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
 
-use super::outbound::Outbound;
 use super::error::AttemptError;
 use super::lifecycle::Graceful;
+use super::outbound::Outbound;
 use super::timer::{ConnTimer, Deadline};
 use super::wake::SideWakes;
 use crate::egress::{Resolver, Rules};

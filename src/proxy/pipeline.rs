@@ -27,9 +27,9 @@ use tokio_util::either::Either;
 
 use super::Body;
 use super::body::{ResponseBody, peek};
-use super::outbound::Outbound;
 use super::error::AttemptError;
 use super::error::ProxyError;
+use super::outbound::Outbound;
 use super::pinned::PinnedConns;
 use super::replay::{ClientFault, Replay};
 use super::timer::ConnTimer;

@@ -26,9 +26,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 
+use super::lifecycle::Lifecycle;
 use super::pinned::{ClientAndUpstreams, PinnedConns};
 use super::timer::ConnTimer;
-use super::lifecycle::Lifecycle;
 use super::{Body, connect, forward};
 use crate::app::App;
 

@@ -495,6 +495,8 @@ pub fn piped(
 pub struct Sluice {
     child: std::process::Child,
     log: Option<std::thread::JoinHandle<Vec<String>>>,
+    /// Every line so far, for a test that has to show them before the process ends.
+    lines: Arc<parking_lot::Mutex<Vec<String>>>,
     /// The proxy and admin ports from the "listening" line, once.
     listening: Option<tokio::sync::oneshot::Receiver<(u16, u16)>>,
     // Declared last: if an assertion fails first, the binary must not outlive the test.
@@ -532,6 +534,8 @@ impl Sluice {
         use std::io::BufRead;
         let (child, stderr, reaper) = piped(command, args, &[]);
         let (tx, rx) = tokio::sync::oneshot::channel();
+        let so_far: Arc<parking_lot::Mutex<Vec<String>>> = Arc::default();
+        let shared = so_far.clone();
         let log = std::thread::spawn(move || {
             let mut tx = Some(tx);
             let mut lines = Vec::new();
@@ -544,6 +548,7 @@ impl Sluice {
                 {
                     let _ = tx.send(ports);
                 }
+                shared.lock().push(line.clone());
                 lines.push(line);
             }
             lines
@@ -551,9 +556,20 @@ impl Sluice {
         Sluice {
             child,
             log: Some(log),
+            lines: so_far,
             listening: Some(rx),
             _reaper: reaper,
         }
+    }
+
+    /// Its log lines so far that contain `needle`.
+    pub fn log_lines(&self, needle: &str) -> Vec<String> {
+        self.lines
+            .lock()
+            .iter()
+            .filter(|l| l.contains(needle))
+            .cloned()
+            .collect()
     }
 
     /// The ports its listeners bound, from its "listening" line: a config that says port
