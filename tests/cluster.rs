@@ -506,17 +506,15 @@ async fn three_replicas_share_each_limit_kind() {
 /// of the upstream's arrivals holds at most the limit throughout, no request waits past
 /// its timeouts, and the replicas are back on Redis, sharing, at the end.
 ///
-/// Each of these is an outage every replica sees. The cluster timeout is 250 ms rather
-/// than the default 50 ms: on a loaded 2-core test machine, scheduling alone can make one
-/// replica's calls exceed 50 ms three times in a row while the others carry on through
-/// Redis, a partial outage, which the local fallback does not cover (docs/cluster.md,
-/// "Where this ends").
+/// Each of these is an outage every replica sees; one only some replicas see is not
+/// covered by the local fallback (docs/cluster.md, "Where this ends"), so on a violation
+/// the replicas' logs say which replica fell back when.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_failing_under_load_never_lets_the_limit_through() {
     support::crypto();
     let three = Three::start(
         "{ kind = \"sliding_window\", permits = 12, window = \"1s\", scope = \"global\" }",
-        "open_for = \"1s\"\ntimeout = \"250ms\"\n",
+        "open_for = \"1s\"\n",
     )
     .await;
     let t0 = Instant::now();

@@ -283,8 +283,9 @@ impl Shared {
         }
     }
 
-    /// One reserve call, carrying the corrections waiting. `Ok(None)`: Redis had lost
-    /// its data; it has been marked for a write-back, ask again.
+    /// One reserve call, carrying the corrections waiting. `Ok(None)`: Redis has lost its
+    /// data (found now, or by the flush task meanwhile) and a write-back is due; ask
+    /// again, and the caller writes back first.
     async fn reserve(
         self: &Arc<Self>,
         cluster: &Arc<Cluster>,
@@ -295,6 +296,14 @@ impl Shared {
         let member = cluster.member();
         let (known, pending) = {
             let mut st = self.state();
+            // Marked for a write-back since the caller looked (the flush task found the
+            // epoch changed, and forgot it): reserving now would send no epoch, so the
+            // script could not tell it lost its data and would reserve on an empty
+            // window, on top of what the other replicas admitted. Ask again: the caller
+            // writes back first.
+            if st.absorb {
+                return Ok(None);
+            }
             st.oldest = None;
             (st.epoch.clone(), std::mem::take(&mut st.pending))
         };
