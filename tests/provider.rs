@@ -346,11 +346,17 @@ async fn at_the_exact_limit(kind: &str, tls: bool, delays: Delays, margin: &str)
     let url = format!("http://{}/v1/orders", relay.addr);
     let total = PERMITS as usize * WINDOWS;
     let next = Arc::new(AtomicUsize::new(0));
+    // Every client is built, and waiting, before any sends: building one (TLS roots
+    // included) takes long enough on a busy machine that the first clients used to send
+    // their later requests before the last ones had sent their first, and took their turns.
+    let start = Arc::new(tokio::sync::Barrier::new(CLIENTS));
+    let built: Vec<reqwest::Client> = (0..CLIENTS).map(|_| proxy.client()).collect();
     let t0 = Instant::now();
     let mut clients = Vec::new();
-    for _ in 0..CLIENTS {
-        let (client, url, next) = (proxy.client(), url.clone(), next.clone());
+    for client in built {
+        let (url, next, start) = (url.clone(), next.clone(), start.clone());
         clients.push(tokio::spawn(async move {
+            start.wait().await;
             let mut statuses = Vec::new();
             while next.fetch_add(1, Ordering::Relaxed) < total {
                 let resp = client.get(&url).send().await.unwrap();
