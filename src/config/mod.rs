@@ -7,7 +7,7 @@ pub mod pattern;
 pub mod spec;
 pub mod units;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -760,7 +760,7 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
 
     let has_cluster = spec.cluster.is_some();
     let mut upstreams = Vec::with_capacity(spec.upstream.len());
-    let mut names: HashMap<String, ()> = HashMap::new();
+    let mut names: HashSet<String> = HashSet::new();
     let mut hosts_seen: HashMap<HostPattern, String> = HashMap::new();
     for u in spec.upstream {
         upstreams.push(check_upstream(
@@ -828,7 +828,7 @@ fn check_upstream(
     u: spec::UpstreamSpec,
     defaults: &Policy,
     has_cluster: bool,
-    names: &mut HashMap<String, ()>,
+    names: &mut HashSet<String>,
     hosts_seen: &mut HashMap<HostPattern, String>,
 ) -> Result<Upstream> {
     let name = check_name(&u.name, "upstream")?;
@@ -838,7 +838,7 @@ fn check_upstream(
             "\"unmatched\" is reserved for requests no upstream matches",
         ));
     }
-    if names.insert(name.clone(), ()).is_some() {
+    if !names.insert(name.clone()) {
         return Err(invalid(
             u.name.span(),
             format!("duplicate upstream name {name:?}"),
@@ -868,7 +868,7 @@ fn check_upstream(
     let policy = merge_policy(defaults, &u.policy())?;
 
     let mut families = Vec::with_capacity(u.family.len());
-    let mut fam_names: HashMap<String, ()> = HashMap::new();
+    let mut fam_names: HashSet<String> = HashSet::new();
     for f in &u.family {
         families.push(check_family(
             f,
@@ -923,7 +923,7 @@ fn check_family(
     name: &str,
     policy: &Policy,
     has_cluster: bool,
-    names: &mut HashMap<String, ()>,
+    names: &mut HashSet<String>,
 ) -> Result<Family> {
     let fname = check_name(&f.name, "family")?;
     if fname == "-" {
@@ -933,7 +933,7 @@ fn check_family(
             "family name \"-\" is reserved for requests that match no family",
         ));
     }
-    if names.insert(fname.clone(), ()).is_some() {
+    if !names.insert(fname.clone()) {
         return Err(invalid(
             f.name.span(),
             format!("duplicate family name {fname:?} in upstream {name:?}"),

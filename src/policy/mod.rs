@@ -50,10 +50,6 @@ pub fn wants_retry(
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock()
-}
-
 /// A circuit with the gauge that shows its state.
 pub struct Circuit {
     breaker: Mutex<Breaker>,
@@ -84,7 +80,7 @@ impl Circuit {
 
     /// Runs `f` on the breaker and updates the gauge if the state changed.
     pub fn with<R>(&self, f: impl FnOnce(&mut Breaker) -> R) -> R {
-        let mut b = lock(&self.breaker);
+        let mut b = self.breaker.lock();
         let before = b.state();
         let r = f(&mut b);
         let after = b.state();
@@ -114,7 +110,7 @@ impl UpstreamPolicies {
     }
 
     pub fn budget(&self) -> MutexGuard<'_, RetryBudget> {
-        lock(&self.budget)
+        self.budget.lock()
     }
 }
 

@@ -15,7 +15,7 @@
 //! TLS upstreams keep the shared pooled client ([`super::client`]): a handshake and an
 //! HTTP/2 connection are worth sharing between clients.
 
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::IpAddr;
@@ -48,10 +48,6 @@ const MAX_IDLE_PER_ADDR: usize = 256;
 type Addr = (usize, Box<str>, u16);
 type Driver = Pin<Box<dyn Future<Output = ()> + Send>>;
 type Sender = http1::SendRequest<Outbound>;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock()
-}
 
 /// One upstream connection: the handle requests are sent on, and the future that does the
 /// connection's I/O.
@@ -140,7 +136,7 @@ impl IdleConns {
         (resolver, rules): (&Resolver, &Arc<Rules>),
         now: Instant,
     ) -> Option<Conn> {
-        let mut map = lock(&self.by_addr);
+        let mut map = self.by_addr.lock();
         // Allocation-free lookup would need a borrowed key type; this runs once per client
         // connection and address, not per request.
         let key = (worker, Box::<str>::from(host), port);
@@ -161,7 +157,7 @@ impl IdleConns {
     }
 
     fn put(&self, worker: usize, conn: Conn) {
-        let mut map = lock(&self.by_addr);
+        let mut map = self.by_addr.lock();
         let list = map
             .entry((worker, conn.host.clone(), conn.port))
             .or_default();
@@ -172,7 +168,7 @@ impl IdleConns {
 
     /// Closes connections idle for longer than [`IDLE_TIMEOUT`].
     pub fn expire(&self, now: Instant) {
-        let mut map = lock(&self.by_addr);
+        let mut map = self.by_addr.lock();
         map.retain(|_, list| {
             list.retain(|c| !c.expired(now) && !c.sender.is_closed());
             !list.is_empty()
@@ -181,7 +177,7 @@ impl IdleConns {
 
     /// Connections waiting, for tests and the admin view.
     pub fn len(&self) -> usize {
-        lock(&self.by_addr).values().map(Vec::len).sum()
+        self.by_addr.lock().values().map(Vec::len).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -201,7 +197,7 @@ pub struct Lease {
 impl Lease {
     pub fn release(self) {
         let Lease { conns, id, sender } = self;
-        let mut st = lock(&conns.state);
+        let mut st = conns.state.lock();
         if let Some(slot) = st.slots.iter_mut().find(|s| s.id == id) {
             slot.sender = Some((sender, Instant::now()));
         }
@@ -298,7 +294,7 @@ impl PinnedConns {
         rules: &Arc<Rules>,
     ) -> Option<(u64, Sender)> {
         let now = Instant::now();
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         for s in st.slots.iter_mut() {
             if s.port != port || *s.host != *host {
                 continue;
@@ -346,7 +342,7 @@ impl PinnedConns {
                 tracing::debug!(error = %e, "upstream connection ended with an error");
             }
         });
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         Ok(adopt(
             &mut st,
             Conn {
@@ -362,14 +358,14 @@ impl PinnedConns {
 
     /// Polls every upstream connection; the ones that ended are forgotten.
     fn drive(&self, cx: &mut Context<'_>) {
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         st.slots
             .retain_mut(|s| s.driver.as_mut().poll(cx).is_pending());
     }
 
     /// The client left: idle connections go to the shared list, the rest are closed.
     fn hand_over(&self) {
-        let slots = std::mem::take(&mut lock(&self.state).slots);
+        let slots = std::mem::take(&mut self.state.lock().slots);
         for s in slots {
             if let Some((sender, idle_since)) = s.sender
                 && !sender.is_closed()
@@ -475,7 +471,7 @@ impl<C> ClientAndUpstreams<C> {
             }))
         };
         let (client, upstream) = (side(CLIENT), side(UPSTREAM));
-        lock(&conns.state).waker = Some(upstream.clone());
+        conns.state.lock().waker = Some(upstream.clone());
         ClientAndUpstreams {
             conn: Box::pin(conn),
             conns,

@@ -494,8 +494,9 @@ pub fn piped(
 /// The real `sluice` binary, run with `args`; its stderr is collected line by line.
 pub struct Sluice {
     child: std::process::Child,
-    log: Option<std::thread::JoinHandle<Vec<String>>>,
-    /// Every line so far, for a test that has to show them before the process ends.
+    /// Reads stderr into `lines` until the process closes it.
+    log: Option<std::thread::JoinHandle<()>>,
+    /// Every line so far: a test may look before the process ends.
     lines: Arc<parking_lot::Mutex<Vec<String>>>,
     /// The proxy and admin ports from the "listening" line, once.
     listening: Option<tokio::sync::oneshot::Receiver<(u16, u16)>>,
@@ -538,7 +539,6 @@ impl Sluice {
         let shared = so_far.clone();
         let log = std::thread::spawn(move || {
             let mut tx = Some(tx);
-            let mut lines = Vec::new();
             for line in std::io::BufReader::new(stderr)
                 .lines()
                 .map_while(Result::ok)
@@ -548,10 +548,8 @@ impl Sluice {
                 {
                     let _ = tx.send(ports);
                 }
-                shared.lock().push(line.clone());
-                lines.push(line);
+                shared.lock().push(line);
             }
-            lines
         });
         Sluice {
             child,
@@ -605,6 +603,7 @@ impl Sluice {
         let Sluice {
             mut child,
             log,
+            lines,
             _reaper: reaper,
             ..
         } = self;
@@ -613,7 +612,10 @@ impl Sluice {
             .unwrap();
         // It has exited: nothing is left to kill.
         std::mem::forget(reaper);
-        let log = log.map(|l| l.join().unwrap()).unwrap_or_default();
+        if let Some(l) = log {
+            l.join().unwrap();
+        }
+        let log = std::mem::take(&mut *lines.lock());
         (status.code(), log)
     }
 }
