@@ -179,3 +179,59 @@ fn fields_rest(data: &[u8]) -> &[u8] {
     }
     rest
 }
+
+/// The upstream response codec: a head parsed from bytes as they arrive in pieces
+/// (at every split of the input) is the head parsed from them at once, and so is the
+/// chunked body decoded after it; nothing panics.
+pub fn response(data: &[u8]) {
+    use bytes::BytesMut;
+    use sluice::proxy::h1::chunked::{Decoded, Decoder};
+    use sluice::proxy::h1::{Framing, parse_response};
+
+    // What a response gives: its status, fields, framing and (when chunked) the body's
+    // bytes, or the first error; and how much of the input was left over.
+    fn run(data: &[u8], step: usize) -> (String, usize) {
+        let mut buf = BytesMut::new();
+        let mut fed = 0;
+        let mut spans = Vec::new();
+        let head = loop {
+            match parse_response(&mut buf, &Method::GET, &mut spans) {
+                Ok(Some(h)) => break h,
+                Ok(None) if fed < data.len() => {
+                    let n = step.min(data.len() - fed);
+                    buf.extend_from_slice(&data[fed..fed + n]);
+                    fed += n;
+                }
+                Ok(None) => return ("incomplete head".into(), 0),
+                Err(e) => return (format!("head error: {e}"), 0),
+            }
+        };
+        let mut out = format!("{} {:?} {:?}", head.status, head.headers, head.framing);
+        if head.framing == Framing::Chunked {
+            let mut d = Decoder::default();
+            let mut body = Vec::new();
+            loop {
+                match d.decode(&mut buf) {
+                    Ok(Decoded::Data(b)) => body.extend_from_slice(&b),
+                    Ok(Decoded::End(t)) => {
+                        out += &format!(" body {body:?} trailers {t:?}");
+                        break;
+                    }
+                    Ok(Decoded::More) if fed < data.len() => {
+                        let n = step.min(data.len() - fed);
+                        buf.extend_from_slice(&data[fed..fed + n]);
+                        fed += n;
+                    }
+                    Ok(Decoded::More) => return (out + " incomplete body", 0),
+                    Err(e) => return (out + &format!(" body error: {e}"), 0),
+                }
+            }
+        }
+        (out, buf.len() + data.len() - fed)
+    }
+
+    let whole = run(data, data.len().max(1));
+    for step in [1, 2, 7, 64] {
+        assert_eq!(run(data, step), whole, "fed {step} bytes at a time");
+    }
+}

@@ -44,3 +44,8 @@ fn hints_corpus() {
 fn classify_corpus() {
     replay("classify", targets::classify);
 }
+
+#[test]
+fn response_corpus() {
+    replay("response", targets::response);
+}

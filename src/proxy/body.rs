@@ -13,7 +13,6 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::BodyExt;
 use tokio::time::{Instant, Sleep};
 
-use super::pinned::Lease;
 use super::{Body, BoxError};
 use crate::limit::Permit;
 
@@ -82,13 +81,12 @@ pub struct BodyStalled(Duration);
 
 /// An upstream response body on its way to the client. It holds the request's
 /// concurrency permit until the last frame (or until it is dropped), and fails the body
-/// if the upstream sends nothing for `idle`.
+/// if the upstream sends nothing for `idle`. (A plain-HTTP upstream's body gives its
+/// connection back itself, see `h1::conn`.)
 /// Generic over the upstream's body so that it is boxed once, here, not twice.
 pub struct ResponseBody<B> {
     inner: B,
     permit: Option<Permit>,
-    /// The upstream connection, given back for the next request once the body is read.
-    lease: Option<Lease>,
     idle: Duration,
     /// Armed the first time the upstream makes us wait, so a body that arrives with its
     /// headers (most API responses) never touches the timer wheel.
@@ -100,25 +98,20 @@ where
     B: HttpBody<Data = Bytes> + Unpin + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    pub fn wrap(inner: B, permit: Option<Permit>, lease: Option<Lease>, idle: Duration) -> Body {
+    pub fn wrap(inner: B, permit: Option<Permit>, idle: Duration) -> Body {
         let permit = permit.filter(Permit::holds_concurrency);
         ResponseBody {
             inner,
             permit,
-            lease,
             idle,
             timer: None,
         }
         .boxed_unsync()
     }
 
-    /// The whole body went through: the permit is free and the connection can carry the
-    /// next request.
+    /// The whole body went through: the permit is free.
     fn finished(&mut self) {
         self.permit = None;
-        if let Some(lease) = self.lease.take() {
-            lease.release();
-        }
     }
 }
 
@@ -153,7 +146,6 @@ where
             }
             Poll::Ready(Some(Err(e))) => {
                 this.permit = None;
-                this.lease = None;
                 Poll::Ready(Some(Err(e.into())))
             }
             Poll::Pending => {
@@ -163,7 +155,6 @@ where
                     .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
                 if timer.as_mut().poll(cx).is_ready() {
                     this.permit = None;
-                    this.lease = None;
                     return Poll::Ready(Some(Err(Box::new(BodyStalled(this.idle)))));
                 }
                 Poll::Pending
@@ -217,7 +208,6 @@ mod tests {
             );
         let mut body = ResponseBody::wrap(
             stream(http_body_util::StreamBody::new(s)),
-            None,
             None,
             Duration::from_secs(2),
         );

@@ -9,7 +9,6 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use super::error::{AttemptError, find_cause};
 use super::outbound::Outbound;
-use super::pinned::Lease;
 use crate::egress::{Connector, EgressError, Resolver};
 
 #[derive(Clone)]
@@ -36,12 +35,8 @@ impl UpstreamClient {
         UpstreamClient { inner }
     }
 
-    /// The response, with no lease: the pool keeps its connections (compare
-    /// `PinnedConns::send`).
-    pub async fn send(
-        &self,
-        req: Request<Outbound>,
-    ) -> Result<(Response<Incoming>, Option<Lease>), AttemptError> {
+    /// The response; the pool keeps its connections (compare `PinnedConns::send`).
+    pub async fn send(&self, req: Request<Outbound>) -> Result<Response<Incoming>, AttemptError> {
         let resp = self.inner.request(req).await.map_err(|e| {
             if let Some(egress) = find_cause::<EgressError>(&e).map(EgressError::copy) {
                 AttemptError::from_egress(egress)
@@ -58,6 +53,6 @@ impl UpstreamClient {
         if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
             return Err(AttemptError::unasked_upgrade());
         }
-        Ok((resp, None))
+        Ok(resp)
     }
 }

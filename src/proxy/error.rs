@@ -230,6 +230,15 @@ impl AttemptError {
         }
     }
 
+    /// A plain-HTTP upstream connection failed (see `h1`).
+    pub fn from_h1(e: super::h1::Error) -> AttemptError {
+        if e.is_protocol() {
+            AttemptError::Protocol(Box::new(e))
+        } else {
+            AttemptError::Reset(Box::new(e))
+        }
+    }
+
     /// sluice never asks for an upgrade on a forwarded request (`Upgrade` is hop-by-hop),
     /// so a 101 cannot be relayed: the client would read the next protocol as HTTP.
     pub fn unasked_upgrade() -> AttemptError {

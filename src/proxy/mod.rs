@@ -1,8 +1,8 @@
 //! The proxy side: listener, worker threads and connections ([`server`], with its
 //! per-connection timers in `timer`), the two request kinds ([`forward`] for
 //! absolute-form, [`connect`] for tunnels), the [`pipeline`] every upstream request goes
-//! through, the upstream clients ([`pinned`] for `http://`, the pooled [`client`] for
-//! TLS), and [`error`], the one place that turns failures into the responses sluice
+//! through, the upstream clients ([`pinned`] for `http://`, speaking sluice's own
+//! HTTP/1.1 client side from [`h1`], and the pooled [`client`] for TLS), and [`error`], the one place that turns failures into the responses sluice
 //! makes itself.
 
 pub mod body;
@@ -10,6 +10,7 @@ pub mod client;
 pub mod connect;
 pub mod error;
 pub mod forward;
+pub mod h1;
 pub mod headers;
 pub mod intercept;
 pub(crate) mod lifecycle;
@@ -19,13 +20,6 @@ pub mod pipeline;
 pub mod replay;
 pub mod server;
 pub(crate) mod timer;
-mod wake;
-
-/// The atomics and lock [`wake`] uses; `tests/loom_wake.rs` gives it loom's instead.
-mod sync {
-    pub use parking_lot::Mutex;
-    pub use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-}
 
 use bytes::Bytes;
 use http_body_util::BodyExt;

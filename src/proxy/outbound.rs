@@ -11,9 +11,9 @@ use super::{Body, BoxError};
 use crate::limit::SendHook;
 
 /// A request body on its way upstream, carrying the hook that reports the instant the
-/// request is handed to its connection: when hyper takes a request to write its head, it
-/// asks the body whether it is empty or how long it is (`is_end_stream` for HTTP/1,
-/// `size_hint` for HTTP/2), and never before. That is after connecting and TLS, on
+/// request is handed to its connection: when a client takes a request to write its head,
+/// it asks the body whether it is empty or how long it is (`h1::conn` both, hyper
+/// `is_end_stream` for HTTP/1 and `size_hint` for HTTP/2), and never before. That is after connecting and TLS, on
 /// whichever connection the request got, and not at all for a request that never got
 /// one, so the limiter counts the request from there.
 pub struct Outbound {

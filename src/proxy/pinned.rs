@@ -1,9 +1,10 @@
-//! Plain-HTTP upstream connections that follow the client connection, driven inside its
-//! task. A keep-alive client's next request goes out on the upstream connection its last
-//! one used: no pool lookup, no shared lock, no spawned task, and no hop to another task
-//! and back (the client connection's task polls its upstream connections itself, see
-//! `ClientAndUpstreams`). With one event loop per core (`server::Workers`) a request then stays on
-//! one thread from the client's bytes to the upstream's and back.
+//! Plain-HTTP upstream connections that follow the client connection. A keep-alive
+//! client's next request goes out on the upstream connection its last one used: no pool
+//! lookup across workers, no spawned task, and no hop to another task and back. The
+//! connection has no task of its own at all (see `h1::conn`): the request's future
+//! writes to it and the response body reads from it, both in the client connection's
+//! task, so with one event loop per core (`server::Workers`) a request stays on one
+//! thread from the client's bytes to the upstream's and back.
 //!
 //! When the client leaves, its idle upstream connections go to an idle list
 //! ([`IdleConns`]) for the next client on the same worker to adopt, so clients that open
@@ -12,6 +13,9 @@
 //! private to the client's session, as with haproxy's `http-reuse never`, except that
 //! idle ones are passed on rather than closed when the session ends.
 //!
+//! An idle connection is not watched: one the upstream closed is found out when it is
+//! taken (a `recv` that would block says it is still open) or swept.
+//!
 //! TLS upstreams keep the shared pooled client ([`super::client`]): a handshake and an
 //! HTTP/2 connection are worth sharing between clients.
 
@@ -19,22 +23,17 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::IpAddr;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
 
-use http::uri::{PathAndQuery, Uri};
+use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode};
-use hyper::body::Incoming;
-use hyper::client::conn::http1;
-use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
 
 use super::error::AttemptError;
-use super::lifecycle::Graceful;
+use super::h1::Error as H1Error;
+use super::h1::conn::{Conn, Failed, Home, Outgoing, UpstreamBody, exchange};
 use super::outbound::Outbound;
 use super::timer::{ConnTimer, Deadline};
-use super::wake::SideWakes;
 use crate::egress::{Resolver, Rules};
 use crate::route::normalize_host;
 
@@ -46,23 +45,34 @@ const MAX_IDLE_PER_ADDR: usize = 256;
 /// The worker whose event loop the connection's socket is registered with, host (as in
 /// the URL, without brackets) and port.
 type Addr = (usize, Box<str>, u16);
-type Driver = Pin<Box<dyn Future<Output = ()> + Send>>;
-type Sender = http1::SendRequest<Outbound>;
 
-/// One upstream connection: the handle requests are sent on, and the future that does the
-/// connection's I/O.
-struct Conn {
+/// Where a connection goes: host (as in the URL, without brackets), port, and the peer.
+struct Key {
     host: Box<str>,
     port: u16,
     peer: Peer,
-    sender: Sender,
-    driver: Driver,
-    idle_since: Instant,
 }
 
-impl Conn {
+/// An idle connection, and since when.
+struct Idle {
+    key: Key,
+    conn: Conn,
+    since: Instant,
+}
+
+impl Idle {
     fn expired(&self, now: Instant) -> bool {
-        now.saturating_duration_since(self.idle_since) >= IDLE_TIMEOUT
+        now.saturating_duration_since(self.since) >= IDLE_TIMEOUT
+    }
+
+    /// Fit to take `host:port`'s next request under `rules`.
+    fn usable(&mut self, now: Instant, resolver: &Resolver, rules: &Arc<Rules>) -> bool {
+        !self.expired(now)
+            && self
+                .key
+                .peer
+                .allowed(resolver, rules, &self.key.host, self.key.port)
+            && self.conn.idle_and_open()
     }
 }
 
@@ -88,23 +98,11 @@ impl Peer {
     }
 }
 
-/// A connection of a client connection, with its sender out while a request holds it.
-struct Slot {
-    id: u64,
-    host: Box<str>,
-    port: u16,
-    peer: Peer,
-    sender: Option<(Sender, Instant)>,
-    driver: Driver,
-}
-
 #[derive(Default)]
 struct State {
-    slots: Vec<Slot>,
-    next_id: u64,
-    /// Wakes the side of the `ClientAndUpstreams` task that polls the upstream connections: a newly
-    /// adopted connection has to be polled once before anything wakes it.
-    waker: Option<Waker>,
+    idle: Vec<Idle>,
+    /// The client connection has ended: connections given back go to the shared list.
+    left: bool,
 }
 
 /// The upstream connections of one client connection.
@@ -120,12 +118,10 @@ pub struct PinnedConns {
 
 /// Upstream connections whose client has left, waiting for another client on the same
 /// worker: a socket stays registered with the event loop it was opened on, so a client on
-/// another worker would have every readiness event cross threads. Not polled while here:
-/// a connection the upstream closed in the meantime is found out when it is adopted (and
-/// a request it could not send is sent on a fresh connection).
+/// another worker would have every readiness event cross threads.
 #[derive(Default)]
 pub struct IdleConns {
-    by_addr: Mutex<HashMap<Addr, Vec<Conn>>>,
+    by_addr: Mutex<HashMap<Addr, Vec<Idle>>>,
 }
 
 impl IdleConns {
@@ -135,42 +131,43 @@ impl IdleConns {
         (host, port): (&str, u16),
         (resolver, rules): (&Resolver, &Arc<Rules>),
         now: Instant,
-    ) -> Option<Conn> {
+    ) -> Option<(Key, Conn)> {
         let mut map = self.by_addr.lock();
         // Allocation-free lookup would need a borrowed key type; this runs once per client
         // connection and address, not per request.
         let key = (worker, Box::<str>::from(host), port);
         let list = map.get_mut(&key)?;
-        let conn = loop {
+        let found = loop {
             let mut c = list.pop()?;
-            if !c.expired(now)
-                && !c.sender.is_closed()
-                && c.peer.allowed(resolver, rules, host, port)
-            {
+            if c.usable(now, resolver, rules) {
                 break c;
             }
         };
         if list.is_empty() {
             map.remove(&key);
         }
-        Some(conn)
+        Some((found.key, found.conn))
     }
 
-    fn put(&self, worker: usize, conn: Conn) {
+    /// Parks a connection, unless the upstream has closed it already.
+    fn put(&self, worker: usize, idle: Idle) {
+        if !idle.conn.idle_and_open() {
+            return;
+        }
         let mut map = self.by_addr.lock();
         let list = map
-            .entry((worker, conn.host.clone(), conn.port))
+            .entry((worker, idle.key.host.clone(), idle.key.port))
             .or_default();
         if list.len() < MAX_IDLE_PER_ADDR {
-            list.push(conn);
+            list.push(idle);
         }
     }
 
-    /// Closes connections idle for longer than [`IDLE_TIMEOUT`].
+    /// Closes connections idle for longer than [`IDLE_TIMEOUT`] or closed by the upstream.
     pub fn expire(&self, now: Instant) {
         let mut map = self.by_addr.lock();
         map.retain(|_, list| {
-            list.retain(|c| !c.expired(now) && !c.sender.is_closed());
+            list.retain(|c| !c.expired(now) && c.conn.idle_and_open());
             !list.is_empty()
         });
     }
@@ -185,24 +182,32 @@ impl IdleConns {
     }
 }
 
-/// A request's hold on an upstream connection. Released at the end of the response body
-/// the connection goes back to its client connection for the next request; dropped
-/// earlier, the connection is closed (its response was not read to the end).
-pub struct Lease {
+/// Takes a connection back to its client connection once a response body has ended on it.
+pub struct Owner {
     conns: PinnedConns,
-    id: u64,
-    sender: Sender,
+    key: Key,
 }
 
-impl Lease {
-    pub fn release(self) {
-        let Lease { conns, id, sender } = self;
+impl Home for Owner {
+    fn take_back(self, conn: Conn) {
+        let Owner { conns, key } = self;
+        let idle = Idle {
+            key,
+            conn,
+            since: Instant::now(),
+        };
         let mut st = conns.state.lock();
-        if let Some(slot) = st.slots.iter_mut().find(|s| s.id == id) {
-            slot.sender = Some((sender, Instant::now()));
+        if st.left {
+            drop(st);
+            conns.shared.put(conns.worker, idle);
+        } else {
+            st.idle.push(idle);
         }
     }
 }
+
+/// A response from one of a client's own upstream connections.
+pub type PinnedResponse = Response<UpstreamBody<Owner>>;
 
 impl PinnedConns {
     /// Needs a tokio runtime (for its timer).
@@ -221,9 +226,8 @@ impl PinnedConns {
     }
 
     /// Sends `req` (absolute-form `http://` URI) on one of this client's upstream
-    /// connections, adopting an idle one or connecting when it has none. The lease goes
-    /// with the response body; a response without one (HEAD, 204, 304, length 0) gives
-    /// the connection back at once, since no one will read a body to its end.
+    /// connections, adopting an idle one or connecting when it has none. The connection
+    /// goes with the response body, which gives it back once read to its end.
     ///
     /// Not an `async fn`, which would keep a second copy of the request (see
     /// `forward::forward`).
@@ -231,9 +235,17 @@ impl PinnedConns {
         &'a self,
         (resolver, rules): (&'a Resolver, &'a Arc<Rules>),
         mut req: Request<Outbound>,
-    ) -> impl Future<Output = Result<(Response<Incoming>, Option<Lease>), AttemptError>> + 'a {
-        let origin = origin_form(req.uri());
-        let absolute = std::mem::replace(req.uri_mut(), origin);
+    ) -> impl Future<Output = Result<PinnedResponse, AttemptError>> + 'a {
+        // The request target as an upstream expects it (`/path?query`), the way a client
+        // talking to it directly would write it.
+        let target = req
+            .uri()
+            .path_and_query()
+            .filter(|pq| !pq.as_str().is_empty())
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        let absolute = std::mem::take(req.uri_mut());
+        let mut out = Outgoing::new(req, target);
         async move {
             let host = absolute
                 .host()
@@ -242,8 +254,8 @@ impl PinnedConns {
                 .ok_or_else(|| AttemptError::Connect("the request has no host".into()))?;
             let port = absolute.port_u16().unwrap_or(80);
             loop {
-                let ((id, mut sender), reused) = match self.checkout(host, port, resolver, rules) {
-                    Some(conn) => (conn, true),
+                let ((key, conn), reused) = match self.checkout(host, port, resolver, rules) {
+                    Some(found) => (found, true),
                     // Boxed: connecting is rare next to sending on a kept connection, and
                     // its future would otherwise size every request's.
                     None => (
@@ -251,35 +263,23 @@ impl PinnedConns {
                         false,
                     ),
                 };
-                if let Err(e) = sender.ready().await {
-                    if reused {
-                        continue; // closed while idle: the next one, or a new one
-                    }
-                    return Err(AttemptError::Reset(Box::new(e)));
-                }
-                match sender.try_send_request(req).await {
+                let owner = Owner {
+                    conns: self.clone(),
+                    key,
+                };
+                match exchange(conn, out, owner).await {
+                    // The connection went with the response, which is dropped: it closes.
                     Ok(resp) if resp.status() == StatusCode::SWITCHING_PROTOCOLS => {
-                        // Dropping the sender closes a connection in no known state.
                         return Err(AttemptError::unasked_upgrade());
                     }
-                    Ok(resp) => {
-                        let lease = Lease {
-                            conns: self.clone(),
-                            id,
-                            sender,
-                        };
-                        if http_body::Body::is_end_stream(resp.body()) {
-                            lease.release();
-                            return Ok((resp, None));
-                        }
-                        return Ok((resp, Some(lease)));
-                    }
-                    Err(mut e) => match e.take_message() {
-                        // Never written: the connection closed under us and nothing reached
-                        // the upstream, so it goes on another connection whatever the method.
-                        Some(unsent) if reused => req = unsent,
-                        _ => return Err(AttemptError::after_send(e.into_error())),
-                    },
+                    Ok(resp) => return Ok(resp),
+                    // Nothing reached the upstream (a kept connection closed under us):
+                    // it goes on another connection whatever the method.
+                    Err(Failed {
+                        error: H1Error::Io(_) | H1Error::Closed(_),
+                        unsent: Some(unsent),
+                    }) if reused => out = unsent,
+                    Err(failed) => return Err(AttemptError::from_h1(failed.error)),
                 }
             }
         }
@@ -292,26 +292,26 @@ impl PinnedConns {
         port: u16,
         resolver: &Resolver,
         rules: &Arc<Rules>,
-    ) -> Option<(u64, Sender)> {
+    ) -> Option<(Key, Conn)> {
         let now = Instant::now();
         let mut st = self.state.lock();
-        for s in st.slots.iter_mut() {
-            if s.port != port || *s.host != *host {
+        let mut i = 0;
+        while i < st.idle.len() {
+            let c = &st.idle[i];
+            if c.key.port != port || *c.key.host != *host {
+                i += 1;
                 continue;
             }
-            // An expired sender, or one the egress rules no longer allow, is dropped here,
-            // so its connection closes and the drive forgets it.
-            if let Some((sender, since)) = s.sender.take()
-                && now.saturating_duration_since(since) < IDLE_TIMEOUT
-                && s.peer.allowed(resolver, rules, host, port)
-            {
-                return Some((s.id, sender));
+            // One that expired, that the upstream closed, or that the egress rules no
+            // longer allow is dropped here, and closes.
+            let mut c = st.idle.swap_remove(i);
+            if c.usable(now, resolver, rules) {
+                return Some((c.key, c.conn));
             }
         }
-        let conn = self
-            .shared
-            .take(self.worker, (host, port), (resolver, rules), now)?;
-        Some(adopt(&mut st, conn))
+        drop(st);
+        self.shared
+            .take(self.worker, (host, port), (resolver, rules), now)
     }
 
     async fn connect(
@@ -320,7 +320,7 @@ impl PinnedConns {
         rules: &Arc<Rules>,
         host: &str,
         port: u16,
-    ) -> Result<(u64, Sender), AttemptError> {
+    ) -> Result<(Key, Conn), AttemptError> {
         let addrs = resolver
             .resolve(host, port)
             .await
@@ -332,347 +332,444 @@ impl PinnedConns {
             ip: stream.peer_addr().map_or(addrs[0].ip(), |a| a.ip()),
             rules: rules.clone(),
         };
-        let (sender, conn) = http1::Builder::new()
-            .writev(false) // as on the client-facing side (server.rs)
-            .handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| AttemptError::Connect(Box::new(e)))?;
-        let driver: Driver = Box::pin(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "upstream connection ended with an error");
-            }
-        });
-        let mut st = self.state.lock();
-        Ok(adopt(
-            &mut st,
-            Conn {
-                host: host.into(),
-                port,
-                peer,
-                sender,
-                driver,
-                idle_since: Instant::now(),
-            },
-        ))
-    }
-
-    /// Polls every upstream connection; the ones that ended are forgotten.
-    fn drive(&self, cx: &mut Context<'_>) {
-        let mut st = self.state.lock();
-        st.slots
-            .retain_mut(|s| s.driver.as_mut().poll(cx).is_pending());
-    }
-
-    /// The client left: idle connections go to the shared list, the rest are closed.
-    fn hand_over(&self) {
-        let slots = std::mem::take(&mut self.state.lock().slots);
-        for s in slots {
-            if let Some((sender, idle_since)) = s.sender
-                && !sender.is_closed()
-            {
-                self.shared.put(
-                    self.worker,
-                    Conn {
-                        host: s.host,
-                        port: s.port,
-                        peer: s.peer,
-                        sender,
-                        driver: s.driver,
-                        idle_since,
-                    },
-                );
-            }
-        }
-    }
-}
-
-/// Makes a connection one of this client's, held by the request that asked for it.
-fn adopt(st: &mut State, conn: Conn) -> (u64, Sender) {
-    let id = st.next_id;
-    st.next_id += 1;
-    st.slots.push(Slot {
-        id,
-        host: conn.host,
-        port: conn.port,
-        peer: conn.peer,
-        sender: None,
-        driver: conn.driver,
-    });
-    if let Some(w) = &st.waker {
-        w.wake_by_ref();
-    }
-    (id, conn.sender)
-}
-
-/// The request target as an upstream expects it (`/path?query`), the way a client talking
-/// to it directly would write it.
-fn origin_form(uri: &Uri) -> Uri {
-    let pq = uri
-        .path_and_query()
-        .filter(|pq| !pq.as_str().is_empty())
-        .cloned()
-        .unwrap_or_else(|| PathAndQuery::from_static("/"));
-    Uri::from(pq)
-}
-
-/// A client connection together with its upstream connections, polled in one task.
-///
-/// The two sides wake each other several times per request (request written, response
-/// head, body wanted, body sent). Going through the scheduler for each would cost a task
-/// poll apiece, so while this future is being polled a wake only marks its side to be
-/// polled in another round of the same poll; only a wake from outside (a socket, a
-/// timer, another task) reaches the task. [`SideWakes`] holds the protocol and its
-/// invariants.
-///
-/// Each side has its own waker, and a round polls only the sides woken since their last
-/// poll: a side not woken has nothing to do, and polling it anyway cost each of its
-/// sockets a readiness check.
-pub(crate) struct ClientAndUpstreams<C> {
-    conn: Pin<Box<C>>,
-    conns: PinnedConns,
-    wakes: Arc<SideWakes>,
-    /// For the client connection and everything its requests wait on.
-    client: Waker,
-    /// For the upstream connections.
-    upstream: Waker,
-}
-
-/// Going round again within one poll is bounded, so one busy connection cannot keep a
-/// worker thread from its other tasks.
-const MAX_ROUNDS: usize = 8;
-
-/// The sides of a `ClientAndUpstreams`, as bits of its [`SideWakes`].
-const CLIENT: u8 = 1;
-const UPSTREAM: u8 = 2;
-
-/// One side's waker.
-struct SideWaker {
-    wakes: Arc<SideWakes>,
-    side: u8,
-}
-
-impl Wake for SideWaker {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref()
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.wakes.wake(self.side)
-    }
-}
-
-impl<C> ClientAndUpstreams<C> {
-    pub(crate) fn new(conn: C, conns: PinnedConns) -> ClientAndUpstreams<C> {
-        let wakes = Arc::new(SideWakes::new(CLIENT | UPSTREAM));
-        let side = |side| {
-            Waker::from(Arc::new(SideWaker {
-                wakes: wakes.clone(),
-                side,
-            }))
+        let key = Key {
+            host: host.into(),
+            port,
+            peer,
         };
-        let (client, upstream) = (side(CLIENT), side(UPSTREAM));
-        conns.state.lock().waker = Some(upstream.clone());
-        ClientAndUpstreams {
-            conn: Box::pin(conn),
-            conns,
-            wakes,
-            client,
-            upstream,
+        Ok((key, Conn::new(stream)))
+    }
+
+    /// The client left: idle connections go to the shared list, and so do the ones whose
+    /// responses are still being read, once they end.
+    pub(crate) fn hand_over(&self) {
+        let idle = {
+            let mut st = self.state.lock();
+            st.left = true;
+            std::mem::take(&mut st.idle)
+        };
+        for c in idle {
+            self.shared.put(self.worker, c);
         }
     }
-}
 
-impl<C: Future> Future for ClientAndUpstreams<C> {
-    type Output = C::Output;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<C::Output> {
-        let this = self.get_mut();
-        let wakes = &*this.wakes;
-        wakes.set_task(cx.waker());
-        for _ in 0..MAX_ROUNDS {
-            wakes.begin_round();
-            // The client side first: a request it sends is written by the upstream side
-            // just after, in the same round.
-            if wakes.take(CLIENT)
-                && let Poll::Ready(out) = this
-                    .conn
-                    .as_mut()
-                    .poll(&mut Context::from_waker(&this.client))
-            {
-                wakes.end_round();
-                this.conns.hand_over();
-                return Poll::Ready(out);
-            }
-            if wakes.take(UPSTREAM) {
-                this.conns.drive(&mut Context::from_waker(&this.upstream));
-            }
-            if !wakes.end_round() {
-                return Poll::Pending;
-            }
-        }
-        cx.waker().wake_by_ref();
-        Poll::Pending
-    }
-}
-
-impl<C: Graceful> Graceful for ClientAndUpstreams<C> {
-    fn graceful_shutdown(self: Pin<&mut Self>) {
-        let this = self.get_mut();
-        this.conn.as_mut().graceful_shutdown();
-        // Nothing woke the client connection, but it has to be polled to act on this,
-        // whether or not the caller polls next.
-        this.wakes.wake(CLIENT);
+    /// This client's idle connections, for tests.
+    #[cfg(test)]
+    fn idle(&self) -> usize {
+        self.state.lock().idle.len()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use crate::config::Config;
+    use crate::proxy::{Body, BoxError, empty, full, stream};
+    use bytes::Bytes;
+    use http_body::Frame;
+    use http_body_util::BodyExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
 
-    /// The task's waker: counts the times the scheduler would have been asked to poll.
-    #[derive(Default)]
-    struct Count(AtomicUsize);
-
-    impl Wake for Count {
-        fn wake(self: Arc<Self>) {
-            self.wake_by_ref()
-        }
-        fn wake_by_ref(self: &Arc<Self>) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
+    /// What a scripted upstream connection does, in order.
+    enum Step {
+        /// Reads until these bytes have arrived (then keeps what it read).
+        ReadUntil(&'static str),
+        Write(&'static str),
+        /// Tells the test it is about to close, and closes.
+        Close,
+        /// Stays open, reading nothing, until the test ends.
+        Hold,
     }
 
-    /// A stand-in client connection that does what `script` says on each poll, keeping
-    /// the waker it was polled with.
-    struct Scripted<F> {
-        polls: Arc<AtomicUsize>,
-        waker: Arc<Mutex<Option<Waker>>>,
-        shutdown: Arc<AtomicBool>,
-        script: F,
+    struct Upstream {
+        addr: std::net::SocketAddr,
+        accepted: Arc<AtomicUsize>,
+        read: Arc<Mutex<Vec<u8>>>,
+        closed: tokio::sync::mpsc::UnboundedReceiver<()>,
     }
 
-    impl<F: FnMut(usize, &Waker) + Unpin> Future for Scripted<F> {
-        type Output = &'static str;
-        fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<&'static str> {
-            let this = self.get_mut();
-            let n = this.polls.fetch_add(1, Ordering::SeqCst) + 1;
-            *this.waker.lock() = Some(cx.waker().clone());
-            if this.shutdown.load(Ordering::SeqCst) {
-                return Poll::Ready("closed");
-            }
-            (this.script)(n, cx.waker());
-            Poll::Pending
-        }
-    }
-
-    impl<F: FnMut(usize, &Waker) + Unpin> Graceful for Scripted<F> {
-        fn graceful_shutdown(self: Pin<&mut Self>) {
-            self.shutdown.store(true, Ordering::SeqCst);
-        }
-    }
-
-    struct Harness<F> {
-        task: Pin<Box<ClientAndUpstreams<Scripted<F>>>>,
-        polls: Arc<AtomicUsize>,
-        waker: Arc<Mutex<Option<Waker>>>,
-        woken: Arc<Count>,
-    }
-
-    impl<F: FnMut(usize, &Waker) + Unpin> Harness<F> {
-        fn new(script: F) -> Harness<F> {
-            let (polls, waker) = (Arc::new(AtomicUsize::new(0)), Arc::default());
-            let conn = Scripted {
-                polls: Arc::clone(&polls),
-                waker: Arc::clone(&waker),
-                shutdown: Arc::default(),
-                script,
-            };
-            let conns = PinnedConns::new(Arc::default(), 0);
-            Harness {
-                task: Box::pin(ClientAndUpstreams::new(conn, conns)),
-                polls,
-                waker,
-                woken: Arc::default(),
-            }
-        }
-
-        fn poll(&mut self) -> Poll<&'static str> {
-            let waker = Waker::from(self.woken.clone());
-            self.task.as_mut().poll(&mut Context::from_waker(&waker))
-        }
-
-        fn polls(&self) -> usize {
-            self.polls.load(Ordering::SeqCst)
-        }
-
-        fn woken(&self) -> usize {
-            self.woken.0.load(Ordering::SeqCst)
-        }
-
-        /// The client side's waker, as a socket would hold it.
-        fn client_waker(&self) -> Waker {
-            self.waker.lock().clone().expect("polled once")
-        }
-    }
-
-    #[tokio::test]
-    async fn a_wake_during_the_poll_goes_round_instead_of_through_the_scheduler() {
-        let mut h = Harness::new(|n, w: &Waker| {
-            if n == 1 {
-                w.wake_by_ref();
+    /// A raw upstream: its n-th connection plays the n-th script.
+    async fn upstream(scripts: Vec<Vec<Step>>) -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let read = Arc::new(Mutex::new(Vec::new()));
+        let (tx, closed) = tokio::sync::mpsc::unbounded_channel();
+        let (a, r) = (accepted.clone(), read.clone());
+        tokio::spawn(async move {
+            for script in scripts {
+                let (mut s, _) = listener.accept().await.unwrap();
+                a.fetch_add(1, Ordering::SeqCst);
+                let (r, tx) = (r.clone(), tx.clone());
+                tokio::spawn(async move {
+                    let mut seen = Vec::new();
+                    for step in script {
+                        match step {
+                            Step::ReadUntil(end) => {
+                                while !String::from_utf8_lossy(&seen).contains(end) {
+                                    let mut b = [0u8; 4096];
+                                    let n = s.read(&mut b).await.unwrap_or(0);
+                                    if n == 0 {
+                                        return;
+                                    }
+                                    seen.extend_from_slice(&b[..n]);
+                                    r.lock().extend_from_slice(&b[..n]);
+                                }
+                                seen.clear();
+                            }
+                            Step::Write(bytes) => s.write_all(bytes.as_bytes()).await.unwrap(),
+                            Step::Close => {
+                                drop(s);
+                                let _ = tx.send(());
+                                return;
+                            }
+                            Step::Hold => {
+                                tokio::time::sleep(Duration::from_secs(3600)).await;
+                            }
+                        }
+                    }
+                });
             }
         });
-        assert!(h.poll().is_pending());
-        assert_eq!(h.polls(), 2, "polled again in the same poll");
-        assert_eq!(h.woken(), 0, "the task was not woken");
+        Upstream {
+            addr,
+            accepted,
+            read,
+            closed,
+        }
     }
 
-    #[tokio::test]
-    async fn a_wake_from_another_thread_during_the_poll_is_not_lost() {
-        let mut h = Harness::new(|n, w: &Waker| {
-            if n == 1 {
-                let w = w.clone();
-                std::thread::spawn(move || w.wake()).join().unwrap();
+    use std::time::Duration;
+
+    struct Client {
+        conns: PinnedConns,
+        resolver: Resolver,
+        rules: Arc<Rules>,
+    }
+
+    impl Client {
+        fn new() -> Client {
+            let config = Config::parse("[egress]\nallow = [\"127.0.0.1\"]\n", "t.toml").unwrap();
+            let rules = Arc::new(Rules::new(&config));
+            let resolver = Resolver::default();
+            resolver.set_rules(rules.clone());
+            Client {
+                conns: PinnedConns::new(Arc::default(), 0),
+                resolver,
+                rules,
             }
-        });
-        assert!(h.poll().is_pending());
-        assert_eq!(h.polls(), 2);
-        assert_eq!(h.woken(), 0);
+        }
+
+        async fn send(
+            &self,
+            up: &Upstream,
+            method: &str,
+            body: Body,
+        ) -> Result<PinnedResponse, AttemptError> {
+            let req = Request::builder()
+                .method(method)
+                .uri(format!("http://{}/p?q=1", up.addr))
+                .header("host", up.addr.to_string())
+                .body(Outbound::from(body))
+                .unwrap();
+            self.conns.send((&self.resolver, &self.rules), req).await
+        }
+    }
+
+    /// Data and trailers of a response body.
+    async fn read_all(resp: PinnedResponse) -> (String, Option<http::HeaderMap>) {
+        let collected = resp.into_body().collect().await.unwrap();
+        let trailers = collected.trailers().cloned();
+        (
+            String::from_utf8(collected.to_bytes().to_vec()).unwrap(),
+            trailers,
+        )
+    }
+
+    const HEAD_END: &str = "\r\n\r\n";
+
+    #[tokio::test]
+    async fn keep_alive_requests_share_one_connection_which_comes_back_after_each_body() {
+        let up = upstream(vec![vec![
+            Step::ReadUntil(HEAD_END),
+            Step::Write("HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst"),
+            Step::ReadUntil(HEAD_END),
+            Step::Write(
+                "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nsec\r\n3\r\nond\r\n0\r\nx-t: 1\r\n\r\n",
+            ),
+            Step::ReadUntil(HEAD_END),
+            Step::Write("HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n"),
+            Step::Hold,
+        ]])
+        .await;
+        let c = Client::new();
+        let resp = c.send(&up, "GET", empty()).await.unwrap();
+        assert_eq!(c.conns.idle(), 0, "held by the body");
+        assert_eq!(read_all(resp).await.0, "first");
+        assert_eq!(c.conns.idle(), 1);
+        let (data, trailers) = read_all(c.send(&up, "GET", empty()).await.unwrap()).await;
+        assert_eq!(data, "second");
+        assert_eq!(trailers.unwrap()["x-t"], "1");
+        // A response to HEAD has no body whatever its length says, and frees the
+        // connection at once.
+        let head = c.send(&up, "HEAD", empty()).await.unwrap();
+        assert!(http_body::Body::is_end_stream(head.body()));
+        assert_eq!(c.conns.idle(), 1);
+        assert_eq!(up.accepted.load(Ordering::SeqCst), 1);
+        let wire = String::from_utf8(up.read.lock().clone()).unwrap();
+        assert!(wire.starts_with(&format!("GET /p?q=1 HTTP/1.1\r\nhost: {}\r\n\r\n", up.addr)));
     }
 
     #[tokio::test]
-    async fn a_wake_after_the_poll_wakes_the_task_and_only_the_woken_side_is_polled() {
-        let mut h = Harness::new(|_, _: &Waker| {});
-        assert!(h.poll().is_pending());
-        assert_eq!((h.polls(), h.woken()), (1, 0));
-        // Polled again with nothing woken (the upstream side's turn, say): the client
-        // connection has nothing to do and is left alone.
-        assert!(h.poll().is_pending());
-        assert_eq!(h.polls(), 1);
-        let w = h.client_waker();
-        std::thread::spawn(move || w.wake()).join().unwrap();
-        assert_eq!(h.woken(), 1, "the task is woken once");
-        assert!(h.poll().is_pending());
-        assert_eq!(h.polls(), 2);
+    async fn a_kept_connection_the_upstream_closed_is_replaced_unseen() {
+        let mut up = upstream(vec![
+            vec![
+                Step::ReadUntil(HEAD_END),
+                Step::Write("HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\na"),
+                Step::Close,
+            ],
+            vec![
+                Step::ReadUntil(HEAD_END),
+                Step::Write("HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nb"),
+                Step::Hold,
+            ],
+        ])
+        .await;
+        let c = Client::new();
+        assert_eq!(
+            read_all(c.send(&up, "POST", empty()).await.unwrap())
+                .await
+                .0,
+            "a"
+        );
+        up.closed.recv().await;
+        assert_eq!(
+            read_all(c.send(&up, "POST", empty()).await.unwrap())
+                .await
+                .0,
+            "b"
+        );
+        assert_eq!(up.accepted.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test]
-    async fn a_side_that_keeps_waking_itself_yields_after_the_round_limit() {
-        let mut h = Harness::new(|_, w: &Waker| w.wake_by_ref());
-        assert!(h.poll().is_pending());
-        assert_eq!(h.polls(), MAX_ROUNDS);
-        assert_eq!(h.woken(), 1, "back to the scheduler, to be polled again");
-        assert!(h.poll().is_pending());
-        assert_eq!(h.polls(), 2 * MAX_ROUNDS);
+    async fn an_answer_before_the_body_has_gone_is_relayed_and_the_connection_closed() {
+        let up = upstream(vec![vec![
+            Step::ReadUntil(HEAD_END),
+            Step::Write("HTTP/1.1 413 Content Too Large\r\nContent-Length: 4\r\n\r\nbig!"),
+            Step::Hold,
+        ]])
+        .await;
+        let c = Client::new();
+        // A body whose second chunk never comes.
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+        tx.send(Ok(Frame::data(Bytes::from_static(b"part"))))
+            .await
+            .unwrap();
+        let frames =
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|f| (f, rx)) },
+            );
+        let body = stream(http_body_util::StreamBody::new(frames));
+        let resp = c.send(&up, "PUT", body).await.unwrap();
+        assert_eq!(resp.status(), 413);
+        assert_eq!(read_all(resp).await.0, "big!");
+        assert_eq!(c.conns.idle(), 0, "the request never ended: not reusable");
+        drop(tx);
+    }
+
+    /// An upstream that streams its answer as it reads (an echo) gets the rest of the
+    /// request while its response is read; the connection is reused after both ended.
+    #[tokio::test]
+    async fn the_request_body_goes_on_while_the_response_streams() {
+        let up = upstream(vec![vec![
+            Step::ReadUntil(HEAD_END),
+            Step::Write("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"),
+            Step::ReadUntil("ping"),
+            Step::Write("4\r\npong\r\n"),
+            Step::ReadUntil("0\r\n\r\n"),
+            Step::Write("0\r\n\r\n"),
+            Step::Hold,
+        ]])
+        .await;
+        let c = Client::new();
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+        let frames =
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|f| (f, rx)) },
+            );
+        let body = stream(http_body_util::StreamBody::new(frames));
+        let mut resp = c.send(&up, "POST", body).await.unwrap();
+        tx.send(Ok(Frame::data(Bytes::from_static(b"ping"))))
+            .await
+            .unwrap();
+        let pong = resp.body_mut().frame().await.unwrap().unwrap();
+        assert_eq!(pong.into_data().unwrap(), "pong");
+        drop(tx);
+        assert!(resp.body_mut().frame().await.is_none());
+        assert_eq!(c.conns.idle(), 1);
     }
 
     #[tokio::test]
-    async fn a_graceful_shutdown_wakes_the_task_to_act_on_it() {
-        let mut h = Harness::new(|_, _: &Waker| {});
-        assert!(h.poll().is_pending());
-        h.task.as_mut().graceful_shutdown();
-        assert_eq!(h.woken(), 1, "no caller has to poll right after");
-        assert_eq!(h.poll(), Poll::Ready("closed"));
+    async fn request_bodies_are_framed_by_length_or_chunked() {
+        let up = upstream(vec![vec![
+            Step::ReadUntil("abcde"),
+            Step::Write("HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"),
+            Step::ReadUntil("0\r\n\r\n"),
+            Step::Write("HTTP/1.1 204 No Content\r\n\r\n"),
+            Step::Hold,
+        ]])
+        .await;
+        let c = Client::new();
+        let resp = c.send(&up, "POST", full("abcde")).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let frames = futures_util::stream::iter(
+            ["abc", "de"].map(|s| Ok::<_, BoxError>(Frame::data(Bytes::from_static(s.as_bytes())))),
+        );
+        let body = stream(http_body_util::StreamBody::new(frames));
+        let resp = c.send(&up, "POST", body).await.unwrap();
+        assert_eq!(resp.status(), 204);
+        let wire = String::from_utf8(up.read.lock().clone()).unwrap();
+        assert!(wire.contains("content-length: 5\r\n\r\nabcde"), "{wire}");
+        assert!(
+            wire.ends_with("transfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"),
+            "{wire}"
+        );
+        assert_eq!(c.conns.idle(), 1);
+    }
+
+    #[tokio::test]
+    async fn connections_left_in_no_known_state_are_closed() {
+        let up = upstream(vec![
+            // A body not read to its end.
+            vec![
+                Step::ReadUntil(HEAD_END),
+                Step::Write("HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf"),
+                Step::Hold,
+            ],
+            // Bytes after the response that no request asked for.
+            vec![
+                Step::ReadUntil(HEAD_END),
+                Step::Write("HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n"),
+                Step::Hold,
+            ],
+            // A body delimited by the end of the connection.
+            vec![
+                Step::ReadUntil(HEAD_END),
+                Step::Write("HTTP/1.1 200 OK\r\n\r\nuntil the end"),
+                Step::Close,
+            ],
+            // Connection: close.
+            vec![
+                Step::ReadUntil(HEAD_END),
+                Step::Write("HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 1\r\n\r\nx"),
+                Step::Hold,
+            ],
+            vec![
+                Step::ReadUntil(HEAD_END),
+                Step::Write("HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n"),
+                Step::Hold,
+            ],
+        ])
+        .await;
+        let c = Client::new();
+        let mut resp = c.send(&up, "GET", empty()).await.unwrap();
+        resp.body_mut().frame().await.unwrap().unwrap();
+        drop(resp);
+        assert_eq!(c.conns.idle(), 0);
+        assert_eq!(
+            read_all(c.send(&up, "GET", empty()).await.unwrap()).await.0,
+            "ok"
+        );
+        assert_eq!(c.conns.idle(), 0);
+        assert_eq!(
+            read_all(c.send(&up, "GET", empty()).await.unwrap()).await.0,
+            "until the end"
+        );
+        assert_eq!(c.conns.idle(), 0);
+        assert_eq!(
+            read_all(c.send(&up, "GET", empty()).await.unwrap()).await.0,
+            "x"
+        );
+        assert_eq!(c.conns.idle(), 0);
+        let e = c.send(&up, "GET", empty()).await.unwrap_err();
+        assert!(matches!(e, AttemptError::Protocol(_)), "{e}");
+        assert_eq!(c.conns.idle(), 0);
+        assert_eq!(up.accepted.load(Ordering::SeqCst), 5);
+    }
+
+    #[tokio::test]
+    async fn what_is_not_http_is_a_protocol_error_and_an_early_close_a_reset() {
+        let up = upstream(vec![
+            vec![
+                Step::ReadUntil(HEAD_END),
+                Step::Write("SMTP ready\r\n\r\n"),
+                Step::Hold,
+            ],
+            vec![
+                Step::ReadUntil(HEAD_END),
+                Step::Write("HTTP/1.1 200 OK\r\nContent-Length: 1, 2\r\n\r\n"),
+                Step::Hold,
+            ],
+            vec![
+                Step::ReadUntil(HEAD_END),
+                Step::Write("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"),
+                Step::Hold,
+            ],
+            vec![
+                Step::ReadUntil(HEAD_END),
+                Step::Write("HTTP/1.1 200"),
+                Step::Close,
+            ],
+        ])
+        .await;
+        let c = Client::new();
+        for _ in 0..2 {
+            let e = c.send(&up, "GET", empty()).await.unwrap_err();
+            assert!(matches!(e, AttemptError::Protocol(_)), "{e}");
+        }
+        let resp = c.send(&up, "GET", empty()).await.unwrap();
+        let e = resp.into_body().collect().await.unwrap_err();
+        assert!(e.to_string().contains("chunk"), "{e}");
+        let e = c.send(&up, "GET", empty()).await.unwrap_err();
+        assert!(matches!(e, AttemptError::Reset(_)), "{e}");
+        assert_eq!(c.conns.idle(), 0);
+    }
+
+    #[tokio::test]
+    async fn idle_connections_go_to_the_next_client_when_theirs_leaves() {
+        let up = upstream(vec![vec![
+            Step::ReadUntil(HEAD_END),
+            Step::Write("HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n1"),
+            Step::ReadUntil(HEAD_END),
+            Step::Write("HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n2"),
+            Step::Hold,
+        ]])
+        .await;
+        let first = Client::new();
+        assert_eq!(
+            read_all(first.send(&up, "GET", empty()).await.unwrap())
+                .await
+                .0,
+            "1"
+        );
+        first.conns.hand_over();
+        let second = Client {
+            conns: PinnedConns::new(first.conns.shared.clone(), 0),
+            ..Client::new()
+        };
+        assert_eq!(first.conns.shared.len(), 1);
+        assert_eq!(
+            read_all(second.send(&up, "GET", empty()).await.unwrap())
+                .await
+                .0,
+            "2"
+        );
+        assert_eq!(up.accepted.load(Ordering::SeqCst), 1);
+        assert_eq!((second.conns.idle(), first.conns.shared.len()), (1, 0));
     }
 }

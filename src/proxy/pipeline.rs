@@ -40,6 +40,7 @@ use crate::limit::Permit;
 use crate::policy::breaker::Admit;
 use crate::policy::{Circuit, backoff, classify, hints, is_idempotent, wants_retry};
 use crate::route::Route;
+use http_body_util::Either as BodyEither;
 
 /// Sends `req` (already stripped and addressed to the upstream) under the route's policy.
 ///
@@ -461,9 +462,13 @@ fn attempt<'a>(
         };
         let mut send = pin!(match upstreams {
             Some(own) if req.uri().scheme() == Some(&Scheme::HTTP) => {
-                Either::Left(own.send((&app.resolver, &config.egress_rules), req))
+                let send = own.send((&app.resolver, &config.egress_rules), req);
+                Either::Left(async move { Ok(send.await?.map(BodyEither::Left)) })
             }
-            _ => Either::Right(app.client_for(config, route.map(|r| r.upstream)).send(req)),
+            _ => {
+                let send = app.client_for(config, route.map(|r| r.upstream)).send(req);
+                Either::Right(async move { Ok(send.await?.map(BodyEither::Right)) })
+            }
         });
         let sent = poll_fn(|cx| match send.as_mut().poll(cx) {
             Poll::Ready(sent) => Poll::Ready(Some(sent)),
@@ -472,14 +477,14 @@ fn attempt<'a>(
         .await;
         // On failure the permit is dropped here: if the request never reached a
         // connection, its rate permits go back (the provider never saw it).
-        let (resp, lease) = sent.ok_or(AttemptError::Timeout(timeout))??;
+        let resp = sent.ok_or(AttemptError::Timeout(timeout))??;
         if let Some(p) = permit.as_mut() {
             p.answered(resp.status().as_u16());
         }
         let m = config.route_metrics.get(route);
         m.upstream_duration(start.elapsed().as_secs_f64());
         m.upstream_responses.inc(resp.status().as_str());
-        Ok(resp.map(|b| ResponseBody::wrap(b, permit, lease, timeout)))
+        Ok(resp.map(|b| ResponseBody::wrap(b, permit, timeout)))
     }
 }
 

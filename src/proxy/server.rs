@@ -27,7 +27,7 @@ use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 
 use super::lifecycle::Lifecycle;
-use super::pinned::{ClientAndUpstreams, PinnedConns};
+use super::pinned::PinnedConns;
 use super::timer::ConnTimer;
 use super::{Body, connect, forward};
 use crate::app::App;
@@ -289,7 +289,8 @@ async fn serve_connection(
         .max_header_size(MAX_HEAD_BYTES)
         .serve_connection(TokioIo::new(ClientIo::new(stream, slot, send_timeout)), svc)
         .with_upgrades();
-    let result = lc.until_drained(ClientAndUpstreams::new(conn, conns)).await;
+    let result = lc.until_drained(conn).await;
+    conns.hand_over();
     if let Err(e) = result {
         tracing::debug!(%peer, error = %e, "client connection ended with an error");
     }

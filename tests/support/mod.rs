@@ -192,7 +192,12 @@ async fn respond(req: Request<Incoming>, seen: &Mutex<Vec<Seen>>) -> Response<Te
             });
             Response::new(BodyExt::boxed(StreamBody::new(chunks)))
         }
-        "seq" => return scripted(arg, nth).await,
+        "seq" => {
+            // Like most APIs, it reads the request before it answers: an answer before the
+            // body has arrived is another scenario (sluice relays it at once).
+            let _ = req.into_body().collect().await;
+            return scripted(arg, nth).await;
+        }
         "status" => {
             let mut r = text("status");
             *r.status_mut() = StatusCode::from_u16(arg.parse().unwrap_or(500)).unwrap();

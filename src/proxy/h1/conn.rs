@@ -1,0 +1,486 @@
+//! One HTTP/1.1 upstream connection, driven by whoever holds it: the request's future
+//! writes the request and reads the response head; the response body then owns the
+//! connection and reads its bytes as the client side asks for them, and gives the
+//! connection back (see `pinned::Home`) once the body has ended cleanly.
+
+use std::future::poll_fn;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use bytes::{Bytes, BytesMut};
+use http::{Method, Request, Response};
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use tokio::io::AsyncWrite;
+use tokio::net::TcpStream;
+
+use super::chunked::{Decoded, Decoder};
+use super::{BodyFraming, Error, Framing, Head, Span, encode_request, parse_response};
+use crate::proxy::BoxError;
+use crate::proxy::outbound::Outbound;
+
+/// Bytes asked of the socket per read.
+const READ_SIZE: usize = 8 * 1024;
+/// Request body bytes gathered before a write.
+const WRITE_BATCH: usize = 64 * 1024;
+
+/// An upstream connection between requests: the socket and what was read past the last
+/// response (nothing, on a connection fit for reuse).
+#[derive(Debug)]
+pub struct Conn {
+    io: TcpStream,
+    buf: BytesMut,
+    spans: Vec<Span>,
+}
+
+impl Conn {
+    pub fn new(io: TcpStream) -> Conn {
+        Conn {
+            io,
+            buf: BytesMut::new(),
+            spans: Vec::new(),
+        }
+    }
+
+    pub fn peer_addr(&self) -> io::Result<std::net::SocketAddr> {
+        self.io.peer_addr()
+    }
+
+    /// Whether an idle connection can take a request: the upstream has neither closed it
+    /// nor sent anything unasked (which no request of ours would explain). Costs one
+    /// `recv` that finds nothing, on a connection that was idle.
+    pub fn idle_and_open(&self) -> bool {
+        let mut probe = [0u8; 1];
+        self.buf.is_empty()
+            && matches!(self.io.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+    }
+}
+
+/// A request on its way: its head, written once a connection is there (so that the body's
+/// send hook fires then, see `Outbound`), and its body.
+pub struct Outgoing {
+    method: Method,
+    target: http::uri::PathAndQuery,
+    headers: http::HeaderMap,
+    body: Outbound,
+    /// Encoded and not yet written: the head, then body bytes in their framing.
+    wire: Vec<u8>,
+    /// How far `wire` has been written.
+    pos: usize,
+    /// Set when the head is encoded.
+    framing: Option<BodyFraming>,
+    /// Bytes of the body still owed under `Content-Length`.
+    owed: u64,
+    body_done: bool,
+    /// Some of the request reached a socket: it can no longer move to another connection.
+    started: bool,
+}
+
+impl Outgoing {
+    /// `target`: origin-form.
+    pub fn new(req: Request<Outbound>, target: http::uri::PathAndQuery) -> Outgoing {
+        let (parts, body) = req.into_parts();
+        Outgoing {
+            method: parts.method,
+            target,
+            headers: parts.headers,
+            body,
+            wire: Vec::new(),
+            pos: 0,
+            framing: None,
+            owed: 0,
+            body_done: false,
+            started: false,
+        }
+    }
+
+    /// Whether the request can still go on another connection: nothing of it was taken
+    /// by a socket.
+    pub fn unsent(&self) -> bool {
+        !self.started
+    }
+
+    fn encode(&mut self) -> Result<(), Error> {
+        if self.framing.is_some() {
+            return Ok(());
+        }
+        let empty = self.body.is_end_stream();
+        let exact = self.body.size_hint().exact();
+        let f = encode_request(
+            &mut self.wire,
+            &self.method,
+            self.target.as_str(),
+            &self.headers,
+            (empty, exact),
+        )?;
+        self.framing = Some(f);
+        self.owed = match f {
+            BodyFraming::Length(n) => n,
+            _ => 0,
+        };
+        self.body_done = f == BodyFraming::None;
+        Ok(())
+    }
+
+    /// Writes as much of the request as the socket takes: the head, then the body,
+    /// batched.
+    fn poll_write(&mut self, cx: &mut Context<'_>, io: &mut TcpStream) -> Poll<Result<(), Error>> {
+        loop {
+            // Gather body bytes first, so that a small body leaves in the head's write.
+            while !self.body_done && self.wire.len() - self.pos < WRITE_BATCH {
+                match Pin::new(&mut self.body).poll_frame(cx) {
+                    Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                        Ok(data) => self.put_data(&data)?,
+                        Err(frame) => {
+                            if let Ok(trailers) = frame.into_trailers() {
+                                self.put_trailers(&trailers)?;
+                            }
+                        }
+                    },
+                    Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(Error::RequestBody(e))),
+                    Poll::Ready(None) => self.put_end()?,
+                    Poll::Pending => break,
+                }
+            }
+            if self.pos == self.wire.len() {
+                if self.body_done {
+                    return Poll::Ready(Ok(()));
+                }
+                return Poll::Pending; // the body will wake us
+            }
+            match Pin::new(&mut *io).poll_write(cx, &self.wire[self.pos..]) {
+                Poll::Ready(Ok(0)) => {
+                    return Poll::Ready(Err(io::Error::from(io::ErrorKind::WriteZero).into()));
+                }
+                Poll::Ready(Ok(n)) => {
+                    self.started = true;
+                    self.pos += n;
+                    if self.pos == self.wire.len() {
+                        self.wire.clear();
+                        self.pos = 0;
+                    }
+                }
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+
+    fn put_data(&mut self, data: &Bytes) -> Result<(), Error> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        match self.framing {
+            Some(BodyFraming::Length(_)) => {
+                let n = data.len() as u64;
+                if n > self.owed {
+                    return Err(Error::RequestLength);
+                }
+                self.owed -= n;
+                self.wire.extend_from_slice(data);
+            }
+            Some(BodyFraming::Chunked) => {
+                let mut hex = [0u8; 16];
+                let mut i = hex.len();
+                let mut n = data.len();
+                loop {
+                    i -= 1;
+                    hex[i] = b"0123456789abcdef"[n % 16];
+                    n /= 16;
+                    if n == 0 {
+                        break;
+                    }
+                }
+                self.wire.extend_from_slice(&hex[i..]);
+                self.wire.extend_from_slice(b"\r\n");
+                self.wire.extend_from_slice(data);
+                self.wire.extend_from_slice(b"\r\n");
+            }
+            _ => return Err(Error::RequestLength),
+        }
+        Ok(())
+    }
+
+    /// Trailers end the body; they are sent only in the chunked coding.
+    fn put_trailers(&mut self, trailers: &http::HeaderMap) -> Result<(), Error> {
+        if self.framing == Some(BodyFraming::Chunked) {
+            self.wire.extend_from_slice(b"0\r\n");
+            for (k, v) in trailers {
+                self.wire.extend_from_slice(k.as_str().as_bytes());
+                self.wire.extend_from_slice(b": ");
+                self.wire.extend_from_slice(v.as_bytes());
+                self.wire.extend_from_slice(b"\r\n");
+            }
+            self.wire.extend_from_slice(b"\r\n");
+            self.body_done = true;
+            return Ok(());
+        }
+        self.put_end()
+    }
+
+    fn put_end(&mut self) -> Result<(), Error> {
+        match self.framing {
+            Some(BodyFraming::Chunked) => self.wire.extend_from_slice(b"0\r\n\r\n"),
+            Some(BodyFraming::Length(_)) if self.owed > 0 => return Err(Error::RequestLength),
+            _ => {}
+        }
+        self.body_done = true;
+        Ok(())
+    }
+}
+
+/// An exchange that failed, with its request if nothing of it reached the socket (so it
+/// may go on another connection).
+pub struct Failed {
+    pub error: Error,
+    pub unsent: Option<Outgoing>,
+}
+
+/// Sends the request `out` on `conn` and reads the response head. Reads while it
+/// writes: an upstream may answer before it has read the whole body, either to refuse it
+/// (then that answer is what the client should get) or because it streams (an echo), in
+/// which case the response body goes on sending the request's as it reads. The
+/// connection goes with the response; `home` takes it back once the body has ended
+/// cleanly.
+pub async fn exchange<H: Home>(
+    mut conn: Conn,
+    mut out: Outgoing,
+    home: H,
+) -> Result<Response<UpstreamBody<H>>, Failed> {
+    let fail = |error, out: Outgoing| Failed {
+        error,
+        unsent: out.unsent().then_some(out),
+    };
+    if let Err(e) = out.encode() {
+        return Err(fail(e, out));
+    }
+    let mut write_failed: Option<Error> = None;
+    let mut sent = false;
+    let head = poll_fn(|cx| {
+        loop {
+            if !sent && write_failed.is_none() {
+                match out.poll_write(cx, &mut conn.io) {
+                    Poll::Ready(Ok(())) => sent = true,
+                    // The client's body failed: the upstream will not answer a request
+                    // that never ends.
+                    Poll::Ready(Err(e @ (Error::RequestBody(_) | Error::RequestLength))) => {
+                        return Poll::Ready(Err(e));
+                    }
+                    // The upstream may have answered and closed: read what it said.
+                    Poll::Ready(Err(e)) => write_failed = Some(e),
+                    Poll::Pending => {}
+                }
+            }
+            match parse_response(&mut conn.buf, &out.method, &mut conn.spans)? {
+                // 100 Continue and 103 Early Hints precede the response; a 101 is
+                // refused by the caller.
+                Some(h) if h.status.is_informational() && h.status != 101 => continue,
+                Some(h) => return Poll::Ready(Ok(h)),
+                None => {}
+            }
+            if conn.buf.capacity() - conn.buf.len() < READ_SIZE / 2 {
+                conn.buf.reserve(READ_SIZE);
+            }
+            match ready!(tokio_util::io::poll_read_buf(
+                Pin::new(&mut conn.io),
+                cx,
+                &mut conn.buf
+            )) {
+                Ok(0) => {
+                    return Poll::Ready(Err(write_failed
+                        .take()
+                        .unwrap_or(Error::Closed("head arrived"))));
+                }
+                Ok(_) => {}
+                Err(e) => return Poll::Ready(Err(write_failed.take().unwrap_or(e.into()))),
+            }
+        }
+    })
+    .await;
+    let head = match head {
+        Ok(head) => head,
+        Err(e) => return Err(fail(e, out)),
+    };
+    // A 101 leaves the connection in another protocol; a request that could not be
+    // written whole, in no known state.
+    let upgraded = head.status == 101;
+    let sending = (!sent && write_failed.is_none() && !upgraded).then_some(out);
+    let home = (head.keep_alive && write_failed.is_none() && !upgraded).then_some(home);
+    Ok(response(head, conn, sending, home))
+}
+
+/// Where a connection goes when a response body has ended cleanly on it.
+pub trait Home: Send + Unpin + 'static {
+    fn take_back(self, conn: Conn);
+}
+
+fn response<H: Home>(
+    head: Head,
+    conn: Conn,
+    sending: Option<Outgoing>,
+    home: Option<H>,
+) -> Response<UpstreamBody<H>> {
+    let Head {
+        status,
+        version,
+        headers,
+        framing,
+        ..
+    } = head;
+    let mut body = UpstreamBody {
+        conn: Some(conn),
+        sending,
+        read: match framing {
+            Framing::Empty => Reading::Done,
+            Framing::Length(n) => Reading::Length(n),
+            Framing::Chunked => Reading::Chunked(Decoder::default()),
+            Framing::Close => Reading::Close,
+        },
+        home,
+    };
+    if matches!(body.read, Reading::Done) {
+        body.finish();
+    }
+    let mut resp = Response::new(body);
+    *resp.status_mut() = status;
+    *resp.version_mut() = version;
+    *resp.headers_mut() = headers;
+    resp
+}
+
+enum Reading {
+    Length(u64),
+    Chunked(Decoder),
+    Close,
+    Done,
+}
+
+/// A response body read straight from its upstream connection.
+pub struct UpstreamBody<H> {
+    /// Gone once the body has ended (given back or closed).
+    conn: Option<Conn>,
+    /// The rest of a request whose answer began before it was all sent.
+    sending: Option<Outgoing>,
+    read: Reading,
+    /// Takes the connection back after a clean end; `None`: the connection closes.
+    home: Option<H>,
+}
+
+impl<H> std::fmt::Debug for UpstreamBody<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamBody")
+            .field("done", &matches!(self.read, Reading::Done))
+            .field("goes_home", &self.home.is_some())
+            .finish()
+    }
+}
+
+impl<H: Home> UpstreamBody<H> {
+    /// The body ended cleanly: the connection goes home if it may carry another request,
+    /// the request went out whole, and nothing unasked follows the response.
+    fn finish(&mut self) {
+        self.read = Reading::Done;
+        if let (Some(conn), Some(home)) = (self.conn.take(), self.home.take())
+            && conn.buf.is_empty()
+            && self.sending.take().is_none()
+        {
+            home.take_back(conn);
+        }
+    }
+
+    fn fail(&mut self, e: Error) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.read = Reading::Done;
+        self.conn = None;
+        self.sending = None;
+        self.home = None;
+        Poll::Ready(Some(Err(Box::new(e))))
+    }
+}
+
+impl<H: Home> HttpBody for UpstreamBody<H> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        if let (Some(req), Some(conn)) = (this.sending.as_mut(), this.conn.as_mut()) {
+            match req.poll_write(cx, &mut conn.io) {
+                Poll::Ready(Ok(())) => this.sending = None,
+                // The upstream stopped reading the request; what it answers still
+                // counts, but the connection cannot carry another.
+                Poll::Ready(Err(_)) => {
+                    this.sending = None;
+                    this.home = None;
+                }
+                Poll::Pending => {}
+            }
+        }
+        loop {
+            let Some(conn) = this.conn.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match &mut this.read {
+                Reading::Done => return Poll::Ready(None),
+                Reading::Length(left) if !conn.buf.is_empty() => {
+                    let n = usize::try_from(*left)
+                        .unwrap_or(usize::MAX)
+                        .min(conn.buf.len());
+                    let data = conn.buf.split_to(n).freeze();
+                    *left -= n as u64;
+                    if *left == 0 {
+                        this.finish();
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Reading::Chunked(d) => match d.decode(&mut conn.buf) {
+                    Ok(Decoded::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                    Ok(Decoded::End(trailers)) => {
+                        this.finish();
+                        return Poll::Ready(trailers.map(|t| Ok(Frame::trailers(t))));
+                    }
+                    Ok(Decoded::More) => {}
+                    Err(e) => return this.fail(e),
+                },
+                Reading::Close if !conn.buf.is_empty() => {
+                    let data = conn.buf.split().freeze();
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Reading::Length(_) | Reading::Close => {}
+            }
+            // The buffer is spent (or holds an incomplete chunk line): read more.
+            if conn.buf.capacity() - conn.buf.len() < READ_SIZE / 2 {
+                conn.buf.reserve(READ_SIZE);
+            }
+            match ready!(tokio_util::io::poll_read_buf(
+                Pin::new(&mut conn.io),
+                cx,
+                &mut conn.buf
+            )) {
+                Ok(0) if matches!(this.read, Reading::Close) => {
+                    this.read = Reading::Done;
+                    this.conn = None;
+                    this.sending = None;
+                    return Poll::Ready(None);
+                }
+                Ok(0) => return this.fail(Error::Closed("body ended")),
+                Ok(_) => {}
+                Err(e) => return this.fail(e.into()),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self.read, Reading::Done)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.read {
+            Reading::Length(n) => SizeHint::with_exact(n),
+            Reading::Done => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
+}

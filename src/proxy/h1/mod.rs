@@ -1,0 +1,451 @@
+//! sluice's own HTTP/1.1 client side for plain-HTTP upstream connections: the request
+//! head written straight from the `http` types, the response head parsed with
+//! `httparse`, and the response body read from the socket by the body itself, in the
+//! client connection's task, with no connection task and no channel in between.
+//!
+//! Pure parts here and in [`chunked`] (framing as RFC 9112 §6 has it, testable without a
+//! socket); the socket work in [`conn`]. hyper still serves the client side and the TLS
+//! upstreams.
+
+pub mod chunked;
+pub mod conn;
+
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, StatusCode, Version};
+use std::mem::MaybeUninit;
+
+/// A response head larger than this is refused as a protocol error: hyper's default
+/// buffer limit was about 400 KiB; API responses carry a few hundred bytes of head.
+pub const MAX_RESPONSE_HEAD: usize = 256 * 1024;
+
+/// Header fields per response head, as hyper allowed.
+const MAX_RESPONSE_HEADERS: usize = 100;
+
+/// What went wrong on an upstream connection, in terms the pipeline maps onto
+/// `retry.on` (see `AttemptError`).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("the upstream closed the connection before the response {0}")]
+    Closed(&'static str),
+    #[error("unparsable response head: {0}")]
+    Parse(httparse::Error),
+    #[error("response head larger than {MAX_RESPONSE_HEAD} bytes")]
+    HeadTooLarge,
+    #[error("response framing: {0}")]
+    Framing(&'static str),
+    #[error("chunked response body: {0}")]
+    Chunk(&'static str),
+    #[error("the request body failed: {0}")]
+    RequestBody(super::BoxError),
+    #[error("the request body does not match its Content-Length")]
+    RequestLength,
+}
+
+impl Error {
+    /// The upstream broke HTTP (as opposed to the connection failing): it would do the
+    /// same again.
+    pub fn is_protocol(&self) -> bool {
+        matches!(
+            self,
+            Error::Parse(_) | Error::HeadTooLarge | Error::Framing(_) | Error::Chunk(_)
+        )
+    }
+}
+
+/// How a response body is delimited (RFC 9112 §6.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// No body: a response to HEAD, a 1xx, 204 or 304, or `Content-Length: 0`.
+    Empty,
+    Length(u64),
+    Chunked,
+    /// Until the upstream closes the connection.
+    Close,
+}
+
+/// A parsed response head.
+#[derive(Debug)]
+pub struct Head {
+    pub status: StatusCode,
+    pub version: Version,
+    pub headers: HeaderMap,
+    pub framing: Framing,
+    /// Whether the connection may carry another request once this response is read.
+    pub keep_alive: bool,
+}
+
+/// Parses a response head from the front of `buf`, taking its bytes out of it. `None`:
+/// not all of it has arrived yet. `method` is the request's (a response to HEAD has no
+/// body whatever its `Content-Length` says). `spans` is scratch space, kept by the
+/// connection so that no parse allocates or clears an array for it.
+pub fn parse_response(
+    buf: &mut BytesMut,
+    method: &Method,
+    spans: &mut Vec<Span>,
+) -> Result<Option<Head>, Error> {
+    if buf.is_empty() {
+        return Ok(None);
+    }
+    let mut slots = [const { MaybeUninit::uninit() }; MAX_RESPONSE_HEADERS];
+    let mut resp = httparse::Response::new(&mut []);
+    let parsed = httparse::ParserConfig::default()
+        .parse_response_with_uninit_headers(&mut resp, buf, &mut slots);
+    let len = match parsed {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) if buf.len() >= MAX_RESPONSE_HEAD => {
+            return Err(Error::HeadTooLarge);
+        }
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(Error::Parse(e)),
+    };
+    let code = resp.code.unwrap_or(0);
+    let status = StatusCode::from_u16(code).map_err(|_| Error::Framing("invalid status code"))?;
+    let version = if resp.version == Some(0) {
+        Version::HTTP_10
+    } else {
+        Version::HTTP_11
+    };
+    // Where each field is, so that the values can share the head's bytes once they are
+    // taken out of `buf` (one allocation for the head, none per value).
+    let base = buf.as_ptr() as usize;
+    spans.clear();
+    spans.extend(resp.headers.iter().map(|h| Span {
+        name: h.name.as_ptr() as usize - base,
+        name_len: h.name.len(),
+        value: h.value.as_ptr() as usize - base,
+        value_len: h.value.len(),
+    }));
+    let bytes: Bytes = buf.split_to(len).freeze();
+    let mut headers = HeaderMap::with_capacity(spans.len());
+    for s in spans.iter() {
+        let name = HeaderName::from_bytes(&bytes[s.name..s.name + s.name_len])
+            .map_err(|_| Error::Framing("invalid header name"))?;
+        // Checked again (httparse allows what `HeaderValue` does); the unchecked
+        // constructor would save little and is `unsafe`.
+        let value = HeaderValue::from_maybe_shared(bytes.slice(s.value..s.value + s.value_len))
+            .map_err(|_| Error::Framing("invalid header value"))?;
+        headers.append(name, value);
+    }
+    let (framing, keep_alive) = framing(status, version, &mut headers, method)?;
+    Ok(Some(Head {
+        status,
+        version,
+        headers,
+        framing,
+        keep_alive,
+    }))
+}
+
+/// Where a header field's name and value are in the head.
+#[derive(Debug, Clone, Copy)]
+pub struct Span {
+    name: usize,
+    name_len: usize,
+    value: usize,
+    value_len: usize,
+}
+
+/// The body's delimitation and whether the connection stays open, from the head.
+fn framing(
+    status: StatusCode,
+    version: Version,
+    headers: &mut HeaderMap,
+    method: &Method,
+) -> Result<(Framing, bool), Error> {
+    let mut keep_alive = match version {
+        Version::HTTP_10 => has_token(headers, header::CONNECTION, "keep-alive"),
+        _ => !has_token(headers, header::CONNECTION, "close"),
+    };
+    if *method == Method::HEAD
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+    {
+        return Ok((Framing::Empty, keep_alive));
+    }
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        // §6.3 (3): Transfer-Encoding wins over Content-Length, which must not be passed
+        // on, and such a message may be an attempt at response splitting: this
+        // connection carries nothing after it.
+        if headers.remove(header::CONTENT_LENGTH).is_some() {
+            keep_alive = false;
+        }
+        let last = headers
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+            .map(|t| t.trim_ascii())
+            .rfind(|t| !t.is_empty());
+        return Ok(match last {
+            Some(t) if t.eq_ignore_ascii_case(b"chunked") && version == Version::HTTP_11 => {
+                (Framing::Chunked, keep_alive)
+            }
+            // Not chunked last (or an HTTP/1.0 sender, which has no chunked coding): the
+            // body runs to the end of the connection.
+            _ => (Framing::Close, false),
+        });
+    }
+    let mut length = None;
+    for v in headers.get_all(header::CONTENT_LENGTH) {
+        for part in v.as_bytes().split(|&b| b == b',') {
+            let n = parse_length(part.trim_ascii())?;
+            if length.is_some_and(|l| l != n) {
+                return Err(Error::Framing("conflicting Content-Length values"));
+            }
+            length = Some(n);
+        }
+    }
+    Ok(match length {
+        Some(0) => (Framing::Empty, keep_alive),
+        Some(n) => (Framing::Length(n), keep_alive),
+        None => (Framing::Close, false),
+    })
+}
+
+fn parse_length(digits: &[u8]) -> Result<u64, Error> {
+    if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
+        return Err(Error::Framing("invalid Content-Length"));
+    }
+    Ok(digits
+        .iter()
+        .fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
+}
+
+/// Whether a comma-separated field has `token` among its elements (any case).
+fn has_token(headers: &HeaderMap, name: HeaderName, token: &str) -> bool {
+    headers.get_all(name).iter().any(|v| {
+        v.as_bytes()
+            .split(|&b| b == b',')
+            .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+    })
+}
+
+/// How the request body is delimited on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyFraming {
+    None,
+    Length(u64),
+    Chunked,
+}
+
+/// Writes the request head (origin-form target, HTTP/1.1) into `out`, with the framing
+/// field the body needs when the head has none: the request's own `Content-Length` is
+/// kept and trusted (the body is checked against it as it is sent); otherwise the
+/// body's exact size, or chunked. `Transfer-Encoding` never reaches here (hop-by-hop).
+pub fn encode_request(
+    out: &mut Vec<u8>,
+    method: &Method,
+    target: &str,
+    headers: &HeaderMap,
+    body: (bool, Option<u64>),
+) -> Result<BodyFraming, Error> {
+    let (empty, exact) = body;
+    out.extend_from_slice(method.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(target.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    let mut declared = None;
+    for (name, value) in headers {
+        if name == header::CONTENT_LENGTH {
+            let n =
+                parse_length(value.as_bytes().trim_ascii()).map_err(|_| Error::RequestLength)?;
+            if declared.is_some_and(|d| d != n) {
+                return Err(Error::RequestLength);
+            }
+            if declared.is_some() {
+                continue;
+            }
+            declared = Some(n);
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    let framing = match (declared, empty, exact) {
+        (Some(0), _, _) => BodyFraming::None,
+        (Some(n), _, _) => BodyFraming::Length(n),
+        (None, true, _) => {
+            // As user agents do: a method whose requests normally carry a body says it
+            // has none; the others say nothing.
+            if matches!(*method, Method::POST | Method::PUT | Method::PATCH) {
+                out.extend_from_slice(b"content-length: 0\r\n");
+            }
+            BodyFraming::None
+        }
+        (None, false, Some(n)) => {
+            out.extend_from_slice(b"content-length: ");
+            out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+            out.extend_from_slice(b"\r\n");
+            if n == 0 {
+                BodyFraming::None
+            } else {
+                BodyFraming::Length(n)
+            }
+        }
+        (None, false, None) => {
+            out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+            BodyFraming::Chunked
+        }
+    };
+    out.extend_from_slice(b"\r\n");
+    Ok(framing)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(raw: &str, method: Method) -> Result<Option<Head>, Error> {
+        let mut buf = BytesMut::from(raw.as_bytes());
+        parse_response(&mut buf, &method, &mut Vec::new())
+    }
+
+    fn head(raw: &str) -> Head {
+        parse(raw, Method::GET).unwrap().unwrap()
+    }
+
+    #[test]
+    fn a_plain_response_keeps_its_fields_and_leaves_the_body() {
+        let mut buf = BytesMut::from(
+            &b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-A: 1\r\nx-a: 2\r\n\r\nok"[..],
+        );
+        let h = parse_response(&mut buf, &Method::GET, &mut Vec::new())
+            .unwrap()
+            .unwrap();
+        assert_eq!(h.status, 200);
+        assert_eq!(h.framing, Framing::Length(2));
+        assert!(h.keep_alive);
+        let all: Vec<_> = h.headers.get_all("x-a").iter().collect();
+        assert_eq!(all, ["1", "2"]);
+        assert_eq!(&buf[..], b"ok");
+    }
+
+    #[test]
+    fn partial_heads_wait_and_oversized_ones_fail() {
+        assert!(
+            parse("HTTP/1.1 200 OK\r\nA: b\r\n", Method::GET)
+                .unwrap()
+                .is_none()
+        );
+        let big = format!("HTTP/1.1 200 OK\r\nA: {}", "x".repeat(MAX_RESPONSE_HEAD));
+        assert!(matches!(parse(&big, Method::GET), Err(Error::HeadTooLarge)));
+        assert!(matches!(
+            parse("HTTP/1.1 2000 OK\r\n\r\n", Method::GET),
+            Err(Error::Parse(_))
+        ));
+        assert!(parse("garbage\r\n\r\n", Method::GET).is_err());
+    }
+
+    #[test]
+    fn framing_follows_rfc_9112_section_6_3() {
+        let f = |raw: &str| head(raw).framing;
+        assert_eq!(
+            f("HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n"),
+            Framing::Empty
+        );
+        assert_eq!(f("HTTP/1.1 304 Not Modified\r\n\r\n"), Framing::Empty);
+        assert_eq!(f("HTTP/1.1 100 Continue\r\n\r\n"), Framing::Empty);
+        assert_eq!(
+            f("HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"),
+            Framing::Empty
+        );
+        assert_eq!(
+            parse("HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n", Method::HEAD)
+                .unwrap()
+                .unwrap()
+                .framing,
+            Framing::Empty
+        );
+        assert_eq!(
+            f("HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"),
+            Framing::Chunked
+        );
+        let h = head("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n");
+        assert_eq!((h.framing, h.keep_alive), (Framing::Close, false));
+        let h = head("HTTP/1.1 200 OK\r\n\r\n");
+        assert_eq!((h.framing, h.keep_alive), (Framing::Close, false));
+        // Both: chunked wins, the length is dropped, the connection is not reused.
+        let h = head("HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n");
+        assert_eq!((h.framing, h.keep_alive), (Framing::Chunked, false));
+        assert!(!h.headers.contains_key("content-length"));
+        // Repeated equal lengths are one length; differing ones are an error.
+        assert_eq!(
+            f("HTTP/1.1 200 OK\r\nContent-Length: 4, 4\r\nContent-Length: 4\r\n\r\n"),
+            Framing::Length(4)
+        );
+        for bad in ["4, 5", "-1", "0x10", "", "99999999999999999999", "1 2"] {
+            let raw = format!("HTTP/1.1 200 OK\r\nContent-Length: {bad}\r\n\r\n");
+            assert!(
+                matches!(parse(&raw, Method::GET), Err(Error::Framing(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn keep_alive_by_version_and_connection() {
+        let k = |raw: &str| head(raw).keep_alive;
+        assert!(k("HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n"));
+        assert!(!k(
+            "HTTP/1.1 200 OK\r\nConnection: Close\r\nContent-Length: 1\r\n\r\n"
+        ));
+        assert!(!k(
+            "HTTP/1.1 200 OK\r\nConnection: foo, close\r\nContent-Length: 1\r\n\r\n"
+        ));
+        assert!(!k("HTTP/1.0 200 OK\r\nContent-Length: 1\r\n\r\n"));
+        assert!(k(
+            "HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 1\r\n\r\n"
+        ));
+        // HTTP/1.0 has no chunked coding.
+        let h = head("HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n");
+        assert_eq!((h.framing, h.keep_alive), (Framing::Close, false));
+    }
+
+    #[test]
+    fn request_heads_are_origin_form_with_the_framing_the_body_needs() {
+        let enc = |method: Method, headers: &[(&str, &str)], body| {
+            let mut map = HeaderMap::new();
+            for (k, v) in headers {
+                map.append(
+                    HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                    HeaderValue::from_str(v).unwrap(),
+                );
+            }
+            let mut out = Vec::new();
+            let f = encode_request(&mut out, &method, "/a?b=1", &map, body);
+            (String::from_utf8(out).unwrap(), f)
+        };
+        let (text, f) = enc(Method::GET, &[("host", "x")], (true, Some(0)));
+        assert_eq!(text, "GET /a?b=1 HTTP/1.1\r\nhost: x\r\n\r\n");
+        assert_eq!(f.unwrap(), BodyFraming::None);
+        let (text, f) = enc(Method::POST, &[], (true, Some(0)));
+        assert_eq!(text, "POST /a?b=1 HTTP/1.1\r\ncontent-length: 0\r\n\r\n");
+        assert_eq!(f.unwrap(), BodyFraming::None);
+        let (text, f) = enc(Method::PUT, &[("content-length", "5")], (false, Some(5)));
+        assert_eq!(text, "PUT /a?b=1 HTTP/1.1\r\ncontent-length: 5\r\n\r\n");
+        assert_eq!(f.unwrap(), BodyFraming::Length(5));
+        let (text, f) = enc(Method::POST, &[], (false, Some(7)));
+        assert!(text.ends_with("content-length: 7\r\n\r\n"));
+        assert_eq!(f.unwrap(), BodyFraming::Length(7));
+        let (text, f) = enc(Method::POST, &[], (false, None));
+        assert!(text.ends_with("transfer-encoding: chunked\r\n\r\n"));
+        assert_eq!(f.unwrap(), BodyFraming::Chunked);
+        let (_, f) = enc(
+            Method::POST,
+            &[("content-length", "5"), ("content-length", "6")],
+            (false, None),
+        );
+        assert!(matches!(f, Err(Error::RequestLength)));
+        // A repeated equal length is written once.
+        let (text, _) = enc(
+            Method::POST,
+            &[("content-length", "5"), ("content-length", "5")],
+            (false, Some(5)),
+        );
+        assert_eq!(text.matches("content-length").count(), 1);
+    }
+}
