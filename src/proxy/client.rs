@@ -1,14 +1,15 @@
 //! The pooled upstream client: hyper-util's client over the egress [`Connector`], so every
 //! pooled connection has passed the egress rules.
 
-use http::{Request, Response};
-use hyper::body::Incoming;
+use http::Request;
+use http_body_util::Either;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use super::error::{AttemptError, find_cause};
 use super::outbound::Outbound;
+use super::pinned::UpstreamResponse;
 use crate::egress::{Connector, EgressError, Resolver};
 
 #[derive(Clone)]
@@ -36,7 +37,7 @@ impl UpstreamClient {
     }
 
     /// The response; the pool keeps its connections (compare `PinnedConns::send`).
-    pub async fn send(&self, req: Request<Outbound>) -> Result<Response<Incoming>, AttemptError> {
+    pub async fn send(&self, req: Request<Outbound>) -> Result<UpstreamResponse, AttemptError> {
         let resp = self.inner.request(req).await.map_err(|e| {
             if let Some(egress) = find_cause::<EgressError>(&e).map(EgressError::copy) {
                 AttemptError::from_egress(egress)
@@ -53,6 +54,6 @@ impl UpstreamClient {
         if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
             return Err(AttemptError::unasked_upgrade());
         }
-        Ok(resp)
+        Ok(resp.map(Either::Right))
     }
 }

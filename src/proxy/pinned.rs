@@ -27,6 +27,8 @@ use std::sync::Arc;
 
 use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode};
+use http_body_util::Either;
+use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use super::error::AttemptError;
@@ -206,8 +208,9 @@ impl Home for Owner {
     }
 }
 
-/// A response from one of a client's own upstream connections.
-pub type PinnedResponse = Response<UpstreamBody<Owner>>;
+/// An upstream's response, from either upstream client: one of a client's own
+/// connections (left) or the pooled TLS client (right).
+pub type UpstreamResponse = Response<Either<UpstreamBody<Owner>, Incoming>>;
 
 impl PinnedConns {
     /// Needs a tokio runtime (for its timer).
@@ -235,7 +238,7 @@ impl PinnedConns {
         &'a self,
         (resolver, rules): (&'a Resolver, &'a Arc<Rules>),
         mut req: Request<Outbound>,
-    ) -> impl Future<Output = Result<PinnedResponse, AttemptError>> + 'a {
+    ) -> impl Future<Output = Result<UpstreamResponse, AttemptError>> + 'a {
         // The request target as an upstream expects it (`/path?query`), the way a client
         // talking to it directly would write it.
         let target = req
@@ -272,7 +275,7 @@ impl PinnedConns {
                     Ok(resp) if resp.status() == StatusCode::SWITCHING_PROTOCOLS => {
                         return Err(AttemptError::unasked_upgrade());
                     }
-                    Ok(resp) => return Ok(resp),
+                    Ok(resp) => return Ok(resp.map(Either::Left)),
                     // Nothing reached the upstream (a kept connection closed under us):
                     // it goes on another connection whatever the method.
                     Err(Failed {
@@ -467,7 +470,7 @@ mod tests {
             up: &Upstream,
             method: &str,
             body: Body,
-        ) -> Result<PinnedResponse, AttemptError> {
+        ) -> Result<UpstreamResponse, AttemptError> {
             let req = Request::builder()
                 .method(method)
                 .uri(format!("http://{}/p?q=1", up.addr))
@@ -479,7 +482,7 @@ mod tests {
     }
 
     /// Data and trailers of a response body.
-    async fn read_all(resp: PinnedResponse) -> (String, Option<http::HeaderMap>) {
+    async fn read_all(resp: UpstreamResponse) -> (String, Option<http::HeaderMap>) {
         let collected = resp.into_body().collect().await.unwrap();
         let trailers = collected.trailers().cloned();
         (

@@ -40,7 +40,6 @@ use crate::limit::Permit;
 use crate::policy::breaker::Admit;
 use crate::policy::{Circuit, backoff, classify, hints, is_idempotent, wants_retry};
 use crate::route::Route;
-use http_body_util::Either as BodyEither;
 
 /// Sends `req` (already stripped and addressed to the upstream) under the route's policy.
 ///
@@ -461,14 +460,15 @@ fn attempt<'a>(
             }
         };
         let mut send = pin!(match upstreams {
+            // Boxed: this is the deepest future on the request path, and every level
+            // above holds it and is copied whole when it is built, so its size counts
+            // several times over (docs/architecture.md); the allocation costs less.
             Some(own) if req.uri().scheme() == Some(&Scheme::HTTP) => {
-                let send = own.send((&app.resolver, &config.egress_rules), req);
-                Either::Left(async move { Ok(send.await?.map(BodyEither::Left)) })
+                Either::Left(Box::pin(
+                    own.send((&app.resolver, &config.egress_rules), req),
+                ))
             }
-            _ => {
-                let send = app.client_for(config, route.map(|r| r.upstream)).send(req);
-                Either::Right(async move { Ok(send.await?.map(BodyEither::Right)) })
-            }
+            _ => Either::Right(app.client_for(config, route.map(|r| r.upstream)).send(req)),
         });
         let sent = poll_fn(|cx| match send.as_mut().poll(cx) {
             Poll::Ready(sent) => Poll::Ready(Some(sent)),
