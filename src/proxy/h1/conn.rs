@@ -46,6 +46,16 @@ impl Conn {
         self.io.peer_addr()
     }
 
+    /// Reads what the socket has into the buffer; `Ok(0)`: the upstream closed. Through
+    /// tokio's `AsyncRead`, which remembers a short read, so that the next read waits for
+    /// readiness instead of trying the socket first.
+    fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.buf.capacity() - self.buf.len() < READ_SIZE / 2 {
+            self.buf.reserve(READ_SIZE);
+        }
+        tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf)
+    }
+
     /// Whether an idle connection can take a request: the upstream has neither closed it
     /// nor sent anything unasked (which no request of ours would explain). Costs one
     /// `recv` that finds nothing, on a connection that was idle.
@@ -278,14 +288,7 @@ pub async fn exchange<H: Home>(
                 Some(h) => return Poll::Ready(Ok(h)),
                 None => {}
             }
-            if conn.buf.capacity() - conn.buf.len() < READ_SIZE / 2 {
-                conn.buf.reserve(READ_SIZE);
-            }
-            match ready!(tokio_util::io::poll_read_buf(
-                Pin::new(&mut conn.io),
-                cx,
-                &mut conn.buf
-            )) {
+            match ready!(conn.poll_read(cx)) {
                 Ok(0) => {
                     return Poll::Ready(Err(write_failed
                         .take()
@@ -451,14 +454,7 @@ impl<H: Home> HttpBody for UpstreamBody<H> {
                 Reading::Length(_) | Reading::Close => {}
             }
             // The buffer is spent (or holds an incomplete chunk line): read more.
-            if conn.buf.capacity() - conn.buf.len() < READ_SIZE / 2 {
-                conn.buf.reserve(READ_SIZE);
-            }
-            match ready!(tokio_util::io::poll_read_buf(
-                Pin::new(&mut conn.io),
-                cx,
-                &mut conn.buf
-            )) {
+            match ready!(conn.poll_read(cx)) {
                 Ok(0) if matches!(this.read, Reading::Close) => {
                     this.read = Reading::Done;
                     this.conn = None;
