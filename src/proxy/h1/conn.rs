@@ -31,6 +31,9 @@ pub struct Conn {
     io: TcpStream,
     buf: BytesMut,
     spans: Vec<Span>,
+    /// The buffer requests are encoded into, lent to each request in turn so that a
+    /// request head costs no allocation (growing a new one cost four).
+    wire: Vec<u8>,
 }
 
 impl Conn {
@@ -39,6 +42,7 @@ impl Conn {
             io,
             buf: BytesMut::new(),
             spans: Vec::new(),
+            wire: Vec::new(),
         }
     }
 
@@ -102,6 +106,12 @@ impl Outgoing {
             body_done: false,
             started: false,
         }
+    }
+
+    /// Returns the connection's encoding buffer once the request is done with it.
+    fn give_back(mut self, conn: &mut Conn) {
+        self.wire.clear();
+        conn.wire = self.wire;
     }
 
     /// Whether the request can still go on another connection: nothing of it was taken
@@ -261,6 +271,9 @@ pub async fn exchange<H: Home>(
         error,
         unsent: out.unsent().then_some(out),
     };
+    if out.framing.is_none() {
+        out.wire = std::mem::take(&mut conn.wire);
+    }
     if let Err(e) = out.encode() {
         return Err(fail(e, out));
     }
@@ -307,7 +320,12 @@ pub async fn exchange<H: Home>(
     // A 101 leaves the connection in another protocol; a request that could not be
     // written whole, in no known state.
     let upgraded = head.status == 101;
-    let sending = (!sent && write_failed.is_none() && !upgraded).then_some(out);
+    let sending = if !sent && write_failed.is_none() && !upgraded {
+        Some(out)
+    } else {
+        out.give_back(&mut conn);
+        None
+    };
     let home = (head.keep_alive && write_failed.is_none() && !upgraded).then_some(home);
     Ok(response(head, conn, sending, home))
 }
@@ -411,7 +429,11 @@ impl<H: Home> HttpBody for UpstreamBody<H> {
         let this = self.get_mut();
         if let (Some(req), Some(conn)) = (this.sending.as_mut(), this.conn.as_mut()) {
             match req.poll_write(cx, &mut conn.io) {
-                Poll::Ready(Ok(())) => this.sending = None,
+                Poll::Ready(Ok(())) => {
+                    if let Some(req) = this.sending.take() {
+                        req.give_back(conn);
+                    }
+                }
                 // The upstream stopped reading the request; what it answers still
                 // counts, but the connection cannot carry another.
                 Poll::Ready(Err(_)) => {
