@@ -48,10 +48,6 @@ impl Default for Decoder {
 }
 
 impl Decoder {
-    pub fn is_done(&self) -> bool {
-        self.state == State::Done
-    }
-
     /// Decodes what `buf` holds, consuming it: data, the end, or a need for more.
     pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Decoded, Error> {
         loop {

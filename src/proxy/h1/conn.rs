@@ -47,10 +47,6 @@ impl Conn {
         }
     }
 
-    pub fn peer_addr(&self) -> io::Result<std::net::SocketAddr> {
-        self.io.peer_addr()
-    }
-
     /// Reads what the socket has into the buffer; `Ok(0)`: the upstream closed. Through
     /// tokio's `AsyncRead`, which remembers a short read, so that the next read waits for
     /// readiness instead of trying the socket first.
