@@ -120,6 +120,7 @@ pub fn parse_response(
     }));
     let bytes: Bytes = buf.split_to(len).freeze();
     let mut headers = HeaderMap::with_capacity(spans.len());
+    let mut seen = Fields::default();
     for s in spans.iter() {
         let name = HeaderName::from_bytes(&bytes[s.name..s.name + s.name_len])
             .map_err(|_| Error::Framing("invalid header name"))?;
@@ -127,9 +128,10 @@ pub fn parse_response(
         // constructor would save little and is `unsafe`.
         let value = HeaderValue::from_maybe_shared(bytes.slice(s.value..s.value + s.value_len))
             .map_err(|_| Error::Framing("invalid header value"))?;
+        seen.note(&name, value.as_bytes());
         headers.append(name, value);
     }
-    let (framing, keep_alive) = framing(status, version, &mut headers, method)?;
+    let (framing, keep_alive) = framing(status, version, &mut headers, method, &seen)?;
     Ok(Some(Head {
         status,
         version,
@@ -148,16 +150,57 @@ pub struct Span {
     value_len: usize,
 }
 
+/// What framing needs from the fields, noted as the head is read: three hashed lookups
+/// per response fewer than asking the map afterwards.
+#[derive(Default)]
+struct Fields {
+    /// `Connection` names `close` / `keep-alive`.
+    close: bool,
+    keep_alive: bool,
+    /// `Transfer-Encoding` is present; whether its last coding is chunked.
+    coding: Option<bool>,
+    /// The `Content-Length` values agree on this length...
+    length: Option<u64>,
+    /// ...unless one is invalid or they differ.
+    bad_length: bool,
+}
+
+impl Fields {
+    fn note(&mut self, name: &HeaderName, value: &[u8]) {
+        let elements = || value.split(|&b| b == b',').map(<[u8]>::trim_ascii);
+        if name == header::CONNECTION {
+            for t in elements() {
+                self.close |= t.eq_ignore_ascii_case(b"close");
+                self.keep_alive |= t.eq_ignore_ascii_case(b"keep-alive");
+            }
+        } else if name == header::TRANSFER_ENCODING {
+            if let Some(last) = elements().rfind(|t| !t.is_empty()) {
+                self.coding = Some(last.eq_ignore_ascii_case(b"chunked"));
+            } else {
+                self.coding.get_or_insert(false);
+            }
+        } else if name == header::CONTENT_LENGTH {
+            for t in elements() {
+                match parse_length(t) {
+                    Ok(n) if self.length.is_none_or(|l| l == n) => self.length = Some(n),
+                    _ => self.bad_length = true,
+                }
+            }
+        }
+    }
+}
+
 /// The body's delimitation and whether the connection stays open, from the head.
 fn framing(
     status: StatusCode,
     version: Version,
     headers: &mut HeaderMap,
     method: &Method,
+    seen: &Fields,
 ) -> Result<(Framing, bool), Error> {
     let mut keep_alive = match version {
-        Version::HTTP_10 => has_token(headers, header::CONNECTION, "keep-alive"),
-        _ => !has_token(headers, header::CONNECTION, "close"),
+        Version::HTTP_10 => seen.keep_alive,
+        _ => !seen.close,
     };
     if *method == Method::HEAD
         || status.is_informational()
@@ -166,39 +209,25 @@ fn framing(
     {
         return Ok((Framing::Empty, keep_alive));
     }
-    if headers.contains_key(header::TRANSFER_ENCODING) {
+    if let Some(chunked_last) = seen.coding {
         // §6.3 (3): Transfer-Encoding wins over Content-Length, which must not be passed
         // on, and such a message may be an attempt at response splitting: this
         // connection carries nothing after it.
         if headers.remove(header::CONTENT_LENGTH).is_some() {
             keep_alive = false;
         }
-        let last = headers
-            .get_all(header::TRANSFER_ENCODING)
-            .iter()
-            .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-            .map(|t| t.trim_ascii())
-            .rfind(|t| !t.is_empty());
-        return Ok(match last {
-            Some(t) if t.eq_ignore_ascii_case(b"chunked") && version == Version::HTTP_11 => {
-                (Framing::Chunked, keep_alive)
-            }
+        return Ok(if chunked_last && version == Version::HTTP_11 {
+            (Framing::Chunked, keep_alive)
+        } else {
             // Not chunked last (or an HTTP/1.0 sender, which has no chunked coding): the
             // body runs to the end of the connection.
-            _ => (Framing::Close, false),
+            (Framing::Close, false)
         });
     }
-    let mut length = None;
-    for v in headers.get_all(header::CONTENT_LENGTH) {
-        for part in v.as_bytes().split(|&b| b == b',') {
-            let n = parse_length(part.trim_ascii())?;
-            if length.is_some_and(|l| l != n) {
-                return Err(Error::Framing("conflicting Content-Length values"));
-            }
-            length = Some(n);
-        }
+    if seen.bad_length {
+        return Err(Error::Framing("invalid or conflicting Content-Length"));
     }
-    Ok(match length {
+    Ok(match seen.length {
         Some(0) => (Framing::Empty, keep_alive),
         Some(n) => (Framing::Length(n), keep_alive),
         None => (Framing::Close, false),
@@ -212,15 +241,6 @@ fn parse_length(digits: &[u8]) -> Result<u64, Error> {
     Ok(digits
         .iter()
         .fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
-}
-
-/// Whether a comma-separated field has `token` among its elements (any case).
-fn has_token(headers: &HeaderMap, name: HeaderName, token: &str) -> bool {
-    headers.get_all(name).iter().any(|v| {
-        v.as_bytes()
-            .split(|&b| b == b',')
-            .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
-    })
 }
 
 /// How the request body is delimited on the wire.
