@@ -385,3 +385,138 @@ async fn a_blind_tunnel_holds_a_concurrency_permit_while_open() {
         "the permit came back when the tunnel closed"
     );
 }
+
+fn queue_wait(resp: &reqwest::Response) -> Option<u64> {
+    resp.headers()
+        .get("sluice-queue-wait")
+        .map(|v| v.to_str().unwrap().parse().unwrap())
+}
+
+#[tokio::test]
+async fn a_response_that_paid_a_limit_says_how_long_it_waited() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&format!(
+        "{}\n[[upstream]]\nname = \"free\"\nhosts = [\"localhost\"]\n",
+        upstream_config(
+            "limits = [{ kind = \"sliding_window\", permits = 1, window = \"600ms\" }]\n"
+        )
+    ))
+    .await;
+    let client = proxy.client();
+    let first = client.get(up.url("/a")).send().await.unwrap();
+    assert_eq!(first.status(), 200);
+    assert!(queue_wait(&first).unwrap() < 300, "{:?}", first.headers());
+    let second = client.get(up.url("/b")).send().await.unwrap();
+    assert_eq!(second.status(), 200);
+    let waited = queue_wait(&second).unwrap();
+    assert!((300..5000).contains(&waited), "waited {waited} ms");
+    // An upstream with no limits, and a host no upstream matches: nothing paid, nothing said.
+    let free = format!("http://localhost:{}/c", up.addr.port());
+    let resp = client.get(free).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(queue_wait(&resp), None);
+    let echo = echo_server().await;
+    let proxy = Proxy::start("[egress]\nallow = [\"127.0.0.1\"]\n").await;
+    let resp = proxy
+        .client()
+        .get(format!("http://{echo}/"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(queue_wait(&resp), None);
+}
+
+#[tokio::test]
+async fn sluice_max_wait_refuses_at_once_what_it_cannot_admit_in_time() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&upstream_config(
+        "max_wait = \"20s\"\nlimits = [{ kind = \"sliding_window\", permits = 1, window = \"10s\" }]\n",
+    ))
+    .await;
+    let client = proxy.client();
+    let first = client
+        .get(up.url("/a"))
+        .header("sluice-max-wait", "2s")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.status(), 200);
+    assert_eq!(up.seen()[0].header("sluice-max-wait"), None, "stripped");
+    // Without the header this request would wait 10 s for the next permit (max_wait
+    // allows 20); a client that waits at most 1 s is refused now.
+    let t0 = Instant::now();
+    let resp = client
+        .get(up.url("/b"))
+        .header("sluice-max-wait", "1")
+        .send()
+        .await
+        .unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert_eq!(resp.status(), 429);
+    assert_eq!(resp.headers()["sluice-reason"], "queue_timeout");
+    assert!(resp.headers().contains_key("retry-after"));
+    assert!(queue_wait(&resp).unwrap() < 1000);
+    assert_eq!(up.seen().len(), 1);
+    let m = proxy.metrics().await;
+    assert!(
+        m.contains(
+            r#"sluice_rejections_total{family="-",reason="queue_timeout",upstream="api"} 1"#
+        ),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn sluice_max_wait_ends_an_unknowable_wait_and_is_capped_by_max_wait() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&upstream_config(
+        "max_wait = \"1500ms\"\nlimits = [{ kind = \"concurrency\", max = 1 }]\n",
+    ))
+    .await;
+    let client = proxy.client();
+    // Holds the only permit for 20 s.
+    let holder = tokio::spawn({
+        let (client, url) = (client.clone(), up.url("/slow/20000"));
+        async move { client.get(url).send().await }
+    });
+    assert!(eventually(Duration::from_secs(5), || async { up.seen().len() == 1 }).await);
+    for (asked, at_least, at_most) in [("300ms", 250, 1400), ("10s", 1400, 8000)] {
+        let t0 = Instant::now();
+        let resp = client
+            .get(up.url("/b"))
+            .header("sluice-max-wait", asked)
+            .send()
+            .await
+            .unwrap();
+        let took = t0.elapsed().as_millis() as u64;
+        assert_eq!(resp.status(), 429, "{asked}");
+        assert_eq!(resp.headers()["sluice-reason"], "queue_timeout");
+        let waited = queue_wait(&resp).unwrap();
+        assert!(
+            (at_least..at_most).contains(&waited) && (at_least..at_most + 2000).contains(&took),
+            "asked {asked}: waited {waited} ms, answered after {took} ms"
+        );
+    }
+    holder.abort();
+}
+
+#[tokio::test]
+async fn a_malformed_sluice_max_wait_is_a_bad_request() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&upstream_config(
+        "limits = [{ kind = \"concurrency\", max = 1 }]\n",
+    ))
+    .await;
+    let resp = proxy
+        .client()
+        .get(up.url("/a"))
+        .header("sluice-max-wait", "soon")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    assert_eq!(resp.headers()["sluice-reason"], "bad_request");
+    let body = resp.text().await.unwrap();
+    assert!(body.contains("sluice-max-wait"), "{body}");
+    assert!(up.seen().is_empty());
+}

@@ -19,7 +19,7 @@ pub struct PosDur(pub Duration);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bytes(pub u64);
 
-fn parse_duration(s: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s.trim()).map_err(|e| {
         format!("invalid duration {s:?} ({e}); write it like \"250ms\", \"10s\" or \"1m\"")
     })

@@ -345,6 +345,18 @@ impl<W> Bucket<W> {
 
     /// Bounds for a new arrival: a full queue, or a wait known to exceed `max_wait`.
     pub fn check(&mut self, family: usize, now: Instant) -> Result<(), Reject> {
+        let max_wait = self.families[family].spec.max_wait;
+        self.check_within(family, now, max_wait)
+    }
+
+    /// As [`Bucket::check`], for an arrival that waits at most `max_wait` (no more than
+    /// its family's, when the client asks for less).
+    pub fn check_within(
+        &mut self,
+        family: usize,
+        now: Instant,
+        max_wait: Duration,
+    ) -> Result<(), Reject> {
         let ahead = self.families[family].queue.len();
         let eta = self.eta(family, ahead as u64 + 1, now);
         let f = &self.families[family].spec;
@@ -355,7 +367,7 @@ impl<W> Bucket<W> {
             });
         }
         if let Some(t) = eta
-            && t - now > f.max_wait
+            && t - now > max_wait.min(f.max_wait)
         {
             return Err(Reject::QueueTimeout {
                 retry_after: hint(Some(t)),

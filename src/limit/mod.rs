@@ -817,14 +817,34 @@ impl Limiter {
         plan: &Arc<Plan>,
         route: &Route,
     ) -> Result<Option<Permit>, LimitError> {
+        self.acquire_by(plan, route, None).await
+    }
+
+    /// As [`Limiter::acquire`], for a request that waits no later than `deadline` (the
+    /// client's `sluice-max-wait`) if that comes before its family's `max_wait` runs out.
+    pub async fn acquire_by(
+        &self,
+        plan: &Arc<Plan>,
+        route: &Route,
+        deadline: Option<Instant>,
+    ) -> Result<Option<Permit>, LimitError> {
         let cell = self.cell(plan, route);
         let index = plan.family_index(route.family);
         if plan.global(index).is_empty() {
-            return self.wait(cell, plan, index).await;
+            return self.wait(cell, plan, index, deadline).await;
         }
         // Boxed: shared limits are the rarer path, and their future would otherwise
         // size every request's.
-        Box::pin(self.wait_shared(cell, plan, index)).await
+        Box::pin(self.wait_shared(cell, plan, index, deadline)).await
+    }
+
+    /// Whether a request of `route` pays any limit, local or shared: only then does its
+    /// response say how long it waited.
+    pub fn limited(plan: &Plan, route: &Route) -> bool {
+        let index = plan.family_index(route.family);
+        !plan.spec.upstream_limits.is_empty()
+            || !plan.spec.families[index].limits.is_empty()
+            || !plan.global(index).is_empty()
     }
 
     /// Local limits first, FIFO in the family's queue; then the shared ones, through the
@@ -834,9 +854,10 @@ impl Limiter {
         cell: Arc<Cell>,
         plan: &Arc<Plan>,
         index: usize,
+        deadline: Option<Instant>,
     ) -> Result<Option<Permit>, LimitError> {
         let start = Instant::now();
-        let Some(mut permit) = self.wait(cell.clone(), plan, index).await? else {
+        let Some(mut permit) = self.wait(cell.clone(), plan, index, deadline).await? else {
             return Ok(None);
         };
         // A config with global limits always has a cluster; without one, they are
@@ -852,7 +873,7 @@ impl Limiter {
                 &cluster,
                 &family.name,
                 plan.global(index),
-                start + family.max_wait,
+                deadline.map_or(start + family.max_wait, |d| d.min(start + family.max_wait)),
             )
             .await?;
         plan.metrics[index]
@@ -875,7 +896,7 @@ impl Limiter {
             return Ok(None);
         }
         let cell = self.cell(plan, route);
-        self.wait(cell, plan, plan.tunnel_index()).await
+        self.wait(cell, plan, plan.tunnel_index(), None).await
     }
 
     async fn wait(
@@ -883,6 +904,7 @@ impl Limiter {
         cell: Arc<Cell>,
         plan: &Arc<Plan>,
         index: usize,
+        deadline: Option<Instant>,
     ) -> Result<Option<Permit>, LimitError> {
         use std::sync::atomic::Ordering;
         if self.closed.load(Ordering::Acquire) {
@@ -896,7 +918,10 @@ impl Limiter {
                 cell.wake_driver(&mut st);
             }
             let slot = st.slot(plan, index);
-            if let Err(r) = st.bucket.check(slot, now) {
+            let max_wait = st.bucket.families[slot].spec.max_wait;
+            let max_wait =
+                deadline.map_or(max_wait, |d| max_wait.min(d.saturating_duration_since(now)));
+            if let Err(r) = st.bucket.check_within(slot, now, max_wait) {
                 let m = st.metrics(slot);
                 match r {
                     Reject::QueueFull { .. } => m.queue_full.inc(),
@@ -917,7 +942,6 @@ impl Limiter {
             let seq = st.bucket.push(slot, Waiter { tx }, now);
             st.metrics(slot).depth.inc();
             let family = st.bucket.family_ref(slot);
-            let max_wait = st.bucket.families[slot].spec.max_wait;
             cell.dispatch(&mut st, now);
             cell.wake_driver(&mut st);
             (rx, family, seq, max_wait)

@@ -263,6 +263,49 @@ async fn a_known_wait_beyond_max_wait_is_refused_at_once() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_client_deadline_shortens_max_wait_and_never_lengthens_it() {
+    let (l, _) = limiter(
+        "max_wait = \"5s\"\nlimits = [{ kind = \"sliding_window\", permits = 1, window = \"3s\" }]\n",
+    );
+    let plan = l.plans()[0].clone();
+    let _p = l.take(&route(None)).await.unwrap();
+    let t0 = Instant::now();
+    // The next permit is 3 s away: a client that waits 2 s at most is refused at once...
+    let r = l
+        .acquire_by(&plan, &route(None), Some(t0 + Duration::from_secs(2)))
+        .await;
+    assert!(matches!(r, Err(LimitError::QueueTimeout { .. })), "{r:?}");
+    assert_eq!(Instant::now(), t0);
+    // ...one that waits 4 s is admitted when the permit comes back...
+    let p = l
+        .acquire_by(&plan, &route(None), Some(t0 + Duration::from_secs(4)))
+        .await;
+    assert!(p.is_ok());
+    assert_eq!(Instant::now() - t0, Duration::from_secs(3));
+    drop(p);
+    // ...and one that would wait an hour still waits no longer than max_wait (5 s) when
+    // the wait cannot be known.
+    let (l, _) = limiter("max_wait = \"5s\"\nlimits = [{ kind = \"concurrency\", max = 1 }]\n");
+    let plan = l.plans()[0].clone();
+    let _held = l.take(&route(None)).await.unwrap();
+    let t1 = Instant::now();
+    let r = l
+        .acquire_by(&plan, &route(None), Some(t1 + Duration::from_secs(3600)))
+        .await;
+    assert!(matches!(r, Err(LimitError::QueueTimeout { .. })), "{r:?}");
+    assert_eq!(Instant::now() - t1, Duration::from_secs(5));
+    let r = l
+        .acquire_by(
+            &plan,
+            &route(None),
+            Some(Instant::now() + Duration::from_millis(700)),
+        )
+        .await;
+    assert!(matches!(r, Err(LimitError::QueueTimeout { .. })), "{r:?}");
+    assert_eq!(Instant::now() - t1, Duration::from_millis(5700));
+}
+
+#[tokio::test(start_paused = true)]
 async fn pause_stops_admission_until_the_instant() {
     let (l, _) =
         limiter("limits = [{ kind = \"token_bucket\", rate = 10, per = \"1s\", burst = 2 }]\n");

@@ -191,23 +191,51 @@ fn route_and_send<'a>(
         };
         // Not a `match` around the await: its scrutinee (the request, 240 bytes) would
         // stay in the future while the upstream answers.
-        let req = match admit(app, &config, route.as_ref(), &target, req) {
-            Ok(req) => req,
+        let (req, max_wait) = match admit(app, &config, route.as_ref(), &target, req) {
+            Ok(admitted) => admitted,
             Err(e) => return done(Err(e)),
         };
-        let result = pipeline::run(app, &config, upstreams, route.as_ref(), req).await;
-        done(result.map(from_upstream))
+        let (result, waited) =
+            pipeline::run(app, &config, upstreams, route.as_ref(), req, max_wait).await;
+        let mut resp = done(result.map(from_upstream));
+        if let Some(waited) = waited {
+            // Whole milliseconds: what a client needs to decide whether to shed work.
+            let ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX);
+            resp.headers_mut()
+                .insert(QUEUE_WAIT.clone(), HeaderValue::from(ms));
+        }
+        resp
     }
 }
 
-/// The egress rules, then the request as the upstream will see it.
+/// On every response to a request that paid a limit, the time it waited for admission
+/// over all its attempts, in milliseconds (sluice's own 429s included).
+static QUEUE_WAIT: header::HeaderName = header::HeaderName::from_static("sluice-queue-wait");
+
+/// The longest a client is willing to wait for admission, capped by its family's
+/// `max_wait`; read and removed here, never forwarded.
+const MAX_WAIT: &str = "sluice-max-wait";
+
+/// A `sluice-max-wait` value: a duration as the config writes one (`"250ms"`, `"2s"`), or
+/// whole seconds as `Retry-After` writes them.
+fn parse_max_wait(value: &HeaderValue) -> Result<std::time::Duration, ProxyError> {
+    let text = value.to_str().unwrap_or("").trim();
+    if let Ok(secs) = text.parse::<u64>() {
+        return Ok(std::time::Duration::from_secs(secs));
+    }
+    crate::config::units::parse_duration(text)
+        .map_err(|e| ProxyError::BadRequest(format!("{MAX_WAIT}: {e}")))
+}
+
+/// The egress rules, then the request as the upstream will see it, and the client's
+/// `sluice-max-wait`.
 fn admit(
     app: &App,
     config: &Live,
     route: Option<&Route>,
     target: &Target,
     req: Request<Incoming>,
-) -> Result<Request<Body>, ProxyError> {
+) -> Result<(Request<Body>, Option<std::time::Duration>), ProxyError> {
     if route.is_none() && config.proxy.unmatched == Unmatched::Deny {
         return Err(ProxyError::UnmatchedDenied);
     }
@@ -220,24 +248,36 @@ fn admit(
     to_upstream(req, target)
 }
 
-fn to_upstream(req: Request<Incoming>, target: &Target) -> Result<Request<Body>, ProxyError> {
+fn to_upstream(
+    req: Request<Incoming>,
+    target: &Target,
+) -> Result<(Request<Body>, Option<std::time::Duration>), ProxyError> {
     let (mut parts, body) = req.into_parts();
     strip_hop_by_hop(&mut parts.headers);
     // One look at the names rather than a hashed lookup for each: a client sends `Host`
-    // as the URL has it (as curl and HTTP_PROXY clients do), and rarely `Expect`.
+    // as the URL has it (as curl and HTTP_PROXY clients do), and rarely `Expect` or
+    // `sluice-max-wait`.
     let (mut hosts, mut host_as_url, mut expect) = (0, false, false);
+    let mut max_wait: Option<std::time::Duration> = None;
     for (name, value) in &parts.headers {
         if name == header::HOST {
             hosts += 1;
             host_as_url = value.as_bytes() == target.host_header.as_bytes();
         } else if name == header::EXPECT {
             expect = true;
+        } else if name.as_str() == MAX_WAIT {
+            // Sent twice, the shorter wait holds.
+            let wait = parse_max_wait(value)?;
+            max_wait = Some(max_wait.map_or(wait, |w| w.min(wait)));
         }
     }
     if expect {
         // hyper has already answered `100 Continue` to the client when we started reading
         // the body; passing the expectation on would make the upstream wait for another.
         parts.headers.remove(header::EXPECT);
+    }
+    if max_wait.is_some() {
+        parts.headers.remove(MAX_WAIT);
     }
     if !(hosts == 1 && host_as_url) {
         let host = HeaderValue::from_str(&target.host_header).map_err(|_| {
@@ -271,7 +311,7 @@ fn to_upstream(req: Request<Incoming>, target: &Target) -> Result<Request<Body>,
     } else {
         stream(body)
     };
-    Ok(Request::from_parts(parts, body))
+    Ok((Request::from_parts(parts, body), max_wait))
 }
 
 fn from_upstream(resp: Response<Body>) -> Response<Body> {

@@ -16,6 +16,7 @@
 
 use std::future::{Future, poll_fn};
 use std::pin::{Pin, pin};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::Poll;
 use std::time::{Duration, SystemTime};
 
@@ -42,6 +43,9 @@ use crate::policy::{Circuit, backoff, classify, hints, is_idempotent, wants_retr
 use crate::route::Route;
 
 /// Sends `req` (already stripped and addressed to the upstream) under the route's policy.
+/// `max_wait`: the client's `sluice-max-wait`, the most its attempts may wait for
+/// admission in all. Returns, with the outcome, how long they waited when the route pays
+/// a limit.
 ///
 /// The functions here return `async move` blocks rather than being `async fn`s, which
 /// would keep a second copy of the request (see `forward::forward`).
@@ -52,7 +56,8 @@ pub fn run<'a>(
     upstreams: Option<&'a PinnedConns>,
     route: Option<&'a Route>,
     req: Request<Body>,
-) -> impl Future<Output = Result<Response<Body>, ProxyError>> + 'a {
+    max_wait: Option<Duration>,
+) -> impl Future<Output = (Result<Response<Body>, ProxyError>, Option<Duration>)> + 'a {
     // Taken apart before the future is built, so that it holds the parts only once.
     let (parts, body) = req.into_parts();
     let mut head = Head {
@@ -83,10 +88,10 @@ pub fn run<'a>(
             } else {
                 match tokio::time::timeout(p.total_timeout, once).await {
                     Ok(result) => result,
-                    Err(_) => return Err(timed_out(&body, p.total_timeout, true)),
+                    Err(_) => return (Err(timed_out(&body, p.total_timeout, true)), None),
                 }
             };
-            return result.map_err(|e| blame(&body, e));
+            return (result.map_err(|e| blame(&body, e)), None);
         };
         let policy = route.policy(&config.config);
         let upstream = &config.upstreams[route.upstream];
@@ -103,12 +108,51 @@ pub fn run<'a>(
         let keep = safe && retry.max_attempts > 1;
         let body = Replay::new(body, keep, config.proxy.max_replay_body, &app.replay_budget);
         let deadline = Instant::now() + policy.total_timeout;
-        tokio::time::timeout_at(
+        let queued = Queued {
+            nanos: AtomicU64::new(0),
+            most: max_wait,
+        };
+        let result = tokio::time::timeout_at(
             deadline,
-            retry_loop(app, config, upstreams, route, policy, head, &body, deadline),
+            retry_loop(
+                app, config, upstreams, route, policy, head, &body, deadline, &queued,
+            ),
         )
         .await
-        .unwrap_or_else(|_| Err(timed_out(&body, policy.total_timeout, true)))
+        .unwrap_or_else(|_| Err(timed_out(&body, policy.total_timeout, true)));
+        let limited = crate::limit::Limiter::limited(&config.plans[route.upstream], route);
+        (result, limited.then(|| queued.total()))
+    }
+}
+
+/// How long a request's attempts have waited for admission, and the most they may
+/// (`sluice-max-wait`). Read after a timeout too: a wait cut short adds what it lasted.
+struct Queued {
+    nanos: AtomicU64,
+    most: Option<Duration>,
+}
+
+impl Queued {
+    fn total(&self) -> Duration {
+        Duration::from_nanos(self.nanos.load(Ordering::Relaxed))
+    }
+
+    /// The instant the next admission must come by for the client, if it set a limit.
+    fn deadline(&self, now: Instant) -> Option<Instant> {
+        self.most.map(|m| now + m.saturating_sub(self.total()))
+    }
+}
+
+/// Adds the time from its creation to its drop to a request's [`Queued`] total.
+struct Waiting<'a> {
+    queued: &'a Queued,
+    since: Instant,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let took = u64::try_from(self.since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.queued.nanos.fetch_add(took, Ordering::Relaxed);
     }
 }
 
@@ -174,6 +218,7 @@ async fn retry_loop(
     mut head: Head,
     body: &Replay,
     deadline: Instant,
+    queued: &Queued,
 ) -> Result<Response<Body>, ProxyError> {
     let upstream = &config.upstreams[route.upstream];
     let (up_label, fam_label) = crate::route::labels(&config.config, Some(route));
@@ -202,7 +247,13 @@ async fn retry_loop(
             circuit,
             armed: probe,
         };
-        let permit = app.limiter.acquire(plan, route).await?;
+        let permit = {
+            let now = Instant::now();
+            let _waiting = Waiting { queued, since: now };
+            app.limiter
+                .acquire_by(plan, route, queued.deadline(now))
+                .await?
+        };
         // The attempt no other can follow (the body cannot be replayed, or it is the last
         // one allowed) takes the head; the others send a copy and keep it for the next.
         let (req, kept) = if !body.replayable() || attempt_no >= retry.max_attempts {
