@@ -69,6 +69,42 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken
 /// Endpoints that change or reveal state: `admin_control` says who may use them.
 const CONTROL: [&str; 3] = ["/reload", "/config", "/buckets"];
 
+/// The configured and effective rate of each upstream that has one, and its partitions
+/// pacing to a learned budget, as of this scrape (series of removed upstreams go).
+fn rates(app: &App) {
+    let m = &app.metrics;
+    let config = app.config();
+    let paces = app.limiter.learned_paces();
+    m.configured_rate.reset();
+    m.effective_rate.reset();
+    m.learned_partitions.reset();
+    for u in &config.upstreams {
+        let configured = u
+            .limits
+            .iter()
+            .filter_map(|l| l.rate_per_second())
+            .min_by(f64::total_cmp);
+        let l = [u.name.as_str()];
+        if let Some(c) = configured {
+            m.configured_rate.with_label_values(&l).set(c);
+        }
+        let learned = paces.get(u.name.as_str());
+        let effective = match (configured, learned) {
+            (Some(c), Some((pace, _))) => Some(c.min(*pace)),
+            (c, l) => c.or(l.map(|(pace, _)| *pace)),
+        };
+        if let Some(e) = effective {
+            m.effective_rate.with_label_values(&l).set(e);
+        }
+        if u.learn == crate::config::Learn::Headers {
+            let n = learned.map_or(0, |(_, n)| *n);
+            m.learned_partitions
+                .with_label_values(&l)
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+    }
+}
+
 fn is_loopback(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => v4.is_loopback(),
@@ -108,6 +144,7 @@ pub async fn handle(app: &Arc<App>, req: &Request<Incoming>, peer: IpAddr) -> Re
             app.metrics
                 .client_connections
                 .set(i64::try_from(open).unwrap_or(i64::MAX));
+            rates(app);
             reply(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",

@@ -232,12 +232,21 @@ pub fn explain(
         );
     }
 
+    if u.learn == crate::config::Learn::Headers && !tunnelled {
+        line(
+            &mut out,
+            "learns",
+            "the provider's announced budget (RateLimit, RateLimit-Remaining/-Reset, \
+             X-RateLimit-Remaining/-Reset): when it has fewer requests left than these limits \
+             allow, each partition paces to it until the provider's reset",
+        );
+    }
     let policy: &Policy = family.map_or(&u.policy, |f| &f.policy);
     line(
         &mut out,
         "queue",
         &format!(
-            "max_queue {}, max_wait {}",
+            "max_queue {}, max_wait {} (a request's sluice-max-wait can shorten it)",
             policy.max_queue,
             fmt_duration(policy.max_wait)
         ),
@@ -323,6 +332,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn says_when_an_upstream_learns_from_the_provider() {
+        let c = Config::parse(
+            "[[upstream]]\nname = \"u\"\nhosts = [\"u.example\"]\nlearn = \"headers\"\n",
+            "l.toml",
+        )
+        .unwrap();
+        let url: Uri = "http://u.example/x".parse().unwrap();
+        let out = explain(&c, &Method::GET, &url, &HeaderMap::new()).unwrap();
+        assert!(
+            out.contains("learns      the provider's announced budget"),
+            "{out}"
+        );
+        assert!(out.contains("sluice-max-wait can shorten it"), "{out}");
+    }
+
+    #[test]
     fn explains_the_product_example() {
         let c = Config::parse(
             include_str!("../tests/fixtures/product-example.toml"),
@@ -347,6 +372,7 @@ mod tests {
         );
         assert!(out.contains("no: POST without idempotency-key"), "{out}");
         assert!(!out.contains("sk_live_123"), "{out}");
+        assert!(!out.contains("learns"), "{out}");
 
         h.insert("idempotency-key", "k1".parse().unwrap());
         let out = explain(&c, &Method::POST, &url, &h).unwrap();

@@ -5,8 +5,8 @@
 use std::sync::OnceLock;
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry,
+    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry,
 };
 
 #[derive(Clone)]
@@ -40,6 +40,13 @@ pub struct Metrics {
     pub tls_handshake_failures: prometheus::IntCounter,
     /// Live partitions (sets of buckets) over all upstreams, as of the last sweep.
     pub partitions: IntGauge,
+    /// `{upstream}`: requests per second its tightest rate limit allows, as configured.
+    pub configured_rate: GaugeVec,
+    /// `{upstream}`: requests per second its slowest partition may send now, by the
+    /// provider's announced budget (`learn`); the configured rate when none is slowed.
+    pub effective_rate: GaugeVec,
+    /// `{upstream}`: partitions pacing to an announced budget now.
+    pub learned_partitions: IntGaugeVec,
     /// Request body bytes held for replay, as of the scrape.
     pub replay_bytes: IntGauge,
     /// Client connections open, as of the scrape.
@@ -271,6 +278,28 @@ impl Metrics {
             "sluice_partitions",
             "Live partitions (one per upstream and key value) as of the last idle sweep",
         )?;
+        let configured_rate = GaugeVec::new(
+            Opts::new(
+                "sluice_configured_rate",
+                "Requests per second the upstream's tightest rate limit allows, as configured",
+            ),
+            &["upstream"],
+        )?;
+        let effective_rate = GaugeVec::new(
+            Opts::new(
+                "sluice_effective_rate",
+                "Requests per second the upstream's slowest partition may send now, paced by \
+                 the budget the provider announces (learn); the configured rate when none is slowed",
+            ),
+            &["upstream"],
+        )?;
+        let learned_partitions = IntGaugeVec::new(
+            Opts::new(
+                "sluice_learned_partitions",
+                "Partitions pacing to a budget the provider announced, below their configured limits",
+            ),
+            &["upstream"],
+        )?;
         let replay_bytes = IntGauge::new(
             "sluice_replay_buffered_bytes",
             "Request body bytes held so that a retry can resend them (bounded by proxy.max_replay_memory)",
@@ -394,6 +423,9 @@ impl Metrics {
         registry.register(Box::new(breaker_state.clone()))?;
         registry.register(Box::new(family_breaker_state.clone()))?;
         registry.register(Box::new(partitions.clone()))?;
+        registry.register(Box::new(configured_rate.clone()))?;
+        registry.register(Box::new(effective_rate.clone()))?;
+        registry.register(Box::new(learned_partitions.clone()))?;
         registry.register(Box::new(replay_bytes.clone()))?;
         registry.register(Box::new(client_connections.clone()))?;
         registry.register(Box::new(connections_refused.clone()))?;
@@ -435,6 +467,9 @@ impl Metrics {
             queue_depth,
             rejections,
             partitions,
+            configured_rate,
+            effective_rate,
+            learned_partitions,
             replay_bytes,
             client_connections,
             connections_refused,

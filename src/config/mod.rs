@@ -20,8 +20,8 @@ use sha2::{Digest, Sha256};
 
 pub use pattern::{HostPattern, PathGlob};
 pub use spec::{
-    Action, AdminControl, BudgetSpec, CooldownScope, Jitter, LimitSpec as Limit, OnRedisError,
-    Priority, RetryOn, Scheme, Scope, TlsMode, Unmatched,
+    Action, AdminControl, BudgetSpec, CooldownScope, Jitter, Learn, LimitSpec as Limit,
+    OnRedisError, Priority, RetryOn, Scheme, Scope, TlsMode, Unmatched,
 };
 use spec::{BreakerSpec, ConfigSpec, PolicySpec, RetrySpec};
 pub use units::Margin;
@@ -197,6 +197,8 @@ pub struct Upstream {
     pub classify: Vec<ClassifyRule>,
     pub idempotency_generate: bool,
     pub cooldown: CooldownScope,
+    /// Whether the provider's announced budget slows this upstream's partitions down.
+    pub learn: Learn,
     /// The share of this upstream's requests that get an access-log line: 1 (all, the
     /// default), 0 (none), or a sample in between for very hot paths.
     pub access_log: f64,
@@ -912,6 +914,7 @@ fn check_upstream(
             }
         },
         cooldown: u.cooldown.unwrap_or_default(),
+        learn: u.learn,
         policy,
     })
 }

@@ -206,6 +206,8 @@ pub struct UpstreamSpec {
     pub classify: Vec<Spanned<ClassifySpec>>,
     pub idempotency_generate: Option<bool>,
     pub cooldown: Option<CooldownScope>,
+    #[serde(default)]
+    pub learn: Learn,
     pub access_log: Option<Spanned<f64>>,
     // Policy overrides; listed one by one because serde cannot flatten with
     // `deny_unknown_fields`.
@@ -281,6 +283,16 @@ pub enum Priority {
     Low,
 }
 
+/// What an upstream's responses teach the limiter: nothing, or the budget the provider
+/// announces in its `RateLimit` / `X-RateLimit-*` fields (`docs/adaptive.md`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Learn {
+    #[default]
+    Off,
+    Headers,
+}
+
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CooldownScope {
@@ -350,6 +362,22 @@ pub const DEFAULT_MARGIN: Margin = Margin::Fraction(200_000);
 pub const DEFAULT_MARGIN_CAP: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl LimitSpec {
+    /// Requests per second over the limit's own period; `None` for concurrency.
+    pub fn rate_per_second(&self) -> Option<f64> {
+        match *self {
+            LimitSpec::TokenBucket { rate, per, .. } => {
+                Some(f64::from(rate.get()) / per.as_secs_f64())
+            }
+            LimitSpec::SlidingWindow {
+                permits, window, ..
+            }
+            | LimitSpec::FixedWindow {
+                permits, window, ..
+            } => Some(f64::from(permits.get()) / window.as_secs_f64()),
+            LimitSpec::Concurrency { .. } => None,
+        }
+    }
+
     pub fn scope(&self) -> Scope {
         match *self {
             LimitSpec::TokenBucket { scope, .. }

@@ -15,7 +15,9 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::kinds::{Id, LimitState};
+use super::learned::Learned;
 use crate::config::{Limit, Priority};
+use crate::policy::announced::Announced;
 
 /// What a family's bucket is made of, from the config.
 #[derive(Debug, Clone)]
@@ -141,6 +143,9 @@ pub struct Bucket<W> {
     pub upstream_spec: Arc<[Limit]>,
     pub upstream: Vec<LimitState>,
     pub paused_until: Option<Instant>,
+    /// The pace the provider's announced budget sets, paid like an upstream rate limit
+    /// (`learn = "headers"`).
+    pub learned: Option<Learned>,
     /// The spec's families in its order, then retired ones (removed by a reload) that
     /// still have requests queued.
     pub families: Vec<FamilyBucket<W>>,
@@ -159,6 +164,19 @@ fn paid(
     upstream
         .iter_mut()
         .filter(move |l| !concurrency_only || l.is_concurrency())
+}
+
+/// Whether the learned pace lets an admission through now (tunnels do not pay it).
+/// Admissions given back later (never sent, never received) are not returned to it:
+/// the provider's count is unknown, so erring slow is the safe side.
+fn learned_admits(learned: Option<&Learned>, concurrency_only: bool, now: Instant) -> bool {
+    concurrency_only || learned.is_none_or(|l| l.can_take(now))
+}
+
+fn take_learned(learned: &mut Option<Learned>, concurrency_only: bool, now: Instant) {
+    if let Some(l) = learned.as_mut().filter(|_| !concurrency_only) {
+        l.take(now);
+    }
 }
 
 fn paused(until: Option<Instant>, now: Instant) -> bool {
@@ -192,6 +210,7 @@ impl<W> Bucket<W> {
             upstream_spec: spec.upstream_limits.clone(),
             upstream,
             paused_until: None,
+            learned: None,
             next_id: families.len() as u32,
             families,
             next_seq: 0,
@@ -340,6 +359,13 @@ impl<W> Bucket<W> {
                 binding = (!l.is_concurrency()).then_some(r);
             }
         }
+        if let Some(l) = self.learned.as_ref().filter(|_| !only) {
+            let ready = l.ready_at(n, now);
+            if ready > at {
+                // The provider's own pace: not one of ours whose edge could be late.
+                (at, binding) = (ready, None);
+            }
+        }
         Some((at, binding))
     }
 
@@ -431,12 +457,15 @@ impl<W> Bucket<W> {
             return None;
         }
         let only = f.spec.concurrency_only;
-        if !paid(&mut self.upstream, only).all(|l| l.can_take(now)) {
+        if !paid(&mut self.upstream, only).all(|l| l.can_take(now))
+            || !learned_admits(self.learned.as_ref(), only, now)
+        {
             return None;
         }
         for l in f.limits.iter_mut().chain(paid(&mut self.upstream, only)) {
             l.take(now);
         }
+        take_learned(&mut self.learned, only, now);
         let seq = self.next_seq;
         self.next_seq += 1;
         Some(seq)
@@ -464,12 +493,15 @@ impl<W> Bucket<W> {
             let Some((i, _)) = best else { return };
             let f = &mut self.families[i];
             let only = f.spec.concurrency_only;
-            if !paid(&mut self.upstream, only).all(|l| l.can_take(now)) {
+            if !paid(&mut self.upstream, only).all(|l| l.can_take(now))
+                || !learned_admits(self.learned.as_ref(), only, now)
+            {
                 return;
             }
             for l in f.limits.iter_mut().chain(paid(&mut self.upstream, only)) {
                 l.take(now);
             }
+            take_learned(&mut self.learned, only, now);
             let Some(q) = f.queue.pop_front() else { return };
             self.waiting -= 1;
             out.push(Admitted {
@@ -552,6 +584,20 @@ impl<W> Bucket<W> {
         }
     }
 
+    /// A response announced the provider's budget at `now` (`learn = "headers"`): below
+    /// what the upstream's rate limits would still admit, it sets the pace until the
+    /// provider's reset; at or above it, any pace learned before is lifted.
+    pub fn learn(&mut self, a: Announced, now: Instant) {
+        let believed = self
+            .upstream
+            .iter_mut()
+            .filter(|l| !l.is_concurrency())
+            .map(|l| l.available(now))
+            .min()
+            .unwrap_or(u64::MAX);
+        self.learned = Learned::from(a, believed, now, self.learned.as_ref());
+    }
+
     /// Pauses one family (or, with `None`, the whole upstream) until `until`; a later
     /// pause never shortens an earlier one.
     pub fn pause(&mut self, family: Option<usize>, until: Instant) {
@@ -586,6 +632,7 @@ impl<W> Bucket<W> {
     pub fn is_idle(&mut self, now: Instant) -> bool {
         self.waiting == 0
             && !paused(self.paused_until, now)
+            && !self.learned.as_ref().is_some_and(|l| l.active(now))
             && self.upstream.iter_mut().all(|l| l.is_pristine(now))
             && self.families.iter_mut().all(|f| {
                 !paused(f.paused_until, now) && f.limits.iter_mut().all(|l| l.is_pristine(now))

@@ -23,6 +23,7 @@
 pub mod bucket;
 pub mod error;
 pub mod kinds;
+pub mod learned;
 
 pub use error::LimitError;
 
@@ -561,6 +562,35 @@ impl Permit {
         self.ticket.clone().map(SendHook)
     }
 
+    /// The response announced the provider's budget for this partition
+    /// (`learn = "headers"`): it may set or lift the partition's learned pace.
+    pub fn learn(&self, a: crate::policy::announced::Announced) {
+        let mut st = self.cell.lock();
+        let now = Instant::now();
+        let before = st.bucket.learned.as_ref().is_some_and(|l| l.active(now));
+        st.bucket.learn(a, now);
+        let after = st.bucket.learned.as_ref().map(|l| l.rate());
+        self.cell.changed(&mut st, now);
+        drop(st);
+        match (before, after) {
+            (false, Some(rate)) => tracing::info!(
+                upstream = &*self.cell.name,
+                remaining = a.remaining,
+                reset_s = a.reset.as_secs(),
+                pace_per_s = rate,
+                source = a.source,
+                "the provider has fewer requests left than this partition's limits allow (another client spends the key): pacing to its budget until its reset"
+            ),
+            (true, None) => tracing::info!(
+                upstream = &*self.cell.name,
+                remaining = a.remaining,
+                source = a.source,
+                "the provider's budget is back within this partition's limits: learned pace lifted"
+            ),
+            _ => {}
+        }
+    }
+
     /// The response head, with `status`, arrived now: the provider had counted the
     /// request by then.
     pub fn answered(&mut self, status: u16) {
@@ -1030,6 +1060,21 @@ impl Limiter {
         live
     }
 
+    /// By upstream name: the slowest pace a partition learned from the provider and how
+    /// many partitions pace now (`learn = "headers"`).
+    pub fn learned_paces(&self) -> HashMap<Arc<str>, (f64, usize)> {
+        let now = Instant::now();
+        let mut out: HashMap<Arc<str>, (f64, usize)> = HashMap::new();
+        for cell in self.all_cells() {
+            let st = cell.lock();
+            if let Some(l) = st.bucket.learned.as_ref().filter(|l| l.active(now)) {
+                let e = out.entry(cell.name.clone()).or_insert((f64::INFINITY, 0));
+                *e = (e.0.min(l.rate()), e.1 + 1);
+            }
+        }
+        out
+    }
+
     /// The live cells, cloned out so no lock on the registry is held while each is locked.
     fn all_cells(&self) -> Vec<Arc<Cell>> {
         self.cells.read().values().cloned().collect()
@@ -1064,6 +1109,20 @@ impl Limiter {
                 "queue_depth": b.waiting(),
                 "paused_for_seconds": paused(b.paused_until),
             });
+            if let Some(l) = b.learned.as_ref().filter(|l| l.active(now))
+                && let Some(o) = entry.as_object_mut()
+            {
+                o.insert(
+                    "learned".into(),
+                    json!({
+                        "source": l.announced.source,
+                        "announced_remaining": l.announced.remaining,
+                        "left": l.left,
+                        "resets_in_seconds": (l.reset - now).as_secs_f64(),
+                        "pace_per_second": l.rate(),
+                    }),
+                );
+            }
             // The partition's shared limits (the upstream's and its families'), how they
             // are decided now, and what this replica has of them.
             let mut shared: Vec<&Arc<GlobalLimit>> = Vec::new();

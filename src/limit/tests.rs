@@ -306,6 +306,34 @@ async fn a_client_deadline_shortens_max_wait_and_never_lengthens_it() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_announced_budget_below_ours_paces_the_queue_until_the_reset() {
+    use crate::policy::announced::Announced;
+    let (l, _) =
+        limiter("limits = [{ kind = \"sliding_window\", permits = 100, window = \"1m\" }]\n");
+    let first = l.take(&route(None)).await.unwrap().unwrap();
+    let said = |remaining, secs| Announced {
+        remaining,
+        reset: Duration::from_secs(secs),
+        source: "ratelimit",
+    };
+    // 99 left by our count and 200 by the provider's: nothing to learn.
+    first.learn(said(200, 60));
+    assert_eq!(l.learned_paces().len(), 0);
+    // 3 left by the provider's, over 6 s: one every 2 s, then the provider's new window.
+    first.learn(said(3, 6));
+    assert_eq!(l.learned_paces()[&Arc::from("u")], (0.5, 1));
+    let got = admissions(&l, route(None), 6, Duration::ZERO).await;
+    assert_eq!(secs(&got), [0.0, 2.0, 4.0, 6.0, 6.0, 6.0]);
+    assert_eq!(l.learned_paces().len(), 0);
+    // A partition pacing is not swept while the pace lasts.
+    first.learn(said(0, 5));
+    drop(first);
+    assert_eq!(l.sweep(), 1);
+    tokio::time::sleep(Duration::from_secs(61)).await;
+    assert_eq!(l.sweep(), 0);
+}
+
+#[tokio::test(start_paused = true)]
 async fn pause_stops_admission_until_the_instant() {
     let (l, _) =
         limiter("limits = [{ kind = \"token_bucket\", rate = 10, per = \"1s\", burst = 2 }]\n");

@@ -21,29 +21,36 @@ fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
     h.get(name).and_then(|v| v.to_str().ok()).map(str::trim)
 }
 
+/// From the response to `at`, read against the response's own `Date` when it has one.
+fn until(h: &HeaderMap, at: SystemTime, now: SystemTime) -> Duration {
+    let reference = header(h, "date")
+        .and_then(|d| httpdate::parse_http_date(d).ok())
+        .unwrap_or(now);
+    at.duration_since(reference).unwrap_or(Duration::ZERO)
+}
+
+/// A reset field's value `v` in response `h`: delta seconds, or a Unix timestamp in
+/// seconds or milliseconds.
+pub(crate) fn epoch_or_delta(h: &HeaderMap, v: &str, now: SystemTime) -> Option<Duration> {
+    let n: u64 = v.parse().ok()?;
+    Some(if n > EPOCH_THRESHOLD * 1000 {
+        until(h, UNIX_EPOCH + Duration::from_millis(n), now)
+    } else if n > EPOCH_THRESHOLD {
+        until(h, UNIX_EPOCH + Duration::from_secs(n), now)
+    } else {
+        Duration::from_secs(n)
+    })
+}
+
 /// Reads the first usable hint, in order of authority. `now` is the local wall clock,
 /// used when the response has no `Date`.
 pub fn server_hint(h: &HeaderMap, now: SystemTime) -> Option<Hint> {
-    let until = |at: SystemTime| {
-        let reference = header(h, "date")
-            .and_then(|d| httpdate::parse_http_date(d).ok())
-            .unwrap_or(now);
-        at.duration_since(reference).unwrap_or(Duration::ZERO)
-    };
-    let epoch_or_delta = |v: &str| -> Option<Duration> {
-        let n: u64 = v.parse().ok()?;
-        Some(if n > EPOCH_THRESHOLD * 1000 {
-            until(UNIX_EPOCH + Duration::from_millis(n))
-        } else if n > EPOCH_THRESHOLD {
-            until(UNIX_EPOCH + Duration::from_secs(n))
-        } else {
-            Duration::from_secs(n)
-        })
-    };
     if let Some(v) = header(h, "retry-after") {
         let wait = match v.parse::<u64>() {
             Ok(secs) => Some(Duration::from_secs(secs)),
-            Err(_) => httpdate::parse_http_date(v).ok().map(until),
+            Err(_) => httpdate::parse_http_date(v)
+                .ok()
+                .map(|at| until(h, at, now)),
         };
         if let Some(wait) = wait {
             return Some(Hint {
@@ -56,7 +63,7 @@ pub fn server_hint(h: &HeaderMap, now: SystemTime) -> Option<Hint> {
         ("ratelimit-reset", "ratelimit-reset"),
         ("x-ratelimit-reset", "x-ratelimit-reset"),
     ] {
-        if let Some(wait) = header(h, name).and_then(epoch_or_delta) {
+        if let Some(wait) = header(h, name).and_then(|v| epoch_or_delta(h, v, now)) {
             return Some(Hint { wait, source });
         }
     }

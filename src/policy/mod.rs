@@ -2,6 +2,7 @@
 //! the retry budget, 429 classification and the circuit breaker. Each is pure in `now`;
 //! [`Policies`] holds the per-upstream state the pipeline shares between requests.
 
+pub mod announced;
 pub mod backoff;
 pub mod breaker;
 pub mod budget;

@@ -36,8 +36,9 @@ use super::replay::{ClientFault, Replay};
 use super::timer::ConnTimer;
 use crate::app::App;
 use crate::app::Live;
-use crate::config::{Action, CooldownScope, Policy};
+use crate::config::{Action, CooldownScope, Learn, Policy};
 use crate::limit::Permit;
+use crate::policy::announced::announced;
 use crate::policy::breaker::Admit;
 use crate::policy::{Circuit, backoff, classify, hints, is_idempotent, wants_retry};
 use crate::route::Route;
@@ -531,6 +532,12 @@ fn attempt<'a>(
         let resp = sent.ok_or(AttemptError::Timeout(timeout))??;
         if let Some(p) = permit.as_mut() {
             p.answered(resp.status().as_u16());
+            if let Some(r) = route
+                && config.upstreams[r.upstream].learn == Learn::Headers
+                && let Some(a) = announced(resp.headers(), SystemTime::now())
+            {
+                p.learn(a);
+            }
         }
         let m = config.route_metrics.get(route);
         m.upstream_duration(start.elapsed().as_secs_f64());

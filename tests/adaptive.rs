@@ -1,0 +1,226 @@
+//! Limits that follow the provider: a provider that shares its budget with a hidden
+//! second client and announces what is left (`RateLimit`), through the real proxy with
+//! the configured limit set to the provider's published one. Wall-clock, wide margins.
+
+mod support;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Response, StatusCode};
+use http_body_util::Full;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use parking_lot::Mutex;
+use support::*;
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+
+/// A provider with a fixed window of `permits` per `window` on its own clock. At the start
+/// of each window a hidden client, not behind sluice, spends `hidden` of them. Every
+/// answer carries `RateLimit: "default";r=<left>;t=<seconds to the reset, rounded up>`.
+struct SharedProvider {
+    addr: SocketAddr,
+    /// (accepted, refused) requests from sluice.
+    counts: Arc<Mutex<(u32, u32)>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for SharedProvider {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl SharedProvider {
+    async fn start(permits: u32, window: Duration, hidden: u32) -> SharedProvider {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let counts = Arc::new(Mutex::new((0, 0)));
+        let t0 = Instant::now();
+        // (start of the current window, requests counted in it)
+        let state = Arc::new(Mutex::new((t0, hidden)));
+        let c = counts.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let (state, c) = (state.clone(), c.clone());
+                tokio::spawn(async move {
+                    let svc = service_fn(move |_req| {
+                        let (state, c) = (state.clone(), c.clone());
+                        async move {
+                            let now = Instant::now();
+                            let mut st = state.lock();
+                            while now >= st.0 + window {
+                                *st = (st.0 + window, hidden);
+                            }
+                            let ok = st.1 < permits;
+                            if ok {
+                                st.1 += 1;
+                            }
+                            let left = permits - st.1;
+                            let reset = (st.0 + window - now).as_secs_f64().ceil() as u64;
+                            drop(st);
+                            let mut counts = c.lock();
+                            if ok {
+                                counts.0 += 1;
+                            } else {
+                                counts.1 += 1;
+                            }
+                            let status = if ok {
+                                StatusCode::OK
+                            } else {
+                                StatusCode::TOO_MANY_REQUESTS
+                            };
+                            Ok::<_, Infallible>(
+                                Response::builder()
+                                    .status(status)
+                                    .header("ratelimit", format!("\"default\";r={left};t={reset}"))
+                                    .body(Full::new(Bytes::from_static(b"ok\n")))
+                                    .unwrap(),
+                            )
+                        }
+                    });
+                    let _ = http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        SharedProvider { addr, counts, task }
+    }
+}
+
+/// Four clients sending as fast as sluice admits them, for `run`.
+async fn flood(proxy: &Proxy, url: String, run: Duration) {
+    let end = Instant::now() + run;
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let (client, url) = (proxy.client(), url.clone());
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < end {
+                let left = end.saturating_duration_since(Instant::now());
+                let send = client.get(&url).header("sluice-max-wait", "1s").send();
+                match tokio::time::timeout(left, send).await {
+                    Ok(Ok(r)) => {
+                        let _ = r.bytes().await;
+                    }
+                    Ok(Err(_)) => tokio::time::sleep(Duration::from_millis(10)).await,
+                    Err(_) => return,
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+fn config(provider: SocketAddr, learn: bool) -> String {
+    format!(
+        "[[upstream]]\nname = \"shared\"\nhosts = [\"127.0.0.1:{}\"]\n{}\
+         retry = {{ max_attempts = 1 }}\n\
+         limits = [{{ kind = \"fixed_window\", permits = 30, window = \"2s\" }}]\n",
+        provider.port(),
+        if learn { "learn = \"headers\"\n" } else { "" },
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn learning_the_announced_budget_avoids_the_429s_a_hidden_client_causes() {
+    // The provider publishes 30 per 2 s, and sluice is set to exactly that; a second
+    // client of the same key spends 20 at the start of every window.
+    let (stat, learned) = tokio::join!(
+        SharedProvider::start(30, Duration::from_secs(2), 20),
+        SharedProvider::start(30, Duration::from_secs(2), 20),
+    );
+    let (c_static, c_learned) = (config(stat.addr, false), config(learned.addr, true));
+    let (p_static, p_learned) = tokio::join!(Proxy::start(&c_static), Proxy::start(&c_learned));
+    let run = Duration::from_secs(6);
+    tokio::join!(
+        flood(&p_static, format!("http://{}/", stat.addr), run),
+        flood(&p_learned, format!("http://{}/", learned.addr), run),
+    );
+    let (s_ok, s_429) = *stat.counts.lock();
+    let (l_ok, l_429) = *learned.counts.lock();
+    // Statically sluice sends its 30 per window and the provider refuses the 20 the
+    // hidden client took: about 60 refusals in 3 windows.
+    assert!(s_429 >= 30, "static: {s_ok} accepted, {s_429} refused");
+    // Learning, it paces to what the provider says is left: at most the requests in
+    // flight when a window opens are refused.
+    assert!(
+        l_429 <= 4,
+        "learned: {l_ok} accepted, {l_429} refused (static: {s_ok}, {s_429})"
+    );
+    // ...and it still uses what is left (10 per window).
+    assert!(l_ok >= 20, "learned: {l_ok} accepted, {l_429} refused");
+    eprintln!(
+        "static: {s_ok} accepted, {s_429} refused; learned: {l_ok} accepted, {l_429} refused"
+    );
+}
+
+#[tokio::test]
+async fn a_learned_pace_shows_in_buckets_and_refuses_a_client_that_cannot_wait_for_it() {
+    // 1000 per 30 s, 997 of them spent elsewhere: 2 left after sluice's first request.
+    let provider = SharedProvider::start(1000, Duration::from_secs(30), 997).await;
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"shared\"\nhosts = [\"127.0.0.1:{}\"]\nlearn = \"headers\"\n\
+         retry = {{ max_attempts = 1 }}\n\
+         limits = [{{ kind = \"sliding_window\", permits = 100, window = \"1m\" }}]\n",
+        provider.addr.port()
+    ))
+    .await;
+    let client = proxy.client();
+    let url = format!("http://{}/", provider.addr);
+    let send = |wait: &'static str| client.get(&url).header("sluice-max-wait", wait).send();
+    assert_eq!(send("1s").await.unwrap().status(), 200);
+    // What is left (2) is spread over the 30 s to the reset: one now, the next in 15 s.
+    assert_eq!(send("1s").await.unwrap().status(), 200);
+    let t0 = Instant::now();
+    let refused = send("1s").await.unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(3));
+    assert_eq!(refused.status(), 429);
+    assert_eq!(refused.headers()["sluice-reason"], "queue_timeout");
+    let after: u64 = refused.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((5..=30).contains(&after), "Retry-After {after}");
+    assert_eq!(*provider.counts.lock(), (2, 0));
+
+    let (status, text) = proxy.admin_get("/buckets").await;
+    assert_eq!(status, 200);
+    let buckets: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let learned = &buckets
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["upstream"] == "shared" && b["family"].is_null())
+        .unwrap()["learned"];
+    assert_eq!(learned["source"], "ratelimit", "{text}");
+    assert_eq!(learned["announced_remaining"], 1, "{text}");
+    let resets = learned["resets_in_seconds"].as_f64().unwrap();
+    assert!((20.0..=30.0).contains(&resets), "{text}");
+    // The configured limit alone would admit 98 more in this minute.
+    let available = buckets[0]["limits"][0]["available"].as_u64().unwrap();
+    assert_eq!(available, 98, "{text}");
+
+    let m = proxy.metrics().await;
+    assert_eq!(
+        metric(&m, r#"sluice_learned_partitions{upstream="shared"}"#),
+        Some(1.0),
+        "{m}"
+    );
+    let configured = metric(&m, r#"sluice_configured_rate{upstream="shared"}"#).unwrap();
+    assert!((configured - 100.0 / 60.0).abs() < 1e-9, "{m}");
+    // One request left over about 30 s.
+    let effective = metric(&m, r#"sluice_effective_rate{upstream="shared"}"#).unwrap();
+    assert!((0.02..0.05).contains(&effective), "{m}");
+}
