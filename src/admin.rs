@@ -75,9 +75,11 @@ fn rates(app: &App) {
     let m = &app.metrics;
     let config = app.config();
     let paces = app.limiter.learned_paces();
+    let shares = app.limiter.adaptive_shares();
     m.configured_rate.reset();
     m.effective_rate.reset();
     m.learned_partitions.reset();
+    m.adaptive_share.reset();
     for u in &config.upstreams {
         let configured = u
             .limits
@@ -95,6 +97,26 @@ fn rates(app: &App) {
         };
         if let Some(e) = effective {
             m.effective_rate.with_label_values(&l).set(e);
+        }
+        let adaptive = u
+            .families
+            .iter()
+            .map(|f| (f.name.as_str(), f.adaptive))
+            .chain([(
+                "-",
+                u.adaptive
+                    .filter(|_| u.limits.iter().any(|l| l.rate_per_second().is_some())),
+            )]);
+        for (family, a) in adaptive {
+            if a.is_some() {
+                let share = shares
+                    .get(&(Arc::from(u.name.as_str()), family.to_string()))
+                    .copied()
+                    .unwrap_or(1.0);
+                m.adaptive_share
+                    .with_label_values(&[u.name.as_str(), family])
+                    .set(share);
+            }
         }
         if u.learn == crate::config::Learn::Headers {
             let n = learned.map_or(0, |(_, n)| *n);

@@ -241,6 +241,22 @@ pub fn explain(
              allow, each partition paces to it until the provider's reset",
         );
     }
+    let adaptive = family.map_or(u.adaptive, |f| f.adaptive);
+    if let Some(a) = adaptive.filter(|_| !tunnelled) {
+        line(
+            &mut out,
+            "adapts",
+            &format!(
+                "a 429 the provider did not announce cuts this family's rate to {}x (once per \
+                 period of its tightest rate limit); each {} answers without one add back {}% \
+                 of the configured rate; never below {}% of it",
+                a.decrease,
+                a.successes,
+                a.increase * 100.0,
+                a.floor * 100.0
+            ),
+        );
+    }
     let policy: &Policy = family.map_or(&u.policy, |f| &f.policy);
     line(
         &mut out,
@@ -345,6 +361,20 @@ mod tests {
             "{out}"
         );
         assert!(out.contains("sluice-max-wait can shorten it"), "{out}");
+        assert!(!out.contains("adapts"), "{out}");
+        let c = Config::parse(
+            "[[upstream]]\nname = \"u\"\nhosts = [\"u.example\"]\nadaptive = {}\n\
+             limits = [{ kind = \"fixed_window\", permits = 10, window = \"1s\" }]\n",
+            "l.toml",
+        )
+        .unwrap();
+        let out = explain(&c, &Method::GET, &url, &HeaderMap::new()).unwrap();
+        assert!(
+            out.contains(
+                "adapts      a 429 the provider did not announce cuts this family's rate to 0.5x"
+            ),
+            "{out}"
+        );
     }
 
     #[test]

@@ -47,6 +47,9 @@ pub struct Metrics {
     pub effective_rate: GaugeVec,
     /// `{upstream}`: partitions pacing to an announced budget now.
     pub learned_partitions: IntGaugeVec,
+    /// `{upstream, family}`: the lowest share of its configured rate an adaptive family's
+    /// partition may send now.
+    pub adaptive_share: GaugeVec,
     /// Request body bytes held for replay, as of the scrape.
     pub replay_bytes: IntGauge,
     /// Client connections open, as of the scrape.
@@ -300,6 +303,14 @@ impl Metrics {
             ),
             &["upstream"],
         )?;
+        let adaptive_share = GaugeVec::new(
+            Opts::new(
+                "sluice_adaptive_rate_ratio",
+                "Lowest share of the configured rate an adaptive family's partition may send \
+                 now, lowered by 429s the provider did not announce (1: not slowed)",
+            ),
+            &["upstream", "family"],
+        )?;
         let replay_bytes = IntGauge::new(
             "sluice_replay_buffered_bytes",
             "Request body bytes held so that a retry can resend them (bounded by proxy.max_replay_memory)",
@@ -426,6 +437,7 @@ impl Metrics {
         registry.register(Box::new(configured_rate.clone()))?;
         registry.register(Box::new(effective_rate.clone()))?;
         registry.register(Box::new(learned_partitions.clone()))?;
+        registry.register(Box::new(adaptive_share.clone()))?;
         registry.register(Box::new(replay_bytes.clone()))?;
         registry.register(Box::new(client_connections.clone()))?;
         registry.register(Box::new(connections_refused.clone()))?;
@@ -470,6 +482,7 @@ impl Metrics {
             configured_rate,
             effective_rate,
             learned_partitions,
+            adaptive_share,
             replay_bytes,
             client_connections,
             connections_refused,

@@ -38,6 +38,15 @@ impl Drop for SharedProvider {
 
 impl SharedProvider {
     async fn start(permits: u32, window: Duration, hidden: u32) -> SharedProvider {
+        SharedProvider::serve(permits, window, hidden, true).await
+    }
+
+    /// The same, silent about its budget: no `RateLimit` field.
+    async fn silent(permits: u32, window: Duration) -> SharedProvider {
+        SharedProvider::serve(permits, window, 0, false).await
+    }
+
+    async fn serve(permits: u32, window: Duration, hidden: u32, announce: bool) -> SharedProvider {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let counts = Arc::new(Mutex::new((0, 0)));
@@ -78,12 +87,13 @@ impl SharedProvider {
                             } else {
                                 StatusCode::TOO_MANY_REQUESTS
                             };
+                            let mut resp = Response::builder().status(status);
+                            if announce {
+                                resp = resp
+                                    .header("ratelimit", format!("\"default\";r={left};t={reset}"));
+                            }
                             Ok::<_, Infallible>(
-                                Response::builder()
-                                    .status(status)
-                                    .header("ratelimit", format!("\"default\";r={left};t={reset}"))
-                                    .body(Full::new(Bytes::from_static(b"ok\n")))
-                                    .unwrap(),
+                                resp.body(Full::new(Bytes::from_static(b"ok\n"))).unwrap(),
                             )
                         }
                     });
@@ -223,4 +233,51 @@ async fn a_learned_pace_shows_in_buckets_and_refuses_a_client_that_cannot_wait_f
     // One request left over about 30 s.
     let effective = metric(&m, r#"sluice_effective_rate{upstream="shared"}"#).unwrap();
     assert!((0.02..0.05).contains(&effective), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adapting_to_an_unannounced_lower_limit_cuts_the_429s() {
+    // sluice is set to 30 per 2 s; the provider's real limit is 30% lower and it says
+    // nothing of it but 429 (without Retry-After).
+    let (stat, adapt) = tokio::join!(
+        SharedProvider::silent(21, Duration::from_secs(2)),
+        SharedProvider::silent(21, Duration::from_secs(2)),
+    );
+    let conf = |p: &SharedProvider, adaptive: &str| {
+        format!(
+            "[[upstream]]\nname = \"lower\"\nhosts = [\"127.0.0.1:{}\"]\n{adaptive}\
+             retry = {{ max_attempts = 1 }}\n\
+             limits = [{{ kind = \"fixed_window\", permits = 30, window = \"2s\" }}]\n",
+            p.addr.port()
+        )
+    };
+    let (c_static, c_adapt) = (conf(&stat, ""), conf(&adapt, "adaptive = {}\n"));
+    let (p_static, p_adapt) = tokio::join!(Proxy::start(&c_static), Proxy::start(&c_adapt));
+    let run = Duration::from_secs(8);
+    tokio::join!(
+        flood(&p_static, format!("http://{}/", stat.addr), run),
+        flood(&p_adapt, format!("http://{}/", adapt.addr), run),
+    );
+    let (s_ok, s_429) = *stat.counts.lock();
+    let (a_ok, a_429) = *adapt.counts.lock();
+    eprintln!(
+        "static: {s_ok} accepted, {s_429} refused; adaptive: {a_ok} accepted, {a_429} refused"
+    );
+    assert!(s_429 >= 10, "static: {s_ok} accepted, {s_429} refused");
+    assert!(
+        a_429 * 3 <= s_429,
+        "adaptive: {a_ok} accepted, {a_429} refused; static: {s_ok}, {s_429}"
+    );
+    // ...while still sending most of what the provider takes.
+    assert!(
+        a_ok * 10 >= s_ok * 6,
+        "adaptive: {a_ok} accepted, {a_429} refused; static: {s_ok}, {s_429}"
+    );
+    let m = p_adapt.metrics().await;
+    let share = metric(
+        &m,
+        r#"sluice_adaptive_rate_ratio{family="-",upstream="lower"}"#,
+    )
+    .unwrap();
+    assert!((0.1..=1.0).contains(&share), "{m}");
 }

@@ -23,7 +23,7 @@ pub use spec::{
     Action, AdminControl, BudgetSpec, CooldownScope, Jitter, Learn, LimitSpec as Limit,
     OnRedisError, Priority, RetryOn, Scheme, Scope, TlsMode, Unmatched,
 };
-use spec::{BreakerSpec, ConfigSpec, PolicySpec, RetrySpec};
+use spec::{AdaptiveSpec, BreakerSpec, ConfigSpec, PolicySpec, RetrySpec};
 pub use units::Margin;
 use units::{ser_duration, ser_opt_duration};
 
@@ -199,6 +199,8 @@ pub struct Upstream {
     pub cooldown: CooldownScope,
     /// Whether the provider's announced budget slows this upstream's partitions down.
     pub learn: Learn,
+    /// AIMD for its families that set none of their own, and for requests of no family.
+    pub adaptive: Option<Adaptive>,
     /// The share of this upstream's requests that get an access-log line: 1 (all, the
     /// default), 0 (none), or a sample in between for very hot paths.
     pub access_log: f64,
@@ -217,7 +219,21 @@ pub struct Family {
     pub limits: Vec<Limit>,
     /// Whether the family set `[breaker]` itself (its own circuit) or inherits the upstream's.
     pub own_breaker: bool,
+    /// Its own `adaptive`, else the upstream's.
+    pub adaptive: Option<Adaptive>,
     pub policy: Policy,
+}
+
+/// AIMD on unannounced 429s: each 429 that classification retries or cools down
+/// multiplies the family's effective rate by `decrease`; each run of `successes`
+/// answers without one adds `increase` of the configured rate; never above the
+/// configured rate, never below `floor` of it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Adaptive {
+    pub decrease: f64,
+    pub increase: f64,
+    pub floor: f64,
+    pub successes: u32,
 }
 
 impl Family {
@@ -869,16 +885,30 @@ fn check_upstream(
     };
     let policy = merge_policy(defaults, &u.policy())?;
 
+    let limits = check_limits(&u.limits, has_cluster)?;
+    let adaptive = u.adaptive.as_ref().map(check_adaptive).transpose()?;
     let mut families = Vec::with_capacity(u.family.len());
     let mut fam_names: HashSet<String> = HashSet::new();
     for f in &u.family {
         families.push(check_family(
             f,
             &name,
-            &policy,
+            (&policy, adaptive, &limits),
             has_cluster,
             &mut fam_names,
         )?);
+    }
+    // Requests of no family adapt against the upstream's own rate; each family that
+    // inherits `adaptive` was checked above for a rate of its own or the upstream's.
+    if let Some(a) = &u.adaptive
+        && families.is_empty()
+        && !limits.iter().any(|l| l.rate_per_second().is_some())
+    {
+        return Err(invalid(
+            a.span(),
+            "adaptive needs a rate limit (token_bucket, sliding_window or fixed_window) to \
+             adapt: give this upstream or its families one",
+        ));
     }
     let classify = u
         .classify
@@ -898,7 +928,7 @@ fn check_upstream(
         tls: u.tls,
         scheme: u.scheme,
         upstream_ca: u.upstream_ca.map(PathBuf::from),
-        limits: check_limits(&u.limits, has_cluster)?,
+        limits,
         families,
         classify,
         idempotency_generate: u.idempotency_generate.unwrap_or(false),
@@ -915,19 +945,51 @@ fn check_upstream(
         },
         cooldown: u.cooldown.unwrap_or_default(),
         learn: u.learn,
+        adaptive,
         policy,
     })
 }
 
 /// One `[[upstream.family]]` of upstream `name`, whose policy it inherits; `names` are
 /// the family names seen so far in that upstream.
+/// An `adaptive` table with its defaults filled in, each value in its range.
+fn check_adaptive(a: &toml::Spanned<AdaptiveSpec>) -> Result<Adaptive> {
+    let spec = a.get_ref();
+    let share = |v: Option<f64>, default: f64, what: &str, top_open: bool| {
+        let v = v.unwrap_or(default);
+        let ok = v > 0.0 && if top_open { v < 1.0 } else { v <= 1.0 };
+        if ok {
+            Ok(v)
+        } else {
+            let range = if top_open {
+                "between 0 and 1"
+            } else {
+                "above 0, at most 1"
+            };
+            Err(invalid(
+                a.span(),
+                format!("adaptive {what} must be {range}, not {v}"),
+            ))
+        }
+    };
+    Ok(Adaptive {
+        decrease: share(spec.decrease, 0.5, "decrease", true)?,
+        increase: share(spec.increase, 0.05, "increase", false)?,
+        floor: share(spec.floor, 0.1, "floor", false)?,
+        successes: spec.successes.map_or(10, |n| n.get()),
+    })
+}
+
+/// One `[[upstream.family]]` of upstream `name`, whose policy, `adaptive` and limits
+/// (`up`) it inherits or pays with its own.
 fn check_family(
     f: &spec::FamilySpec,
     name: &str,
-    policy: &Policy,
+    up: (&Policy, Option<Adaptive>, &[Limit]),
     has_cluster: bool,
     names: &mut HashSet<String>,
 ) -> Result<Family> {
+    let (policy, up_adaptive, up_limits) = up;
     let fname = check_name(&f.name, "family")?;
     if fname == "-" {
         // `family="-"` in metrics means "no family matched".
@@ -946,13 +1008,32 @@ fn check_family(
         None => None,
         Some(ms) => Some(ms.iter().map(parse_method).collect::<Result<Vec<_>>>()?),
     };
+    let limits = check_limits(&f.limits, has_cluster)?;
+    let own = f.adaptive.as_ref().map(check_adaptive).transpose()?;
+    let adaptive = own.or(up_adaptive);
+    if adaptive.is_some()
+        && !limits
+            .iter()
+            .chain(up_limits)
+            .any(|l| l.rate_per_second().is_some())
+    {
+        let at = f.adaptive.as_ref().map_or(f.name.span(), |a| a.span());
+        return Err(invalid(
+            at,
+            format!(
+                "family {fname:?} adapts (adaptive) but pays no rate limit (token_bucket, \
+                 sliding_window or fixed_window), here or on its upstream"
+            ),
+        ));
+    }
     Ok(Family {
         name: fname,
         methods,
         paths: f.paths.clone().unwrap_or_default(),
         priority: f.priority,
-        limits: check_limits(&f.limits, has_cluster)?,
+        limits,
         own_breaker: f.breaker.is_some(),
+        adaptive,
         policy: merge_policy(policy, &f.policy())?,
     })
 }

@@ -208,6 +208,7 @@ pub struct UpstreamSpec {
     pub cooldown: Option<CooldownScope>,
     #[serde(default)]
     pub learn: Learn,
+    pub adaptive: Option<Spanned<AdaptiveSpec>>,
     pub access_log: Option<Spanned<f64>>,
     // Policy overrides; listed one by one because serde cannot flatten with
     // `deny_unknown_fields`.
@@ -229,12 +230,23 @@ pub struct FamilySpec {
     pub priority: Priority,
     #[serde(default)]
     pub limits: Vec<Spanned<LimitSpec>>,
+    pub adaptive: Option<Spanned<AdaptiveSpec>>,
     pub max_queue: Option<NonZeroU32>,
     pub max_wait: Option<Dur>,
     pub attempt_timeout: Option<PosDur>,
     pub total_timeout: Option<PosDur>,
     pub retry: Option<RetrySpec>,
     pub breaker: Option<BreakerSpec>,
+}
+
+/// `adaptive = { ... }`: AIMD on unannounced 429s (`docs/adaptive.md`); every key optional.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptiveSpec {
+    pub decrease: Option<f64>,
+    pub increase: Option<f64>,
+    pub floor: Option<f64>,
+    pub successes: Option<NonZeroU32>,
 }
 
 /// Gathers the policy keys an upstream or a family sets, to merge over the level above.

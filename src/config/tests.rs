@@ -400,3 +400,66 @@ fn access_log_is_a_share_of_requests() {
     let default = Config::parse(&c("1").replace("access_log = 1\n", ""), "s.toml").unwrap();
     assert_eq!(default.upstreams[0].access_log, 1.0);
 }
+
+#[test]
+fn learn_and_adaptive_parse_inherit_and_are_checked() {
+    let text = "[[upstream]]\nname = \"a\"\nhosts = [\"a.example\"]\nlearn = \"headers\"\n\
+                adaptive = { decrease = 0.7 }\n\
+                limits = [{ kind = \"token_bucket\", rate = 10, per = \"1s\", burst = 10 }]\n\
+                [[upstream.family]]\nname = \"own\"\nadaptive = { floor = 0.5, successes = 3 }\n\
+                [[upstream.family]]\nname = \"inherits\"\n";
+    let c = Config::parse(text, "a.toml").unwrap();
+    let u = &c.upstreams[0];
+    assert_eq!(u.learn, Learn::Headers);
+    let up = Adaptive {
+        decrease: 0.7,
+        increase: 0.05,
+        floor: 0.1,
+        successes: 10,
+    };
+    assert_eq!(u.adaptive, Some(up));
+    assert_eq!(
+        u.families[0].adaptive,
+        Some(Adaptive {
+            decrease: 0.5,
+            floor: 0.5,
+            successes: 3,
+            ..up
+        })
+    );
+    assert_eq!(u.families[1].adaptive, Some(up));
+
+    let up = |body: &str| format!("[[upstream]]\nname = \"a\"\nhosts = [\"a.example\"]\n{body}");
+    for (text, needle) in [
+        (up("learn = \"yes\"\n"), "unknown variant"),
+        (
+            up(
+                "adaptive = { decrease = 1.5 }\nlimits = [{ kind = \"sliding_window\", permits = 1, window = \"1s\" }]\n",
+            ),
+            "decrease must be between 0 and 1",
+        ),
+        (
+            up(
+                "adaptive = { floor = 0 }\nlimits = [{ kind = \"sliding_window\", permits = 1, window = \"1s\" }]\n",
+            ),
+            "floor must be above 0",
+        ),
+        (up("adaptive = { step = 1 }\n"), "unknown field"),
+        (
+            up("adaptive = {}\nlimits = [{ kind = \"concurrency\", max = 1 }]\n"),
+            "needs a rate limit",
+        ),
+        (
+            up(
+                "[[upstream.family]]\nname = \"f\"\nadaptive = {}\nlimits = [{ kind = \"concurrency\", max = 1 }]\n",
+            ),
+            "family \"f\" adapts (adaptive) but pays no rate limit",
+        ),
+    ] {
+        let e = err(&text);
+        assert!(
+            e.contains(needle) && e.starts_with("s.toml:"),
+            "{needle}: {e}"
+        );
+    }
+}

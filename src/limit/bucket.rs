@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::aimd::{Adapts, Aimd};
 use super::kinds::{Id, LimitState};
 use super::learned::Learned;
 use crate::config::{Limit, Priority};
@@ -30,6 +31,8 @@ pub struct FamilySpec {
     /// Pays only the upstream's concurrency limits: the queue of CONNECT tunnels, which
     /// carry no visible requests for rate limits to count.
     pub concurrency_only: bool,
+    /// `adaptive`, and the rate limit it adapts below.
+    pub adaptive: Option<Adapts>,
 }
 
 /// An upstream's limits and its families. The last family is the one for requests that
@@ -87,6 +90,8 @@ pub struct FamilyBucket<W> {
     pays_rate: bool,
     /// The rate limit the head was last found waiting for (see `next_wakeup`).
     binding: Option<LimitRef>,
+    /// The effective rate under `adaptive`, paid like one more family limit.
+    pub aimd: Option<Aimd>,
 }
 
 /// What the upstream's limits make every admission of a family do.
@@ -112,6 +117,7 @@ impl<W> FamilyBucket<W> {
             holds_concurrency: false,
             pays_rate: false,
             binding: None,
+            aimd: spec.adaptive.map(Aimd::new),
             limits,
             spec: spec.clone(),
             paused_until: None,
@@ -119,6 +125,21 @@ impl<W> FamilyBucket<W> {
         };
         f.set_pays(up);
         f
+    }
+
+    /// Whether every limit of its own (its adaptive rate included) admits its head now.
+    fn admits(&mut self, now: Instant) -> bool {
+        self.limits.iter_mut().all(|l| l.can_take(now))
+            && self.aimd.as_ref().is_none_or(|a| a.can_take(now))
+    }
+
+    fn take(&mut self, now: Instant) {
+        for l in &mut self.limits {
+            l.take(now);
+        }
+        if let Some(a) = &mut self.aimd {
+            a.take(now);
+        }
     }
 
     fn set_pays(&mut self, up: UpstreamPays) {
@@ -252,9 +273,14 @@ impl<W> Bucket<W> {
                 Some(prev) => {
                     let limits =
                         carry_limits(&prev.spec.limits, prev.limits, &f.limits, now, epoch);
+                    let aimd = match (&prev.aimd, f.adaptive) {
+                        (Some(a), Some(new)) => Some(a.carry(new)),
+                        (_, new) => new.map(Aimd::new),
+                    };
                     FamilyBucket {
                         paused_until: prev.paused_until,
                         queue: prev.queue,
+                        aimd,
                         ..FamilyBucket::new(prev.id, f, limits, up)
                     }
                 }
@@ -359,6 +385,12 @@ impl<W> Bucket<W> {
                 binding = (!l.is_concurrency()).then_some(r);
             }
         }
+        if let Some(a) = &f.aimd {
+            let ready = a.ready_at(n, now);
+            if ready > at {
+                (at, binding) = (ready, None);
+            }
+        }
         if let Some(l) = self.learned.as_ref().filter(|_| !only) {
             let ready = l.ready_at(n, now);
             if ready > at {
@@ -453,7 +485,7 @@ impl<W> Bucket<W> {
             return None;
         }
         let f = &mut self.families[family];
-        if paused(f.paused_until, now) || !f.limits.iter_mut().all(|l| l.can_take(now)) {
+        if paused(f.paused_until, now) || !f.admits(now) {
             return None;
         }
         let only = f.spec.concurrency_only;
@@ -462,7 +494,8 @@ impl<W> Bucket<W> {
         {
             return None;
         }
-        for l in f.limits.iter_mut().chain(paid(&mut self.upstream, only)) {
+        f.take(now);
+        for l in paid(&mut self.upstream, only) {
             l.take(now);
         }
         take_learned(&mut self.learned, only, now);
@@ -479,13 +512,13 @@ impl<W> Bucket<W> {
         loop {
             let mut best: Option<(usize, (Priority, u64))> = None;
             for (i, f) in self.families.iter_mut().enumerate() {
-                let Some(head) = f.queue.front() else {
+                let Some(seq) = f.queue.front().map(|head| head.seq) else {
                     continue;
                 };
-                if paused(f.paused_until, now) || !f.limits.iter_mut().all(|l| l.can_take(now)) {
+                if paused(f.paused_until, now) || !f.admits(now) {
                     continue;
                 }
-                let key = (f.spec.priority, head.seq);
+                let key = (f.spec.priority, seq);
                 if best.is_none_or(|(_, k)| key < k) {
                     best = Some((i, key));
                 }
@@ -498,7 +531,8 @@ impl<W> Bucket<W> {
             {
                 return;
             }
-            for l in f.limits.iter_mut().chain(paid(&mut self.upstream, only)) {
+            f.take(now);
+            for l in paid(&mut self.upstream, only) {
                 l.take(now);
             }
             take_learned(&mut self.learned, only, now);
@@ -584,6 +618,26 @@ impl<W> Bucket<W> {
         }
     }
 
+    /// The answer to a request of `family` admitted at `admitted` arrived at `now`:
+    /// `refused` when it was a 429 that classification retries or cools down.
+    pub fn adapt(&mut self, family: FamilyRef, refused: bool, admitted: Instant, now: Instant) {
+        let Some(slot) = self.find(family) else {
+            return;
+        };
+        if let Some(a) = &mut self.families[slot].aimd {
+            if refused {
+                a.refused(admitted, now);
+            } else {
+                a.succeeded();
+            }
+        }
+    }
+
+    /// Whether admissions in `family` adapt their rate (`adaptive`).
+    pub fn adapts(&self, family: usize) -> bool {
+        self.families[family].aimd.is_some()
+    }
+
     /// A response announced the provider's budget at `now` (`learn = "headers"`): below
     /// what the upstream's rate limits would still admit, it sets the pace until the
     /// provider's reset; at or above it, any pace learned before is lifted.
@@ -635,7 +689,9 @@ impl<W> Bucket<W> {
             && !self.learned.as_ref().is_some_and(|l| l.active(now))
             && self.upstream.iter_mut().all(|l| l.is_pristine(now))
             && self.families.iter_mut().all(|f| {
-                !paused(f.paused_until, now) && f.limits.iter_mut().all(|l| l.is_pristine(now))
+                !paused(f.paused_until, now)
+                    && f.limits.iter_mut().all(|l| l.is_pristine(now))
+                    && f.aimd.as_ref().is_none_or(|a| a.forgettable(now))
             })
     }
 }

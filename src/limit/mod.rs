@@ -20,6 +20,7 @@
 //! the response head. A request that never reached its connection gives its rate
 //! permits back.
 
+pub mod aimd;
 pub mod bucket;
 pub mod error;
 pub mod kinds;
@@ -44,7 +45,7 @@ use kinds::{Id, LimitState};
 use crate::cluster::partition::{Admission, Hold, Shared};
 use crate::cluster::{Cluster, GlobalLimit};
 use crate::config::units::fmt_duration;
-use crate::config::{Config, Limit, Priority, Upstream};
+use crate::config::{Adaptive, Config, Limit, Priority, Upstream};
 use crate::metrics::Metrics;
 use crate::route::{Partition, Route};
 
@@ -115,6 +116,23 @@ impl Plan {
         // Requests of no family pay the upstream's; tunnels pay no rate limit.
         global.push(upstream_global.into());
         global.push(Arc::from(Vec::new()));
+        // What `adaptive` adapts below: the tightest rate the requests pay, and its period.
+        let adapts = |adaptive: Option<Adaptive>, own: &[Limit]| {
+            let (rate, every) =
+                own.iter()
+                    .chain(&u.limits)
+                    .filter_map(|l| {
+                        let every = match *l {
+                            Limit::TokenBucket { per, .. } => per,
+                            Limit::SlidingWindow { window, .. }
+                            | Limit::FixedWindow { window, .. } => window,
+                            Limit::Concurrency { .. } => return None,
+                        };
+                        Some((l.rate_per_second()?, every))
+                    })
+                    .min_by(|a, b| a.0.total_cmp(&b.0))?;
+            adaptive.map(|spec| aimd::Adapts { spec, rate, every })
+        };
         let mut families: Vec<Arc<FamilySpec>> = u
             .families
             .iter()
@@ -126,6 +144,7 @@ impl Plan {
                     max_queue: f.policy.max_queue,
                     max_wait: f.policy.max_wait,
                     concurrency_only: false,
+                    adaptive: adapts(f.adaptive, &f.limits),
                 })
             })
             .collect();
@@ -138,6 +157,7 @@ impl Plan {
                 max_queue: u.policy.max_queue,
                 max_wait: u.policy.max_wait,
                 concurrency_only,
+                adaptive: adapts(u.adaptive, &[]).filter(|_| !concurrency_only),
             }));
         }
         let handles = families
@@ -351,6 +371,7 @@ impl Cell {
                 family,
                 epoch,
                 holds: st.bucket.holds_concurrency(slot),
+                adapts: st.bucket.adapts(slot).then_some(at),
                 ticket,
             }),
         }
@@ -513,8 +534,48 @@ pub struct Permit {
     /// The reload epoch it was taken in: a limit created later was never paid.
     epoch: u64,
     holds: bool,
+    /// When it was admitted, if its family adapts its rate (`adaptive`).
+    adapts: Option<Instant>,
     /// While the request pays limits counted in time and has not been answered.
     ticket: Option<Arc<Ticket>>,
+}
+
+/// What an adaptive family is told of an answer (see [`Permit::feedback`]).
+pub struct Feedback {
+    cell: Arc<Cell>,
+    family: FamilyRef,
+    admitted: Instant,
+}
+
+impl Feedback {
+    /// The answer arrived: `refused` when it was a 429 that classification retries or
+    /// cools down (the provider's limit is lower than the configured one), otherwise a
+    /// success.
+    pub fn report(self, refused: bool) {
+        let mut st = self.cell.lock();
+        let now = Instant::now();
+        let before = st
+            .bucket
+            .find(self.family)
+            .and_then(|slot| st.bucket.families[slot].aimd.as_ref().map(|a| a.rate()));
+        st.bucket.adapt(self.family, refused, self.admitted, now);
+        let slot = st.bucket.find(self.family);
+        let after = slot.and_then(|slot| st.bucket.families[slot].aimd.as_ref().map(|a| a.rate()));
+        let name = slot.map(|slot| st.bucket.families[slot].spec.name.clone());
+        self.cell.changed(&mut st, now);
+        drop(st);
+        if let (Some(b), Some(a), Some(family)) = (before, after, name)
+            && a < b
+        {
+            tracing::info!(
+                upstream = &*self.cell.name,
+                family,
+                from_per_s = b,
+                to_per_s = a,
+                "429 the provider did not announce: the family's effective rate is lowered (adaptive)"
+            );
+        }
+    }
 }
 
 impl std::fmt::Debug for Permit {
@@ -554,6 +615,16 @@ impl Permit {
         if let Some(t) = Arc::get_mut(ticket) {
             t.global = Some(hold);
         }
+    }
+
+    /// For a family that adapts its rate: what to tell it of the answer, kept apart
+    /// from the permit, which travels on with the response body.
+    pub fn feedback(&self) -> Option<Feedback> {
+        self.adapts.map(|admitted| Feedback {
+            cell: self.cell.clone(),
+            family: self.family,
+            admitted,
+        })
     }
 
     /// What the request body carries to report the instant the request is handed to its
@@ -1075,6 +1146,25 @@ impl Limiter {
         out
     }
 
+    /// By (upstream, family) name: the lowest share of its configured rate that an
+    /// adaptive family's partition may send now (1 when none is slowed).
+    pub fn adaptive_shares(&self) -> HashMap<(Arc<str>, String), f64> {
+        let mut out: HashMap<(Arc<str>, String), f64> = HashMap::new();
+        for cell in self.all_cells() {
+            let st = cell.lock();
+            for f in &st.bucket.families {
+                if let Some(a) = &f.aimd {
+                    let share = a.rate() / a.configured();
+                    let e = out
+                        .entry((cell.name.clone(), f.spec.name.clone()))
+                        .or_insert(1.0);
+                    *e = e.min(share);
+                }
+            }
+        }
+        out
+    }
+
     /// The live cells, cloned out so no lock on the registry is held while each is locked.
     fn all_cells(&self) -> Vec<Arc<Cell>> {
         self.cells.read().values().cloned().collect()
@@ -1176,6 +1266,17 @@ impl Limiter {
                 {
                     // Removed by a reload; its queued requests finish under these limits.
                     o.insert("retired".into(), true.into());
+                }
+                if let Some(a) = &fb.aimd
+                    && let Some(o) = v.as_object_mut()
+                {
+                    o.insert(
+                        "adaptive".into(),
+                        json!({
+                            "rate_per_second": a.rate(),
+                            "configured_per_second": a.configured(),
+                        }),
+                    );
                 }
                 out.push(v);
             }

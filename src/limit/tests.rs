@@ -334,6 +334,28 @@ async fn an_announced_budget_below_ours_paces_the_queue_until_the_reset() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_unannounced_429_spaces_an_adaptive_familys_admissions() {
+    let (l, _) = limiter(
+        "adaptive = { decrease = 0.5, increase = 0.5, successes = 2 }\n\
+         limits = [{ kind = \"token_bucket\", rate = 4, per = \"1s\", burst = 100 }]\n",
+    );
+    let first = l.take(&route(None)).await.unwrap().unwrap();
+    let feedback = first.feedback().expect("the family adapts");
+    drop(first);
+    // 4 per second, halved: one every 500 ms instead of the burst of 100.
+    feedback.report(true);
+    let got = admissions(&l, route(None), 4, Duration::ZERO).await;
+    assert_eq!(secs(&got), [0.0, 0.5, 1.0, 1.5]);
+    // Two successes add half the configured rate back: the burst is allowed again.
+    for _ in 0..2 {
+        let p = l.take(&route(None)).await.unwrap().unwrap();
+        p.feedback().unwrap().report(false);
+    }
+    let got = admissions(&l, route(None), 4, Duration::ZERO).await;
+    assert_eq!(secs(&got), [0.0, 0.0, 0.0, 0.0]);
+}
+
+#[tokio::test(start_paused = true)]
 async fn pause_stops_admission_until_the_instant() {
     let (l, _) =
         limiter("limits = [{ kind = \"token_bucket\", rate = 10, per = \"1s\", burst = 2 }]\n");

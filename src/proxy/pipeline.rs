@@ -255,6 +255,7 @@ async fn retry_loop(
                 .acquire_by(plan, route, queued.deadline(now))
                 .await?
         };
+        let feedback = permit.as_ref().and_then(Permit::feedback);
         // The attempt no other can follow (the body cannot be replayed, or it is the last
         // one allowed) takes the head; the others send a copy and keep it for the next.
         let (req, kept) = if !body.replayable() || attempt_no >= retry.max_attempts {
@@ -296,6 +297,15 @@ async fn retry_loop(
                 let hint = (status == 429 || status >= 500 || action.is_some())
                     .then(|| hints::server_hint(resp.headers(), SystemTime::now()))
                     .flatten();
+                if let Some(f) = feedback {
+                    // Other 5xx belong to the breaker, and a 429 classified `fail` (a cap
+                    // that waiting cannot fix) says nothing about the rate.
+                    let refused =
+                        status == 429 && matches!(action, Some(Action::Retry | Action::Cooldown));
+                    if refused || (status < 500 && status != 429) {
+                        f.report(refused);
+                    }
+                }
                 if let Some(action) = action
                     && status == 429
                 {

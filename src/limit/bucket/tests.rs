@@ -56,6 +56,7 @@ fn fam(name: &str, priority: Priority, limits: Vec<Limit>) -> FamilySpec {
         max_queue: 1000,
         max_wait: Duration::from_secs(30),
         concurrency_only: false,
+        adaptive: None,
     }
 }
 fn spec(upstream: Vec<Limit>, families: Vec<FamilySpec>) -> PartitionSpec {
