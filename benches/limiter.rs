@@ -28,6 +28,7 @@ const ROUTE: Route = Route {
     upstream: 0,
     family: None,
     partition: None,
+    tenant: None,
 };
 /// One request's whole dealing with the limiter: admitted, sent, answered, done.
 async fn admit_send_answer(l: &Limiter, plan: &Arc<Plan>, route: &Route) {
@@ -175,6 +176,7 @@ fn reload_100k_partitions(c: &mut Criterion) {
                 upstream: 0,
                 family: None,
                 partition: Some(sluice::route::Partition::of(&i.to_be_bytes())),
+                tenant: None,
             };
             admit_send_answer(&l, &plan, &r).await;
         }

@@ -241,6 +241,16 @@ pub fn explain(
              allow, each partition paces to it until the provider's reset",
         );
     }
+    if let Some(t) = family.and_then(|f| f.tenant.as_ref()) {
+        line(
+            &mut out,
+            "tenants",
+            &format!(
+                "by {t}: the family's queue serves tenants in turns, FIFO within each; \
+                 max_queue bounds each tenant's waiting requests"
+            ),
+        );
+    }
     let adaptive = family.map_or(u.adaptive, |f| f.adaptive);
     if let Some(a) = adaptive.filter(|_| !tunnelled) {
         line(

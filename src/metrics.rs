@@ -564,6 +564,7 @@ mod tests {
             upstream: 0,
             family,
             partition: None,
+            tenant: None,
         };
         for (r, outcome) in [
             (None, "200"),

@@ -154,6 +154,9 @@ pub struct Route {
     pub family: Option<usize>,
     /// `None`: the upstream's unkeyed partition (no key configured, or the header absent).
     pub partition: Option<Partition>,
+    /// Its tenant within the family's queue, when the family names a tenant source and
+    /// the request carries it.
+    pub tenant: Option<u64>,
 }
 
 impl Router {
@@ -173,10 +176,14 @@ impl Router {
         let path = normalize_path(path);
         let family = u.families.iter().position(|f| f.matches(method, &path));
         let partition = u.key.as_ref().and_then(|k| partition_of(k, headers));
+        let tenant = family
+            .and_then(|f| u.families[f].tenant.as_ref())
+            .and_then(|t| tenant_of(t, headers));
         Some(Route {
             upstream,
             family,
             partition,
+            tenant,
         })
     }
 }
@@ -197,6 +204,20 @@ pub fn labels<'c>(config: &'c Config, route: Option<&Route>) -> (&'c str, &'c st
             let u = &config.upstreams[r.upstream];
             let f = r.family.map_or("-", |f| u.families[f].name.as_str());
             (u.name.as_str(), f)
+        }
+    }
+}
+
+/// A tenant as a keyed hash of its value: SipHash with this process's random key, so
+/// values a client chooses cannot be made to collide, and the value is not kept.
+fn tenant_of(source: &KeySource, headers: &HeaderMap) -> Option<u64> {
+    use std::hash::BuildHasher;
+    static KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> =
+        std::sync::OnceLock::new();
+    match source {
+        KeySource::Header(name) => {
+            let value = headers.get(name)?;
+            Some(KEY.get_or_init(Default::default).hash_one(value.as_bytes()))
         }
     }
 }

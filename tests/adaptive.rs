@@ -281,3 +281,64 @@ async fn adapting_to_an_unannounced_lower_limit_cuts_the_429s() {
     .unwrap();
     assert!((0.1..=1.0).contains(&share), "{m}");
 }
+
+#[tokio::test]
+async fn an_interactive_tenant_is_not_held_behind_a_bulk_tenants_backlog() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(
+        "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1\"]\n\
+         limits = [{ kind = \"token_bucket\", rate = 20, per = \"1s\", burst = 1 }]\n\
+         [[upstream.family]]\nname = \"jobs\"\ntenant = \"header:X-Tenant\"\n",
+    )
+    .await;
+    let client = proxy.client();
+    let mut bulk = Vec::new();
+    for i in 0..80 {
+        let req = client
+            .get(up.url(&format!("/bulk/{i}")))
+            .header("x-tenant", "bulk")
+            .send();
+        bulk.push(tokio::spawn(req));
+    }
+    // Let the backlog form: 80 at 20/s is 4 s of queue.
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            let m = proxy.metrics().await;
+            metric(&m, r#"sluice_queue_depth{family="jobs",upstream="api"}"#).unwrap_or(0.0) >= 50.0
+        })
+        .await
+    );
+    let (_, text) = proxy.admin_get("/buckets").await;
+    let buckets: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let jobs = buckets
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["family"] == "jobs")
+        .unwrap();
+    assert_eq!(jobs["tenants_waiting"], 1, "{text}");
+    let t0 = Instant::now();
+    let resp = client
+        .get(up.url("/ui"))
+        .header("x-tenant", "ui")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let waited: u64 = resp.headers()["sluice-queue-wait"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    // Its turn comes after one of the bulk tenant's: 50 ms at 20/s, where FIFO would
+    // have kept it behind the whole backlog (2 s or more).
+    assert!(waited < 1000, "waited {waited} ms");
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    for b in bulk {
+        assert_eq!(b.await.unwrap().unwrap().status(), 200);
+    }
+    // The tenant header is the application's: it goes on to the upstream untouched.
+    let seen = up.seen();
+    assert_eq!(seen.len(), 81);
+    assert!(seen.iter().all(|s| s.header("x-tenant").is_some()));
+}

@@ -221,6 +221,8 @@ pub struct Family {
     pub own_breaker: bool,
     /// Its own `adaptive`, else the upstream's.
     pub adaptive: Option<Adaptive>,
+    /// Where a request's tenant comes from: its queue then serves tenants in turns.
+    pub tenant: Option<KeySource>,
     pub policy: Policy,
 }
 
@@ -1034,6 +1036,7 @@ fn check_family(
         limits,
         own_breaker: f.breaker.is_some(),
         adaptive,
+        tenant: f.tenant.as_ref().map(parse_key).transpose()?,
         policy: merge_policy(policy, &f.policy())?,
     })
 }

@@ -231,6 +231,7 @@ pub struct FamilySpec {
     #[serde(default)]
     pub limits: Vec<Spanned<LimitSpec>>,
     pub adaptive: Option<Spanned<AdaptiveSpec>>,
+    pub tenant: Option<Spanned<String>>,
     pub max_queue: Option<NonZeroU32>,
     pub max_wait: Option<Dur>,
     pub attempt_timeout: Option<PosDur>,

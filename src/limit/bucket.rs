@@ -8,7 +8,6 @@
 //! instant. A family blocked on its own limits never holds up another family, and no
 //! request holds a permit of one limit while it waits for another.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +16,7 @@ use tokio::time::Instant;
 use super::aimd::{Adapts, Aimd};
 use super::kinds::{Id, LimitState};
 use super::learned::Learned;
+pub use super::queue::{Queue, Queued, Tenant};
 use crate::config::{Limit, Priority};
 use crate::policy::announced::Announced;
 
@@ -33,7 +33,14 @@ pub struct FamilySpec {
     pub concurrency_only: bool,
     /// `adaptive`, and the rate limit it adapts below.
     pub adaptive: Option<Adapts>,
+    /// Whether its queue takes tenants in turns (`tenant`); `max_queue` then bounds each
+    /// tenant's waiting requests, and [`FAIR_QUEUE_TENANTS`] times it the family's.
+    pub fair: bool,
 }
+
+/// With tenants, a family holds at most this many times `max_queue` waiting requests in
+/// all: tenant values come from clients, and memory must stay bounded.
+pub const FAIR_QUEUE_TENANTS: usize = 10;
 
 /// An upstream's limits and its families. The last family is the one for requests that
 /// match no family: no limits of its own, the upstream's queue bounds.
@@ -47,13 +54,6 @@ pub struct PartitionSpec {
 pub enum Reject {
     QueueFull { retry_after: Duration },
     QueueTimeout { retry_after: Duration },
-}
-
-#[derive(Debug)]
-pub struct Queued<W> {
-    pub seq: u64,
-    pub since: Instant,
-    pub waiter: W,
 }
 
 #[derive(Debug)]
@@ -84,7 +84,7 @@ pub struct FamilyBucket<W> {
     pub spec: Arc<FamilySpec>,
     pub limits: Vec<LimitState>,
     pub paused_until: Option<Instant>,
-    pub queue: VecDeque<Queued<W>>,
+    pub queue: Queue<W>,
     holds_concurrency: bool,
     /// Whether an admission pays a limit counted in time (so its send matters).
     pays_rate: bool,
@@ -121,7 +121,7 @@ impl<W> FamilyBucket<W> {
             limits,
             spec: spec.clone(),
             paused_until: None,
-            queue: VecDeque::new(),
+            queue: Queue::new(spec.fair),
         };
         f.set_pays(up);
         f
@@ -277,9 +277,11 @@ impl<W> Bucket<W> {
                         (Some(a), Some(new)) => Some(a.carry(new)),
                         (_, new) => new.map(Aimd::new),
                     };
+                    let mut queue = prev.queue;
+                    queue.refair(f.fair);
                     FamilyBucket {
                         paused_until: prev.paused_until,
-                        queue: prev.queue,
+                        queue,
                         aimd,
                         ..FamilyBucket::new(prev.id, f, limits, up)
                     }
@@ -404,7 +406,7 @@ impl<W> Bucket<W> {
     /// Bounds for a new arrival: a full queue, or a wait known to exceed `max_wait`.
     pub fn check(&mut self, family: usize, now: Instant) -> Result<(), Reject> {
         let max_wait = self.families[family].spec.max_wait;
-        self.check_within(family, now, max_wait)
+        self.check_within(family, None, now, max_wait)
     }
 
     /// As [`Bucket::check`], for an arrival that waits at most `max_wait` (no more than
@@ -412,14 +414,18 @@ impl<W> Bucket<W> {
     pub fn check_within(
         &mut self,
         family: usize,
+        tenant: Option<Tenant>,
         now: Instant,
         max_wait: Duration,
     ) -> Result<(), Reject> {
-        let ahead = self.families[family].queue.len();
-        let eta = self.eta(family, ahead as u64 + 1, now);
+        let queue = &self.families[family].queue;
+        let (mine, all) = (queue.len_of(tenant), queue.len());
+        let turn = queue.turn_for_new(tenant);
+        let eta = self.eta(family, turn, now);
         let f = &self.families[family].spec;
         let hint = |eta: Option<Instant>| retry_after(eta.map_or(Duration::ZERO, |t| t - now));
-        if ahead >= f.max_queue as usize {
+        let max = f.max_queue as usize;
+        if mine >= max || (f.fair && all >= max * FAIR_QUEUE_TENANTS) {
             return Err(Reject::QueueFull {
                 retry_after: hint(eta),
             });
@@ -435,22 +441,28 @@ impl<W> Bucket<W> {
     }
 
     /// `Retry-After` for a waiter of `family` whose `max_wait` ran out at position `seq`.
-    pub fn timeout_hint(&mut self, family: usize, seq: u64, now: Instant) -> Duration {
-        let pos = self.families[family]
+    pub fn timeout_hint(
+        &mut self,
+        family: usize,
+        seq: u64,
+        tenant: Option<Tenant>,
+        now: Instant,
+    ) -> Duration {
+        let turn = self.families[family]
             .queue
-            .iter()
-            .position(|q| q.seq == seq)
-            .unwrap_or(0);
-        let eta = self.eta(family, pos as u64 + 1, now);
+            .turn_of(seq, tenant)
+            .unwrap_or(1);
+        let eta = self.eta(family, turn, now);
         retry_after(eta.map_or(Duration::ZERO, |t| t - now))
     }
 
-    pub fn push(&mut self, family: usize, waiter: W, now: Instant) -> u64 {
+    pub fn push(&mut self, family: usize, tenant: Option<Tenant>, waiter: W, now: Instant) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
         self.families[family].queue.push_back(Queued {
             seq,
             since: now,
+            tenant,
             waiter,
         });
         self.waiting += 1;
@@ -461,7 +473,7 @@ impl<W> Bucket<W> {
     pub fn take_all_waiters(&mut self) -> Vec<(usize, W)> {
         let mut out = Vec::with_capacity(self.waiting);
         for (i, f) in self.families.iter_mut().enumerate() {
-            out.extend(f.queue.drain(..).map(|q| (i, q.waiter)));
+            out.extend(f.queue.drain().into_iter().map(|q| (i, q.waiter)));
         }
         self.waiting = 0;
         out
@@ -469,12 +481,16 @@ impl<W> Bucket<W> {
 
     /// Removes a waiter that gave up; `None` if it is no longer queued (it was admitted).
     /// Returns its slot with it.
-    pub fn cancel(&mut self, family: FamilyRef, seq: u64) -> Option<(usize, Queued<W>)> {
+    pub fn cancel(
+        &mut self,
+        family: FamilyRef,
+        seq: u64,
+        tenant: Option<Tenant>,
+    ) -> Option<(usize, Queued<W>)> {
         let slot = self.find(family)?;
-        let q = &mut self.families[slot].queue;
-        let i = q.binary_search_by_key(&seq, |w| w.seq).ok()?;
+        let q = self.families[slot].queue.remove(seq, tenant)?;
         self.waiting -= 1;
-        Some((slot, q.remove(i)?))
+        Some((slot, q))
     }
 
     /// A request of `family` arriving at `now` to a bucket where no one waits: admitted

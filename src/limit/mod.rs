@@ -25,6 +25,7 @@ pub mod bucket;
 pub mod error;
 pub mod kinds;
 pub mod learned;
+pub mod queue;
 
 pub use error::LimitError;
 
@@ -145,6 +146,7 @@ impl Plan {
                     max_wait: f.policy.max_wait,
                     concurrency_only: false,
                     adaptive: adapts(f.adaptive, &f.limits),
+                    fair: f.tenant.is_some(),
                 })
             })
             .collect();
@@ -158,6 +160,7 @@ impl Plan {
                 max_wait: u.policy.max_wait,
                 concurrency_only,
                 adaptive: adapts(u.adaptive, &[]).filter(|_| !concurrency_only),
+                fair: false,
             }));
         }
         let handles = families
@@ -931,12 +934,17 @@ impl Limiter {
     ) -> Result<Option<Permit>, LimitError> {
         let cell = self.cell(plan, route);
         let index = plan.family_index(route.family);
+        let at = Place {
+            index,
+            tenant: route.tenant,
+            deadline,
+        };
         if plan.global(index).is_empty() {
-            return self.wait(cell, plan, index, deadline).await;
+            return self.wait(cell, plan, at).await;
         }
         // Boxed: shared limits are the rarer path, and their future would otherwise
         // size every request's.
-        Box::pin(self.wait_shared(cell, plan, index, deadline)).await
+        Box::pin(self.wait_shared(cell, plan, at)).await
     }
 
     /// Whether a request of `route` pays any limit, local or shared: only then does its
@@ -954,11 +962,11 @@ impl Limiter {
         &self,
         cell: Arc<Cell>,
         plan: &Arc<Plan>,
-        index: usize,
-        deadline: Option<Instant>,
+        at: Place,
     ) -> Result<Option<Permit>, LimitError> {
+        let (index, deadline) = (at.index, at.deadline);
         let start = Instant::now();
-        let Some(mut permit) = self.wait(cell.clone(), plan, index, deadline).await? else {
+        let Some(mut permit) = self.wait(cell.clone(), plan, at).await? else {
             return Ok(None);
         };
         // A config with global limits always has a cluster; without one, they are
@@ -997,16 +1005,25 @@ impl Limiter {
             return Ok(None);
         }
         let cell = self.cell(plan, route);
-        self.wait(cell, plan, plan.tunnel_index(), None).await
+        let at = Place {
+            index: plan.tunnel_index(),
+            tenant: None,
+            deadline: None,
+        };
+        self.wait(cell, plan, at).await
     }
 
     async fn wait(
         &self,
         cell: Arc<Cell>,
         plan: &Arc<Plan>,
-        index: usize,
-        deadline: Option<Instant>,
+        at: Place,
     ) -> Result<Option<Permit>, LimitError> {
+        let Place {
+            index,
+            tenant,
+            deadline,
+        } = at;
         use std::sync::atomic::Ordering;
         if self.closed.load(Ordering::Acquire) {
             return Err(LimitError::ShuttingDown);
@@ -1022,7 +1039,7 @@ impl Limiter {
             let max_wait = st.bucket.families[slot].spec.max_wait;
             let max_wait =
                 deadline.map_or(max_wait, |d| max_wait.min(d.saturating_duration_since(now)));
-            if let Err(r) = st.bucket.check_within(slot, now, max_wait) {
+            if let Err(r) = st.bucket.check_within(slot, tenant, now, max_wait) {
                 let m = st.metrics(slot);
                 match r {
                     Reject::QueueFull { .. } => m.queue_full.inc(),
@@ -1040,7 +1057,7 @@ impl Limiter {
                 return Ok(grant.into_permit());
             }
             let (tx, rx) = oneshot::channel();
-            let seq = st.bucket.push(slot, Waiter { tx }, now);
+            let seq = st.bucket.push(slot, tenant, Waiter { tx }, now);
             st.metrics(slot).depth.inc();
             let family = st.bucket.family_ref(slot);
             cell.dispatch(&mut st, now);
@@ -1054,6 +1071,7 @@ impl Limiter {
             cell: &cell,
             family,
             seq,
+            tenant,
             armed: true,
         };
         match tokio::time::timeout(max_wait, &mut rx).await {
@@ -1075,7 +1093,7 @@ impl Limiter {
                         st.metrics(slot).queue_timeout.inc();
                     }
                     slot.map_or(Duration::from_secs(1), |slot| {
-                        st.bucket.timeout_hint(slot, seq, Instant::now())
+                        st.bucket.timeout_hint(slot, seq, tenant, Instant::now())
                     })
                 };
                 drop(guard);
@@ -1267,6 +1285,11 @@ impl Limiter {
                     // Removed by a reload; its queued requests finish under these limits.
                     o.insert("retired".into(), true.into());
                 }
+                if let Some(n) = fb.queue.tenants()
+                    && let Some(o) = v.as_object_mut()
+                {
+                    o.insert("tenants_waiting".into(), n.into());
+                }
                 if let Some(a) = &fb.aimd
                     && let Some(o) = v.as_object_mut()
                 {
@@ -1321,7 +1344,17 @@ struct Queued<'a> {
     cell: &'a Arc<Cell>,
     family: FamilyRef,
     seq: u64,
+    tenant: Option<bucket::Tenant>,
     armed: bool,
+}
+
+/// Where a request waits: its family's queue, as which tenant, and until when at most
+/// (the client's `sluice-max-wait`).
+#[derive(Clone, Copy)]
+struct Place {
+    index: usize,
+    tenant: Option<bucket::Tenant>,
+    deadline: Option<Instant>,
 }
 
 impl Drop for Queued<'_> {
@@ -1330,7 +1363,7 @@ impl Drop for Queued<'_> {
             return;
         }
         let mut st = self.cell.lock();
-        if let Some((slot, _)) = st.bucket.cancel(self.family, self.seq) {
+        if let Some((slot, _)) = st.bucket.cancel(self.family, self.seq, self.tenant) {
             st.metrics(slot).depth.dec();
             // A head that leaves may unblock the next one in its family.
             self.cell.dispatch(&mut st, Instant::now());

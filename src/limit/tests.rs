@@ -52,6 +52,7 @@ fn route(family: Option<usize>) -> Route {
         upstream: 0,
         family,
         partition: None,
+        tenant: None,
     }
 }
 
@@ -356,6 +357,65 @@ async fn an_unannounced_429_spaces_an_adaptive_familys_admissions() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn tenants_take_turns_so_a_bulk_backlog_does_not_hold_one_request() {
+    let (l, _) = limiter(
+        "max_wait = \"5s\"\nlimits = [{ kind = \"token_bucket\", rate = 10, per = \"1s\", burst = 1 }]\n\
+         [[upstream.family]]\nname = \"f\"\ntenant = \"header:x-tenant\"\n",
+    );
+    let tenant = |t| Route {
+        upstream: 0,
+        family: Some(0),
+        partition: None,
+        tenant: Some(t),
+    };
+    let t0 = Instant::now();
+    let mut bulk = Vec::new();
+    for _ in 0..40 {
+        let l = l.clone();
+        bulk.push(tokio::spawn(async move {
+            l.take(&tenant(1)).await.map(|_| Instant::now() - t0)
+        }));
+        tokio::task::yield_now().await;
+    }
+    // 40 ahead at 10/s: FIFO, this request would wait about 4 s; in turns, one.
+    let ui = l.take(&tenant(2)).await;
+    assert!(ui.is_ok());
+    assert_eq!(Instant::now() - t0, Duration::from_millis(200));
+    let admitted: Vec<_> = futures_join(bulk).await;
+    // The bulk tenant's own order is kept; past max_wait (5 s) none is admitted late.
+    let ok: Vec<Duration> = admitted
+        .iter()
+        .filter_map(|r| r.as_ref().ok().copied())
+        .collect();
+    assert!(ok.windows(2).all(|w| w[0] <= w[1]), "{ok:?}");
+    assert_eq!(ok.len(), 40, "{admitted:?}");
+    // Arriving behind a backlog that max_wait could not cover, a new tenant is still
+    // admitted on its turn, where FIFO would refuse it at once.
+    let mut bulk = Vec::new();
+    for _ in 0..80 {
+        let l = l.clone();
+        bulk.push(tokio::spawn(
+            async move { l.take(&tenant(1)).await.is_ok() },
+        ));
+        tokio::task::yield_now().await;
+    }
+    assert!(l.take(&tenant(3)).await.is_ok());
+    let refused = futures_join(bulk).await.iter().filter(|ok| !**ok).count();
+    assert!(
+        refused >= 25,
+        "the bulk tenant's own backlog is bounded by max_wait: {refused}"
+    );
+}
+
+async fn futures_join<T>(tasks: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+#[tokio::test(start_paused = true)]
 async fn pause_stops_admission_until_the_instant() {
     let (l, _) =
         limiter("limits = [{ kind = \"token_bucket\", rate = 10, per = \"1s\", burst = 2 }]\n");
@@ -375,6 +435,7 @@ async fn idle_partitions_are_dropped() {
             upstream: 0,
             family: None,
             partition: Some(crate::route::Partition::of(&i.to_be_bytes())),
+            tenant: None,
         };
         drop(l.take(&r).await.unwrap());
     }
@@ -396,6 +457,7 @@ async fn snapshot_lists_buckets_without_raw_keys() {
             upstream: 0,
             family: Some(0),
             partition: Some(p),
+            tenant: None,
         })
         .await
         .unwrap();
@@ -404,6 +466,7 @@ async fn snapshot_lists_buckets_without_raw_keys() {
             upstream: 0,
             family: Some(0),
             partition: Some(p),
+            tenant: None,
         },
         true,
         Instant::now() + Duration::from_secs(4),
