@@ -342,3 +342,59 @@ async fn an_interactive_tenant_is_not_held_behind_a_bulk_tenants_backlog() {
     assert_eq!(seen.len(), 81);
     assert!(seen.iter().all(|s| s.header("x-tenant").is_some()));
 }
+
+/// `"name";k=v;k=v, ...` as (name, key) -> value.
+fn fields(v: &str) -> std::collections::HashMap<(String, String), u64> {
+    let mut out = std::collections::HashMap::new();
+    for item in v.split(',') {
+        let mut parts = item.trim().split(';');
+        let name = parts.next().unwrap().trim_matches('"').to_string();
+        for p in parts {
+            let (k, val) = p.split_once('=').unwrap();
+            out.insert((name.clone(), k.to_string()), val.parse().unwrap());
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn responses_describe_the_bucket_they_paid_in_ratelimit_fields() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(
+        "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1\"]\nratelimit_headers = true\n\
+         limits = [{ kind = \"fixed_window\", permits = 5, window = \"10s\" }]\n\
+         [[upstream.family]]\nname = \"f\"\n\
+         limits = [{ kind = \"sliding_window\", permits = 2, window = \"1s\" }]\n",
+    )
+    .await;
+    let client = proxy.client();
+    let resp = client.get(up.url("/a")).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let policy = fields(resp.headers()["ratelimit-policy"].to_str().unwrap());
+    let at = |f: &std::collections::HashMap<(String, String), u64>, n: &str, k: &str| {
+        f[&(n.to_string(), k.to_string())]
+    };
+    assert_eq!((at(&policy, "api", "q"), at(&policy, "api", "w")), (5, 10));
+    assert_eq!(
+        (at(&policy, "api/f", "q"), at(&policy, "api/f", "w")),
+        (2, 1)
+    );
+    let now = fields(resp.headers()["ratelimit"].to_str().unwrap());
+    assert_eq!(at(&now, "api", "r"), 4);
+    assert!((9..=11).contains(&at(&now, "api", "t")), "{now:?}");
+    assert_eq!(at(&now, "api/f", "r"), 1);
+    assert!((1..=2).contains(&at(&now, "api/f", "t")), "{now:?}");
+
+    assert_eq!(client.get(up.url("/b")).send().await.unwrap().status(), 200);
+    // sluice's own 429 says the same, with nothing left in the family's window.
+    let refused = client
+        .get(up.url("/c"))
+        .header("sluice-max-wait", "0")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 429);
+    let now = fields(refused.headers()["ratelimit"].to_str().unwrap());
+    assert_eq!((at(&now, "api/f", "r"), at(&now, "api", "r")), (0, 3));
+    assert!(refused.headers().contains_key("sluice-queue-wait"));
+}

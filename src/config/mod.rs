@@ -201,6 +201,9 @@ pub struct Upstream {
     pub learn: Learn,
     /// AIMD for its families that set none of their own, and for requests of no family.
     pub adaptive: Option<Adaptive>,
+    /// Whether responses describe the sluice bucket they paid in `RateLimit` and
+    /// `RateLimit-Policy` fields.
+    pub ratelimit_headers: bool,
     /// The share of this upstream's requests that get an access-log line: 1 (all, the
     /// default), 0 (none), or a sample in between for very hot paths.
     pub access_log: f64,
@@ -948,6 +951,7 @@ fn check_upstream(
         cooldown: u.cooldown.unwrap_or_default(),
         learn: u.learn,
         adaptive,
+        ratelimit_headers: u.ratelimit_headers.unwrap_or(false),
         policy,
     })
 }

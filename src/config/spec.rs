@@ -208,6 +208,7 @@ pub struct UpstreamSpec {
     pub cooldown: Option<CooldownScope>,
     #[serde(default)]
     pub learn: Learn,
+    pub ratelimit_headers: Option<bool>,
     pub adaptive: Option<Spanned<AdaptiveSpec>>,
     pub access_log: Option<Spanned<f64>>,
     // Policy overrides; listed one by one because serde cannot flatten with

@@ -1149,6 +1149,63 @@ impl Limiter {
         live
     }
 
+    /// The rate limits a request of `route` pays, as the IETF draft's fields describe
+    /// quotas (`ratelimit_headers`): `RateLimit-Policy` with each limit's quota `q` in
+    /// a window of `w` seconds, and `RateLimit` with the permits `r` free now and the
+    /// whole seconds `t` until one more is. Items are named after the upstream, or
+    /// `upstream/family`, with `.N` when a level has several rate limits.
+    pub fn ratelimit_fields(&self, plan: &Arc<Plan>, route: &Route) -> Option<(String, String)> {
+        let cell = self.cell(plan, route);
+        let mut st = cell.lock();
+        let now = Instant::now();
+        let slot = st.slot(plan, plan.family_index(route.family));
+        let (mut policy, mut current) = (Vec::new(), Vec::new());
+        let b = &mut st.bucket;
+        let family = b.families[slot].spec.clone();
+        let named = |level: String, n: usize, i: usize| {
+            if n > 1 { format!("{level}.{i}") } else { level }
+        };
+        let mut describe = |name: String, spec: &Limit, state: &mut LimitState| {
+            let (q, w) = match *spec {
+                Limit::TokenBucket {
+                    rate, per, burst, ..
+                } => (
+                    u64::from(burst.get()),
+                    per.as_secs_f64() * f64::from(burst.get()) / f64::from(rate.get()),
+                ),
+                Limit::SlidingWindow {
+                    permits, window, ..
+                }
+                | Limit::FixedWindow {
+                    permits, window, ..
+                } => (u64::from(permits.get()), window.as_secs_f64()),
+                Limit::Concurrency { .. } => return,
+            };
+            let r = state.available(now);
+            let t = state
+                .ready_at(r + 1, now)
+                .map_or(0.0, |at| at.saturating_duration_since(now).as_secs_f64())
+                .ceil() as u64;
+            policy.push(format!("\"{name}\";q={q};w={}", w.ceil().max(1.0) as u64));
+            current.push(format!("\"{name}\";r={r};t={t}"));
+        };
+        let up_specs = b.upstream_spec.clone();
+        let n = up_specs.len();
+        for (i, (spec, state)) in up_specs.iter().zip(b.upstream.iter_mut()).enumerate() {
+            if family.concurrency_only {
+                break;
+            }
+            describe(named(cell.name.to_string(), n, i), spec, state);
+        }
+        let level = format!("{}/{}", cell.name, family.name);
+        let n = family.limits.len();
+        let fb = &mut b.families[slot];
+        for (i, (spec, state)) in family.limits.iter().zip(fb.limits.iter_mut()).enumerate() {
+            describe(named(level.clone(), n, i), spec, state);
+        }
+        (!policy.is_empty()).then(|| (policy.join(", "), current.join(", ")))
+    }
+
     /// By upstream name: the slowest pace a partition learned from the provider and how
     /// many partitions pace now (`learn = "headers"`).
     pub fn learned_paces(&self) -> HashMap<Arc<str>, (f64, usize)> {

@@ -204,7 +204,29 @@ fn route_and_send<'a>(
             resp.headers_mut()
                 .insert(QUEUE_WAIT.clone(), HeaderValue::from(ms));
         }
+        if let Some(r) = &route
+            && config.upstreams[r.upstream].ratelimit_headers
+        {
+            describe_bucket(app, &config, r, resp.headers_mut());
+        }
         resp
+    }
+}
+
+/// `ratelimit_headers`: the sluice bucket the request paid, as `RateLimit-Policy` and
+/// `RateLimit`, in place of any the upstream sent (the client talks to sluice's limits
+/// now; the upstream's own fields are what `learn` reads).
+fn describe_bucket(app: &App, config: &Live, route: &Route, headers: &mut http::HeaderMap) {
+    let plan = &config.plans[route.upstream];
+    let Some((policy, current)) = app.limiter.ratelimit_fields(plan, route) else {
+        return;
+    };
+    if let (Ok(p), Ok(c)) = (
+        HeaderValue::from_str(&policy),
+        HeaderValue::from_str(&current),
+    ) {
+        headers.insert("ratelimit-policy", p);
+        headers.insert("ratelimit", c);
     }
 }
 
