@@ -201,8 +201,12 @@ fn route_and_send<'a>(
         if let Some(waited) = waited {
             // Whole milliseconds: what a client needs to decide whether to shed work.
             let ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX);
-            resp.headers_mut()
-                .insert(QUEUE_WAIT.clone(), HeaderValue::from(ms));
+            // Most requests do not wait: that answer is built without an allocation.
+            let value = match ms {
+                0 => HeaderValue::from_static("0"),
+                ms => HeaderValue::from(ms),
+            };
+            resp.headers_mut().insert(QUEUE_WAIT.clone(), value);
         }
         if let Some(r) = &route
             && config.upstreams[r.upstream].ratelimit_headers
