@@ -519,4 +519,15 @@ async fn a_malformed_sluice_max_wait_is_a_bad_request() {
     let body = resp.text().await.unwrap();
     assert!(body.contains("sluice-max-wait"), "{body}");
     assert!(up.seen().is_empty());
+    // A wait too long for any clock is no limit, not a crash.
+    for huge in ["18446744073709551615", "500000000years"] {
+        let resp = proxy
+            .client()
+            .get(up.url("/b"))
+            .header("sluice-max-wait", huge)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "{huge}");
+    }
 }

@@ -94,7 +94,9 @@ impl Aimd {
     }
 
     fn interval(&self) -> Duration {
-        Duration::from_secs_f64(1.0 / self.rate)
+        // The rate is at least `floor` of a configured one: never zero, but a rate of one
+        // per decade is not worth a panic on the request path.
+        Duration::try_from_secs_f64(1.0 / self.rate).unwrap_or(Duration::from_secs(86_400 * 365))
     }
 
     pub fn can_take(&self, now: Instant) -> bool {
@@ -113,7 +115,13 @@ impl Aimd {
             return now;
         }
         let first = self.next.map_or(now, |t| t.max(now));
-        first + self.interval().mul_f64(n.saturating_sub(1) as f64)
+        let spaced = self
+            .interval()
+            .checked_mul(u32::try_from(n.saturating_sub(1)).unwrap_or(u32::MAX))
+            .unwrap_or(Duration::MAX);
+        first
+            .checked_add(spaced)
+            .unwrap_or(first + Duration::from_secs(86_400 * 365))
     }
 
     /// A 429 that classification retries or cools down, to a request admitted at

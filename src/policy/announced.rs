@@ -18,6 +18,11 @@ use http::HeaderMap;
 
 use super::hints::epoch_or_delta;
 
+/// The longest reset believed: a provider's field is input like any other, and a pace
+/// that would hold a partition back for longer than a day is more likely a bug in the
+/// provider than a budget.
+pub const MAX_RESET: Duration = Duration::from_secs(24 * 3600);
+
 /// What a response said of the provider's budget for the key it was sent with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Announced {
@@ -36,6 +41,13 @@ fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
 /// Reads the budget a response announces, if it announces one. `now` is the local wall
 /// clock, for resets written as timestamps in a response without `Date`.
 pub fn announced(h: &HeaderMap, now: SystemTime) -> Option<Announced> {
+    read(h, now).map(|a| Announced {
+        reset: a.reset.min(MAX_RESET),
+        ..a
+    })
+}
+
+fn read(h: &HeaderMap, now: SystemTime) -> Option<Announced> {
     if let Some(v) = header(h, "ratelimit") {
         if let Some(a) = structured(v) {
             return Some(a);
@@ -209,6 +221,11 @@ mod tests {
         assert_eq!(
             read(&[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "2")]),
             Some((0, 2, "x-ratelimit-remaining"))
+        );
+        // A reset beyond belief is capped: it must not overflow an instant downstream.
+        assert_eq!(
+            read(&[("ratelimit", "\"d\";r=1;t=18446744073709551615")]),
+            Some((1, MAX_RESET.as_secs(), "ratelimit"))
         );
     }
 

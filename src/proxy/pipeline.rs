@@ -140,7 +140,9 @@ impl Queued {
 
     /// The instant the next admission must come by for the client, if it set a limit.
     fn deadline(&self, now: Instant) -> Option<Instant> {
-        self.most.map(|m| now + m.saturating_sub(self.total()))
+        // Beyond what an instant can hold, the client's wait is no limit at all.
+        self.most
+            .and_then(|m| now.checked_add(m.saturating_sub(self.total())))
     }
 }
 
