@@ -1,11 +1,13 @@
-//! The admin listener, separate from the proxy port so it can be firewalled apart. Probes
-//! and metrics (`/livez`, `/healthz`, `/readyz`, `/metrics`) answer whoever reaches it:
-//! kubelet and Prometheus come from outside the pod. The endpoints that change or reveal
+//! The admin listener, separate from the proxy port so it can be firewalled apart. Probes,
+//! metrics and the status page (`/livez`, `/healthz`, `/readyz`, `/metrics`, `/` and its
+//! feed `/status.json`) answer whoever reaches it: kubelet and Prometheus come from
+//! outside the pod, and the page shows nothing the metrics do not. The endpoints that change or reveal
 //! state (`POST /reload`, `/config` with secrets redacted, `/buckets`) answer loopback
 //! clients only, unless `admin_control = "any"`: as linkerd's admin server keeps its
 //! shutdown endpoint to localhost, so that a listener opened for probes is not also
 //! opened for control.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -68,6 +70,112 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken
 
 /// Endpoints that change or reveal state: `admin_control` says who may use them.
 const CONTROL: [&str; 3] = ["/reload", "/config", "/buckets"];
+
+/// The status page: plain HTML, CSS and a little JavaScript, all in this one file,
+/// which polls `/status.json` once a second.
+const STATUS_PAGE: &str = include_str!("status.html");
+
+/// Partitions shown per upstream on the status page; the rest are counted.
+const BUSIEST: usize = 5;
+
+/// Label `name`'s value on each series of `vec` whose value is 1, by its `upstream`
+/// (and `family`, empty when it has none) label: the state gauges.
+fn states(vec: &prometheus::IntGaugeVec, name: &str) -> HashMap<(String, String), String> {
+    use prometheus::core::Collector;
+    let mut out = HashMap::new();
+    for mf in vec.collect() {
+        for m in mf.get_metric() {
+            if m.get_gauge().get_value() != 1.0 {
+                continue;
+            }
+            let (mut u, mut f, mut v) = ("", "", "");
+            for l in m.get_label() {
+                match l.name() {
+                    "upstream" => u = l.value(),
+                    "family" => f = l.value(),
+                    n if n == name => v = l.value(),
+                    _ => {}
+                }
+            }
+            out.insert((u.to_string(), f.to_string()), v.to_string());
+        }
+    }
+    out
+}
+
+/// What the status page shows, bounded whatever the number of partitions: per upstream
+/// and family the configured limits, the last minutes from the sampled history, the
+/// breaker; the few partitions with the most waiting; the process's own facts.
+fn status_feed(app: &App) -> serde_json::Value {
+    use serde_json::json;
+    let config = app.config();
+    let breakers = states(&app.metrics.breaker_state, "state");
+    let family_breakers = states(&app.metrics.family_breaker_state, "state");
+    let cluster = states(&app.metrics.cluster_mode, "mode")
+        .into_values()
+        .next();
+    let shares = app.limiter.adaptive_shares();
+    let mut busiest = app.limiter.busiest(BUSIEST);
+    let upstreams: Vec<serde_json::Value> = config
+        .upstreams
+        .iter()
+        .map(|u| {
+            let families = u
+                .families
+                .iter()
+                .map(|f| (f.name.as_str(), &f.limits[..], f.adaptive.is_some(), f.tenant.is_some()))
+                .chain([("-", &[][..], u.adaptive.is_some(), false)])
+                .map(|(name, limits, adapts, tenants)| {
+                    let mut v = app
+                        .status
+                        .summary(&u.name, name)
+                        .unwrap_or_else(|| json!({}));
+                    if let Some(o) = v.as_object_mut() {
+                        o.insert("family".into(), name.into());
+                        o.insert(
+                            "limits".into(),
+                            limits.iter().map(|l| l.to_string()).collect::<Vec<_>>().into(),
+                        );
+                        o.insert("tenants".into(), tenants.into());
+                        if adapts {
+                            let share = shares
+                                .get(&(Arc::from(u.name.as_str()), name.to_string()))
+                                .copied()
+                                .unwrap_or(1.0);
+                            o.insert("adaptive_rate_ratio".into(), share.into());
+                        }
+                        let breaker = family_breakers.get(&(u.name.clone(), name.to_string()));
+                        o.insert("breaker".into(), breaker.cloned().into());
+                    }
+                    v
+                })
+                .collect::<Vec<_>>();
+            let (partitions, others) = busiest.remove(u.name.as_str()).unwrap_or_default();
+            json!({
+                "name": u.name,
+                "limits": u.limits.iter().map(|l| l.to_string()).collect::<Vec<_>>(),
+                "learn": u.learn,
+                "breaker": breakers.get(&(u.name.clone(), String::new())).map_or("closed", |s| s.as_str()),
+                "families": families,
+                "partitions": partitions,
+                "other_partitions": others,
+            })
+        })
+        .collect();
+    json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "revision": crate::metrics::REVISION,
+        "uptime_seconds": app.status.started.elapsed().as_secs(),
+        "config": {
+            "path": app.config_path().map(|p| p.display().to_string()),
+            "sha256": config.sha256,
+            "last_reload": app.status.last_reload(),
+        },
+        "cluster": cluster,
+        "upstreams": upstreams,
+        "unmatched": app.status.summary("unmatched", "-"),
+    })
+}
 
 /// The configured and effective rate of each upstream that has one, and its partitions
 /// pacing to a learned budget, as of this scrape (series of removed upstreams go).
@@ -193,7 +301,28 @@ pub async fn handle(app: &Arc<App>, req: &Request<Incoming>, peer: IpAddr) -> Re
             json(&v)
         }
         ("/buckets", true) => json(&app.limiter.snapshot()),
-        ("/metrics" | "/livez" | "/healthz" | "/readyz" | "/config" | "/buckets", false) => {
+        ("/", true) => {
+            let mut r = reply(
+                StatusCode::OK,
+                "text/html; charset=utf-8",
+                STATUS_PAGE.into(),
+            );
+            // Everything it needs is in the page: nothing may be loaded from elsewhere.
+            r.headers_mut().insert(
+                header::CONTENT_SECURITY_POLICY,
+                HeaderValue::from_static(
+                    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+                     connect-src 'self'; img-src data:",
+                ),
+            );
+            r
+        }
+        ("/status.json", true) => json(&status_feed(app)),
+        (
+            "/metrics" | "/livez" | "/healthz" | "/readyz" | "/config" | "/buckets" | "/"
+            | "/status.json",
+            false,
+        ) => {
             let mut r = reply(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "text/plain",

@@ -95,6 +95,8 @@ pub struct App {
     /// The addresses the proxy and admin listeners bound (port 0 in the config names
     /// none in advance); `/config` shows them.
     pub(crate) listening: std::sync::OnceLock<(std::net::SocketAddr, std::net::SocketAddr)>,
+    /// The status page's recent history and what it shows of the process.
+    pub(crate) status: crate::status::Status,
 }
 
 pub struct AppBuilder {
@@ -173,6 +175,7 @@ impl AppBuilder {
             overrides: self.overrides,
             reloading: Mutex::new(()),
             listening: std::sync::OnceLock::new(),
+            status: crate::status::Status::default(),
         }))
     }
 }
@@ -335,6 +338,8 @@ impl App {
                 .and_then(|c| self.apply(c)),
             None => Err(ReloadError::NoFile),
         };
+        self.status
+            .reloaded(result.as_ref().err().map(ToString::to_string));
         let outcome = if result.is_ok() { "success" } else { "failure" };
         self.metrics
             .config_reloads

@@ -53,6 +53,7 @@ pub mod reload;
 pub mod rlimit;
 pub mod route;
 pub mod server;
+pub mod status;
 pub mod tls;
 
 pub use app::App;

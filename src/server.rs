@@ -105,6 +105,7 @@ impl Server {
         };
         let admin_task = tokio::spawn(admin::serve(app.clone(), admin, lc.stop.clone()));
         let sweeper = tokio::spawn(sweep_idle_partitions(app.clone(), lc.stop.clone()));
+        let sampler = tokio::spawn(sample_status(app.clone(), lc.stop.clone()));
         reloads.start(&app, &lc.stop);
         let default_cap = crate::rlimit::default_max_connections(crate::rlimit::nofile());
         tracing::info!(
@@ -154,7 +155,21 @@ impl Server {
         lc.tracker.wait().await;
         let _ = admin_task.await;
         let _ = sweeper.await;
+        let _ = sampler.await;
         tracing::info!("shutdown complete");
+    }
+}
+
+/// Samples the metrics into the status page's history once a second: a read of a few
+/// dozen series, whether anyone watches or not, so the page has a past when opened.
+async fn sample_status(app: Arc<App>, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(crate::status::EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => app.status.sample(&app.metrics),
+            _ = stop.cancelled() => return,
+        }
     }
 }
 

@@ -1253,116 +1253,155 @@ impl Limiter {
     /// one per family, with available permits, queue depth and remaining pause.
     pub fn snapshot(&self) -> serde_json::Value {
         let now = Instant::now();
-        let cells = self.all_cells();
         let cluster = self.cluster();
         let mut out = Vec::new();
-        for cell in cells {
-            let mut st = cell.lock();
-            let st = &mut *st;
-            let partition = cell
-                .partition
-                .map_or_else(|| "-".to_string(), |p| p.short());
-            let b = &mut st.bucket;
-            let paused =
-                |t: Option<Instant>| t.filter(|t| *t > now).map(|t| (t - now).as_secs_f64());
-            let spec = b.upstream_spec.clone();
-            let mut entry = json!({
-                "upstream": &*cell.name,
-                "family": null,
-                "partition": partition,
-                "limits": limits_json(&spec, &mut b.upstream, now),
-                "queue_depth": b.waiting(),
-                "paused_for_seconds": paused(b.paused_until),
-            });
-            if let Some(l) = b.learned.as_ref().filter(|l| l.active(now))
-                && let Some(o) = entry.as_object_mut()
-            {
-                o.insert(
-                    "learned".into(),
-                    json!({
-                        "source": l.announced.source,
-                        "announced_remaining": l.announced.remaining,
-                        "left": l.left,
-                        "resets_in_seconds": (l.reset - now).as_secs_f64(),
-                        "pace_per_second": l.rate(),
-                    }),
-                );
-            }
-            // The partition's shared limits (the upstream's and its families'), how they
-            // are decided now, and what this replica has of them.
-            let mut shared: Vec<&Arc<GlobalLimit>> = Vec::new();
-            for l in st.plan.global.iter().flat_map(|g| g.iter()) {
-                if !shared.iter().any(|s| s.id == l.id) {
-                    shared.push(l);
-                }
-            }
-            if !shared.is_empty()
-                && let Some(o) = entry.as_object_mut()
-            {
-                let limits: Vec<serde_json::Value> = shared
-                    .iter()
-                    .map(|l| {
-                        let mut v = serde_json::to_value(&l.spec).unwrap_or_default();
-                        if let Some(o) = v.as_object_mut() {
-                            o.insert("id".into(), l.id.to_string().into());
-                            o.insert("margin".into(), fmt_duration(l.margin).into());
-                        }
-                        v
-                    })
-                    .collect();
-                o.insert("shared_limits".into(), limits.into());
-                if let Some(c) = &cluster {
-                    o.insert("cluster".into(), c.describe());
-                }
-                if let Some(sh) = cell.shared.get() {
-                    o.insert("this_replica".into(), sh.describe());
-                }
-            }
-            out.push(entry);
-            let ours = st.plan.family_index(None);
-            let live = st.plan.spec.families.len();
-            for (i, fb) in b.families.iter_mut().enumerate() {
-                // Our own queues (no family, tunnels) are shown only while they hold some.
-                if (ours..live).contains(&i) && fb.queue.is_empty() {
-                    continue;
-                }
-                let f = fb.spec.clone();
-                let mut v = json!({
-                    "upstream": &*cell.name,
-                    "family": f.name,
-                    "partition": partition,
-                    "priority": f.priority,
-                    "limits": limits_json(&f.limits, &mut fb.limits, now),
-                    "queue_depth": fb.queue.len(),
-                    "paused_for_seconds": paused(fb.paused_until),
-                });
-                if i >= live
-                    && let Some(o) = v.as_object_mut()
-                {
-                    // Removed by a reload; its queued requests finish under these limits.
-                    o.insert("retired".into(), true.into());
-                }
-                if let Some(n) = fb.queue.tenants()
-                    && let Some(o) = v.as_object_mut()
-                {
-                    o.insert("tenants_waiting".into(), n.into());
-                }
-                if let Some(a) = &fb.aimd
-                    && let Some(o) = v.as_object_mut()
-                {
-                    o.insert(
-                        "adaptive".into(),
-                        json!({
-                            "rate_per_second": a.rate(),
-                            "configured_per_second": a.configured(),
-                        }),
-                    );
-                }
-                out.push(v);
-            }
+        for cell in self.all_cells() {
+            out.extend(cell_entries(&cell, now, cluster.as_ref()));
         }
         serde_json::Value::Array(out)
     }
+
+    /// For the status page, by upstream name: its `top` partitions with the most requests
+    /// waiting (as `/buckets` describes them), and how many others it has.
+    pub fn busiest(&self, top: usize) -> HashMap<Arc<str>, (Vec<serde_json::Value>, usize)> {
+        let now = Instant::now();
+        let cluster = self.cluster();
+        let mut by_upstream: HashMap<Arc<str>, Vec<(usize, Arc<Cell>)>> = HashMap::new();
+        for cell in self.all_cells() {
+            let waiting = cell.lock().bucket.waiting();
+            by_upstream
+                .entry(cell.name.clone())
+                .or_default()
+                .push((waiting, cell));
+        }
+        by_upstream
+            .into_iter()
+            .map(|(name, mut cells)| {
+                cells.sort_by_key(|c| std::cmp::Reverse(c.0));
+                let others = cells.len().saturating_sub(top);
+                let shown = cells
+                    .iter()
+                    .take(top)
+                    .map(|(_, c)| serde_json::Value::from(cell_entries(c, now, cluster.as_ref())))
+                    .collect();
+                (name, (shown, others))
+            })
+            .collect()
+    }
+}
+
+/// One partition as `/buckets` shows it: an entry for its upstream's limits, then one
+/// per family that has limits or waiters.
+fn cell_entries(
+    cell: &Arc<Cell>,
+    now: Instant,
+    cluster: Option<&Arc<Cluster>>,
+) -> Vec<serde_json::Value> {
+    let mut out = Vec::new();
+    let mut st = cell.lock();
+    let st = &mut *st;
+    let partition = cell
+        .partition
+        .map_or_else(|| "-".to_string(), |p| p.short());
+    let b = &mut st.bucket;
+    let paused = |t: Option<Instant>| t.filter(|t| *t > now).map(|t| (t - now).as_secs_f64());
+    let spec = b.upstream_spec.clone();
+    let mut entry = json!({
+        "upstream": &*cell.name,
+        "family": null,
+        "partition": partition,
+        "limits": limits_json(&spec, &mut b.upstream, now),
+        "queue_depth": b.waiting(),
+        "paused_for_seconds": paused(b.paused_until),
+    });
+    if let Some(l) = b.learned.as_ref().filter(|l| l.active(now))
+        && let Some(o) = entry.as_object_mut()
+    {
+        o.insert(
+            "learned".into(),
+            json!({
+                "source": l.announced.source,
+                "announced_remaining": l.announced.remaining,
+                "left": l.left,
+                "resets_in_seconds": (l.reset - now).as_secs_f64(),
+                "pace_per_second": l.rate(),
+            }),
+        );
+    }
+    // The partition's shared limits (the upstream's and its families'), how they
+    // are decided now, and what this replica has of them.
+    let mut shared: Vec<&Arc<GlobalLimit>> = Vec::new();
+    for l in st.plan.global.iter().flat_map(|g| g.iter()) {
+        if !shared.iter().any(|s| s.id == l.id) {
+            shared.push(l);
+        }
+    }
+    if !shared.is_empty()
+        && let Some(o) = entry.as_object_mut()
+    {
+        let limits: Vec<serde_json::Value> = shared
+            .iter()
+            .map(|l| {
+                let mut v = serde_json::to_value(&l.spec).unwrap_or_default();
+                if let Some(o) = v.as_object_mut() {
+                    o.insert("id".into(), l.id.to_string().into());
+                    o.insert("margin".into(), fmt_duration(l.margin).into());
+                }
+                v
+            })
+            .collect();
+        o.insert("shared_limits".into(), limits.into());
+        if let Some(c) = cluster {
+            o.insert("cluster".into(), c.describe());
+        }
+        if let Some(sh) = cell.shared.get() {
+            o.insert("this_replica".into(), sh.describe());
+        }
+    }
+    out.push(entry);
+    let ours = st.plan.family_index(None);
+    let live = st.plan.spec.families.len();
+    for (i, fb) in b.families.iter_mut().enumerate() {
+        // Our own queues (no family, tunnels) are shown only while they hold some.
+        if (ours..live).contains(&i) && fb.queue.is_empty() {
+            continue;
+        }
+        let f = fb.spec.clone();
+        let mut v = json!({
+            "upstream": &*cell.name,
+            "family": f.name,
+            "partition": partition,
+            "priority": f.priority,
+            "limits": limits_json(&f.limits, &mut fb.limits, now),
+            "queue_depth": fb.queue.len(),
+            "oldest_wait_seconds": fb.queue.oldest().map(|t| (now - t).as_secs_f64()),
+            "paused_for_seconds": paused(fb.paused_until),
+        });
+        if i >= live
+            && let Some(o) = v.as_object_mut()
+        {
+            // Removed by a reload; its queued requests finish under these limits.
+            o.insert("retired".into(), true.into());
+        }
+        if let Some(n) = fb.queue.tenants()
+            && let Some(o) = v.as_object_mut()
+        {
+            o.insert("tenants_waiting".into(), n.into());
+        }
+        if let Some(a) = &fb.aimd
+            && let Some(o) = v.as_object_mut()
+        {
+            o.insert(
+                "adaptive".into(),
+                json!({
+                    "rate_per_second": a.rate(),
+                    "configured_per_second": a.configured(),
+                }),
+            );
+        }
+        out.push(v);
+    }
+    out
 }
 
 fn limits_json(specs: &[Limit], states: &mut [LimitState], now: Instant) -> serde_json::Value {

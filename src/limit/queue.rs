@@ -59,6 +59,17 @@ impl<W> Queue<W> {
         self.len() == 0
     }
 
+    /// When the longest-waiting request arrived.
+    pub fn oldest(&self) -> Option<Instant> {
+        match self {
+            Queue::Fifo(q) => q.front().map(|w| w.since),
+            Queue::Fair { tenants, .. } => tenants
+                .values()
+                .filter_map(|q| q.front().map(|w| w.since))
+                .min(),
+        }
+    }
+
     /// Tenants with requests waiting, in a queue that takes them in turns.
     pub fn tenants(&self) -> Option<usize> {
         match self {
