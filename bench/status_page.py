@@ -7,6 +7,7 @@ Loopback only; every process is started here and stopped by PID.
 Usage: bench/status_page.sh [rounds=3] [seconds=8]
 """
 
+import json
 import os
 import re
 import shutil
@@ -84,8 +85,9 @@ function request()
   return wrk.format("GET", "http://127.0.0.1:{UP}/", {{["Host"] = "127.0.0.1:{UP}", ["Authorization"] = "Bearer k" .. n}})
 end
 """)
-    subprocess.run(["wrk", "-t1", "-c4", "-d2s", "-s", keys, f"http://127.0.0.1:{LISTEN}"],
-                   capture_output=True, check=True)
+    out = subprocess.run(["wrk", "-t1", "-c4", "-d2s", "-s", keys, f"http://127.0.0.1:{LISTEN}"],
+                         capture_output=True, text=True, check=True).stdout
+    sent = int(re.search(r"(\d+) requests in", out).group(1))
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{ADMIN}/metrics").read().decode()
     sizes, builds = [], []
     for _ in range(5):
@@ -94,9 +96,9 @@ end
         builds.append((time.monotonic() - t0) * 1000)
         sizes.append(len(body))
         time.sleep(0.2)
-    live = subprocess.run(["curl", "-s", f"http://127.0.0.1:{ADMIN}/buckets"],
-                          capture_output=True, text=True).stdout.count('"family":null')
-    print(f"\nWith {live} live partitions: /status.json is {statistics.median(sizes) / 1024:.1f} KiB, "
+    buckets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ADMIN}/buckets").read())
+    live = sum(1 for b in buckets if b["family"] is None)
+    print(f"\nAfter {sent} requests with as many keys, with {live} live partitions: /status.json is {statistics.median(sizes) / 1024:.1f} KiB, "
           f"answered in {statistics.median(builds):.1f} ms (median of 5); during the rounds above "
           f"it took {statistics.median(feed_times) * 1000:.1f} ms (median of {len(feed_times)}).")
     m = re.search(r"^sluice_partitions (\d+)", metrics, re.M)
