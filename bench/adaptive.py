@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from common import SLUICE, Procs, wait_http
+from common import Procs, start_sluice as start_shipped, wait_http
 
 SECONDS = int(sys.argv[1]) if len(sys.argv) > 1 else 60
 work = tempfile.mkdtemp(prefix="sluice-adaptive-")
@@ -84,9 +84,9 @@ def start_sluice(name, port, admin, body):
         f.write(f'[proxy]\nlisten = "127.0.0.1:{port}"\nadmin = "127.0.0.1:{admin}"\n'
                 f'drain_timeout = "1s"\nmax_connections = 20000\n{body}\n'
                 '[egress]\nallow = ["127.0.0.1"]\n')
-    # As users run it, but without an access line per request: the flood would make
-    # the log the largest thing measured.
-    p = procs.start([SLUICE, "run", "-c", path], env={**os.environ, "RUST_LOG": "warn"})
+    # As users run it: the default log level, an access line per request read through
+    # a pipe.
+    p = start_shipped(procs, path)
     wait_http(f"http://127.0.0.1:{admin}/readyz")
     return p
 

@@ -88,15 +88,7 @@ fn states(vec: &prometheus::IntGaugeVec, name: &str) -> HashMap<(String, String)
             if m.get_gauge().get_value() != 1.0 {
                 continue;
             }
-            let (mut u, mut f, mut v) = ("", "", "");
-            for l in m.get_label() {
-                match l.name() {
-                    "upstream" => u = l.value(),
-                    "family" => f = l.value(),
-                    n if n == name => v = l.value(),
-                    _ => {}
-                }
-            }
+            let (u, f, v) = crate::status::labels(m, name);
             out.insert((u.to_string(), f.to_string()), v.to_string());
         }
     }

@@ -34,8 +34,12 @@ pub struct Sample {
     pub statuses: HashMap<String, u64>,
 }
 
-/// Labels `upstream` and `family` of a collected series, and the value of `extra`.
-fn labels<'a>(m: &'a prometheus::proto::Metric, extra: &str) -> (&'a str, &'a str, &'a str) {
+/// Labels `upstream` and `family` of a collected series, and the value of `extra`
+/// (each empty when the series has none).
+pub(crate) fn labels<'a>(
+    m: &'a prometheus::proto::Metric,
+    extra: &str,
+) -> (&'a str, &'a str, &'a str) {
     let (mut u, mut f, mut x) = ("", "", "");
     for l in m.get_label() {
         match l.name() {

@@ -28,12 +28,15 @@ async fn busy() -> (Proxy, Upstream, Vec<tokio::task::JoinHandle<()>>) {
     .await;
     let client = proxy.client();
     let mut held = Vec::new();
-    for path in ["/slow/20000", "/a", "/b", "/c"] {
+    for (i, path) in ["/slow/20000", "/a", "/b", "/c"].into_iter().enumerate() {
         let (client, url) = (client.clone(), up.url(path));
         held.push(tokio::spawn(async move {
             let _ = client.get(url).send().await;
         }));
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        if i == 0 {
+            // The holder takes the only permit before the others queue behind it.
+            assert!(eventually(Duration::from_secs(5), || async { up.seen().len() == 1 }).await);
+        }
     }
     for _ in 0..3 {
         let _ = client.get(format!("http://{closed}/")).send().await;
@@ -48,7 +51,8 @@ async fn busy() -> (Proxy, Upstream, Vec<tokio::task::JoinHandle<()>>) {
         "{}",
         proxy.metrics().await
     );
-    // At least two samples of the history, a second apart.
+    // Real time, not paused: the waiters must be seconds old and the history (sampled
+    // once a second) must have seen them.
     tokio::time::sleep(Duration::from_millis(2200)).await;
     (proxy, up, held)
 }

@@ -404,6 +404,7 @@ impl<W> Bucket<W> {
     }
 
     /// Bounds for a new arrival: a full queue, or a wait known to exceed `max_wait`.
+    #[cfg(test)]
     pub fn check(&mut self, family: usize, now: Instant) -> Result<(), Reject> {
         let max_wait = self.families[family].spec.max_wait;
         self.check_within(family, None, now, max_wait)
@@ -636,17 +637,23 @@ impl<W> Bucket<W> {
 
     /// The answer to a request of `family` admitted at `admitted` arrived at `now`:
     /// `refused` when it was a 429 that classification retries or cools down.
-    pub fn adapt(&mut self, family: FamilyRef, refused: bool, admitted: Instant, now: Instant) {
-        let Some(slot) = self.find(family) else {
-            return;
-        };
-        if let Some(a) = &mut self.families[slot].aimd {
-            if refused {
-                a.refused(admitted, now);
-            } else {
-                a.succeeded();
-            }
+    /// Returns the family's effective rate before and after, if it still adapts.
+    pub fn adapt(
+        &mut self,
+        family: FamilyRef,
+        refused: bool,
+        admitted: Instant,
+        now: Instant,
+    ) -> Option<(f64, f64)> {
+        let slot = self.find(family)?;
+        let a = self.families[slot].aimd.as_mut()?;
+        let before = a.rate();
+        if refused {
+            a.refused(admitted, now);
+        } else {
+            a.succeeded();
         }
+        Some((before, a.rate()))
     }
 
     /// Whether admissions in `family` adapt their rate (`adaptive`).

@@ -557,19 +557,15 @@ impl Feedback {
     pub fn report(self, refused: bool) {
         let mut st = self.cell.lock();
         let now = Instant::now();
-        let before = st
-            .bucket
-            .find(self.family)
-            .and_then(|slot| st.bucket.families[slot].aimd.as_ref().map(|a| a.rate()));
-        st.bucket.adapt(self.family, refused, self.admitted, now);
-        let slot = st.bucket.find(self.family);
-        let after = slot.and_then(|slot| st.bucket.families[slot].aimd.as_ref().map(|a| a.rate()));
-        let name = slot.map(|slot| st.bucket.families[slot].spec.name.clone());
+        let rates = st.bucket.adapt(self.family, refused, self.admitted, now);
+        // Named only for the log line of a cut, the rarer outcome.
+        let cut = rates
+            .filter(|(before, after)| after < before)
+            .zip(st.bucket.find(self.family))
+            .map(|(rates, slot)| (rates, st.bucket.families[slot].spec.name.clone()));
         self.cell.changed(&mut st, now);
         drop(st);
-        if let (Some(b), Some(a), Some(family)) = (before, after, name)
-            && a < b
-        {
+        if let Some(((b, a), family)) = cut {
             tracing::info!(
                 upstream = &*self.cell.name,
                 family,

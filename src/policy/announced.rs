@@ -16,7 +16,7 @@ use std::time::{Duration, SystemTime};
 
 use http::HeaderMap;
 
-use super::hints::epoch_or_delta;
+use super::hints::{epoch_or_delta, header};
 
 /// The longest reset believed: a provider's field is input like any other, and a pace
 /// that would hold a partition back for longer than a day is more likely a bug in the
@@ -32,10 +32,6 @@ pub struct Announced {
     pub reset: Duration,
     /// Which field said so, for `/buckets` and logs.
     pub source: &'static str,
-}
-
-fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
-    h.get(name).and_then(|v| v.to_str().ok()).map(str::trim)
 }
 
 /// Reads the budget a response announces, if it announces one. `now` is the local wall

@@ -17,7 +17,8 @@ pub struct Hint {
     pub source: &'static str,
 }
 
-fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+/// A field's value as trimmed text; absent when it is not text.
+pub(crate) fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
     h.get(name).and_then(|v| v.to_str().ok()).map(str::trim)
 }
 
