@@ -100,6 +100,35 @@ pub fn normalize_host(host: &str) -> String {
     }
 }
 
+/// The host (IPv6 in brackets, as written) and port of a URI authority
+/// (`[user@]host[:port]`), exactly as `Uri::host` and `Uri::port_u16` read them, in one
+/// pass: those scan the authority again on every call, and a request's way through asked
+/// four times (about 2,000 instructions, a fifteenth of a proxied request's).
+pub fn authority_parts(authority: &str) -> (&str, Option<u16>) {
+    let b = authority.as_bytes();
+    // The host starts after the last `@`; its end is the first `:` after that, unless it
+    // is bracketed. The port follows the last `:` of all, as `Uri::port` reads it.
+    let (mut start, mut first_colon, mut last_colon) = (0, None, None);
+    for (i, &c) in b.iter().enumerate() {
+        match c {
+            b'@' => (start, first_colon) = (i + 1, None),
+            b':' => {
+                first_colon = first_colon.or(Some(i));
+                last_colon = Some(i);
+            }
+            _ => {}
+        }
+    }
+    let rest = &authority[start..];
+    let host = if rest.starts_with('[') {
+        rest.find(']').map_or(rest, |i| &rest[..=i])
+    } else {
+        &authority[start..first_colon.unwrap_or(b.len())]
+    };
+    let port = last_colon.and_then(|i| authority[i + 1..].parse().ok());
+    (host, port)
+}
+
 /// The subject a request is counted against: a 128-bit prefix of SHA-256 over the key's
 /// value. Unsalted on purpose so every replica derives the same partition; the value
 /// itself is never kept.
@@ -368,5 +397,37 @@ hosts = ["api.market.example:8080"]
         assert_eq!(normalize_host("[::1.]"), "::1");
         assert_eq!(normalize_host("[API.Example.com.]."), "api.example.com");
         assert_eq!(normalize_host("[[::1]]"), "::1");
+    }
+
+    proptest::proptest! {
+        /// Whatever authority `http` accepts, the one-pass reading agrees with its own
+        /// `host()` and `port_u16()`.
+        #[test]
+        fn authority_parts_agree_with_the_uri(text in "([a-z:]{0,3}@){0,2}([a-z0-9.-]{0,6}|\\[[0-9a-f:]{2,6}\\])(:[0-9+]{0,6}){0,2}") {
+            if let Ok(uri) = format!("http://{text}/").parse::<http::Uri>() {
+                let a = uri.authority().map_or("", |a| a.as_str());
+                proptest::prop_assert_eq!(
+                    authority_parts(a),
+                    (uri.host().unwrap_or(""), uri.port_u16()),
+                    "{}", a
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn authority_parts_of_the_usual_forms() {
+        for (a, want) in [
+            ("api.example", ("api.example", None)),
+            ("127.0.0.1:8080", ("127.0.0.1", Some(8080))),
+            ("[::1]:443", ("[::1]", Some(443))),
+            ("[::1]", ("[::1]", None)),
+            ("user:pw@host:81", ("host", Some(81))),
+            ("user:pw@host", ("host", None)),
+            ("host:", ("host", None)),
+            ("a@b@c:1", ("c", Some(1))),
+        ] {
+            assert_eq!(authority_parts(a), want, "{a}");
+        }
     }
 }

@@ -19,7 +19,7 @@ use super::{Body, empty, pipeline, stream};
 use crate::app::App;
 use crate::app::Live;
 use crate::config::{Scheme, Unmatched};
-use crate::route::{Route, normalize_host};
+use crate::route::{Route, authority_parts, normalize_host};
 
 /// Where an absolute-form request is going.
 #[derive(Debug)]
@@ -52,23 +52,25 @@ impl Target {
                 )));
             }
         }
-        let raw_host = uri
-            .host()
-            .filter(|h| !h.is_empty())
-            .ok_or_else(|| ProxyError::BadRequest("the URL has no host".into()))?;
+        let authority = uri.authority().map_or("", |a| a.as_str());
+        let (raw_host, port) = authority_parts(authority);
+        if raw_host.is_empty() {
+            return Err(ProxyError::BadRequest("the URL has no host".into()));
+        }
         // The authority as written is the Host value, unless it carries user info (never
         // forwarded) or an empty port.
-        let host_header = match uri.authority().map(|a| a.as_str()) {
-            Some(a) if !a.contains('@') && !a.ends_with(':') => a.to_string(),
-            _ => match uri.port_u16() {
+        let host_header = if !authority.contains('@') && !authority.ends_with(':') {
+            authority.to_string()
+        } else {
+            match port {
                 Some(p) => format!("{raw_host}:{p}"),
                 None => raw_host.to_string(),
-            },
+            }
         };
         Ok(Target {
             https: false,
             host: normalize_host(raw_host),
-            port: uri.port_u16().unwrap_or(80),
+            port: port.unwrap_or(80),
             host_header,
             path_and_query: path_and_query(uri),
         })

@@ -37,7 +37,7 @@ use super::h1::conn::{Conn, Failed, Home, Outgoing, UpstreamBody, exchange};
 use super::outbound::Outbound;
 use super::timer::{ConnTimer, Deadline};
 use crate::egress::{Resolver, Rules};
-use crate::route::normalize_host;
+use crate::route::{authority_parts, normalize_host};
 
 use super::IDLE_TIMEOUT;
 
@@ -250,12 +250,12 @@ impl PinnedConns {
         let absolute = std::mem::take(req.uri_mut());
         let mut out = Outgoing::new(req, target);
         async move {
-            let host = absolute
-                .host()
-                .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
-                .filter(|h| !h.is_empty())
-                .ok_or_else(|| AttemptError::Connect("the request has no host".into()))?;
-            let port = absolute.port_u16().unwrap_or(80);
+            let (host, port) = authority_parts(absolute.authority().map_or("", |a| a.as_str()));
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            if host.is_empty() {
+                return Err(AttemptError::Connect("the request has no host".into()));
+            }
+            let port = port.unwrap_or(80);
             loop {
                 let ((key, conn), reused) = match self.checkout(host, port, resolver, rules) {
                     Some(found) => (found, true),
