@@ -3,7 +3,9 @@
 //! request is counted against. Pure lookups; nothing here does I/O (the key of displayed
 //! partition hashes is read from the environment once).
 
+use std::borrow::Cow;
 use std::fmt;
+use std::net::IpAddr;
 
 use http::{HeaderMap, Method};
 use sha2::{Digest, Sha256};
@@ -73,6 +75,13 @@ impl Router {
 /// Lower-case, no trailing dot, no IPv6 brackets, IP literals in one spelling
 /// ([`ip_literal`]): the form host patterns are stored in.
 pub fn normalize_host(host: &str) -> String {
+    normal_host(host).0.into_owned()
+}
+
+/// [`normalize_host`], borrowed from `host` when it is already in that form (most hosts
+/// are: a request then allocates nothing for it), with the address when it is an IP
+/// literal.
+pub fn normal_host(host: &str) -> (Cow<'_, str>, Option<IpAddr>) {
     // Dots and brackets in any nesting (`[api.example.com.].`) until none is left, so
     // that normalising is done in one go: a dot left in would make the host miss its
     // upstream (found by fuzzing).
@@ -89,14 +98,17 @@ pub fn normalize_host(host: &str) -> String {
         h = t;
     }
     // Dotted-decimal IPv4 as std reads it (four decimal parts, no leading zeros) is
-    // already in the form `Display` writes: copied, not formatted again, which cost more
+    // already in the form `Display` writes: kept, not formatted again, which cost more
     // than the rest of a request's routing.
-    if h.parse::<std::net::Ipv4Addr>().is_ok() {
-        return h.to_owned();
+    if let Ok(v4) = h.parse::<std::net::Ipv4Addr>() {
+        return (Cow::Borrowed(h), Some(IpAddr::V4(v4)));
     }
     match ip_literal(h) {
-        Some(ip) => ip.to_string(),
-        None => h.to_ascii_lowercase(),
+        Some(ip) => (Cow::Owned(ip.to_string()), Some(ip)),
+        None if h.bytes().any(|b| b.is_ascii_uppercase()) => {
+            (Cow::Owned(h.to_ascii_lowercase()), None)
+        }
+        None => (Cow::Borrowed(h), None),
     }
 }
 
@@ -397,6 +409,32 @@ hosts = ["api.market.example:8080"]
         assert_eq!(normalize_host("[::1.]"), "::1");
         assert_eq!(normalize_host("[API.Example.com.]."), "api.example.com");
         assert_eq!(normalize_host("[[::1]]"), "::1");
+    }
+
+    /// The borrowed reading is the owned one, borrows when nothing changes, and names the
+    /// address exactly when the normal form parses as one (what the egress rules check).
+    #[test]
+    fn normal_host_borrows_what_is_already_normal() {
+        for (h, borrows) in [
+            ("api.example.com", true),
+            ("api.example.com.", true),
+            ("127.0.0.1", true),
+            ("1.2.3.4.5", true),
+            ("", true),
+            ("API.example.com", false),
+            ("127.1", false),
+            ("0x7f000001", false),
+            ("[::1]", false),
+            ("[::ffff:10.0.0.1]", false),
+            ("::1", false),
+            ("[API.Example.com.].", false),
+        ] {
+            let (normal, ip) = normal_host(h);
+            let owned = normalize_host(h);
+            assert_eq!(normal, owned, "{h}");
+            assert_eq!(ip, owned.parse::<IpAddr>().ok(), "{h}");
+            assert_eq!(matches!(normal, Cow::Borrowed(_)), borrows, "{h}");
+        }
     }
 
     proptest::proptest! {

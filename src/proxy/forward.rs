@@ -2,11 +2,12 @@
 //! apply the egress rules, rewrite it for the upstream (hop-by-hop fields out, `Host` set
 //! to the target), hand it to the pipeline, and relay the answer with its body streamed.
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::net::IpAddr;
 
 use http::header::{self, HeaderValue};
-use http::uri::PathAndQuery;
+use http::uri::{Authority, PathAndQuery};
 use http::{Method, Request, Response, Uri, Version};
 use hyper::body::Incoming;
 use tokio::time::Instant;
@@ -19,20 +20,32 @@ use super::{Body, empty, pipeline, stream};
 use crate::app::App;
 use crate::app::Live;
 use crate::config::{Scheme, Unmatched};
-use crate::route::{Route, authority_parts, normalize_host};
+use crate::route::{Route, authority_parts, normal_host};
 
 /// Where an absolute-form request is going.
 #[derive(Debug)]
 pub struct Target {
     /// Whether the upstream is reached over TLS (intercepted tunnels, `scheme = "https"`).
     pub https: bool,
-    /// Normalised for routing: lower-case, no brackets, no trailing dot.
-    pub host: String,
+    /// Normalised for routing (see [`Target::host`]).
+    host: Normal,
+    /// The host's address when it is an IP literal: the egress rules check it before the
+    /// request is queued.
+    pub ip: Option<IpAddr>,
     pub port: u16,
     /// What goes into `Host`: the URI's host and explicit port, without any userinfo.
-    pub host_header: String,
+    /// Shares the request line's bytes when the URL wrote it that way, as most do.
+    pub host_header: Authority,
     /// Shares the request line's bytes rather than copying them.
     pub path_and_query: PathAndQuery,
+}
+
+/// The normalised host: where it is in `host_header` when the URL wrote it in normal form
+/// already (no allocation for it), else its own text.
+#[derive(Debug)]
+enum Normal {
+    Within(usize, usize),
+    Own(String),
 }
 
 impl Target {
@@ -52,24 +65,37 @@ impl Target {
                 )));
             }
         }
-        let authority = uri.authority().map_or("", |a| a.as_str());
-        let (raw_host, port) = authority_parts(authority);
+        let no_host = || ProxyError::BadRequest("the URL has no host".into());
+        let authority = uri.authority().ok_or_else(no_host)?;
+        let text = authority.as_str();
+        let (raw_host, port) = authority_parts(text);
         if raw_host.is_empty() {
-            return Err(ProxyError::BadRequest("the URL has no host".into()));
+            return Err(no_host());
         }
+        let (normal, ip) = normal_host(raw_host);
         // The authority as written is the Host value, unless it carries user info (never
         // forwarded) or an empty port.
-        let host_header = if !authority.contains('@') && !authority.ends_with(':') {
-            authority.to_string()
+        let (host_header, host) = if !text.contains('@') && !text.ends_with(':') {
+            let host = match normal {
+                // A slice of `text`: its offset is where it starts in the authority.
+                Cow::Borrowed(h) => {
+                    let at = h.as_ptr() as usize - text.as_ptr() as usize;
+                    Normal::Within(at, at + h.len())
+                }
+                Cow::Owned(h) => Normal::Own(h),
+            };
+            (authority.clone(), host)
         } else {
-            match port {
+            let written = match port {
                 Some(p) => format!("{raw_host}:{p}"),
                 None => raw_host.to_string(),
-            }
+            };
+            (host_value(written)?, Normal::Own(normal.into_owned()))
         };
         Ok(Target {
             https: false,
-            host: normalize_host(raw_host),
+            host,
+            ip,
             port: port.unwrap_or(80),
             host_header,
             path_and_query: path_and_query(uri),
@@ -77,22 +103,31 @@ impl Target {
     }
 
     /// The target of a request inside an intercepted tunnel to `host:port`.
-    fn in_tunnel(host: &str, port: u16, uri: &Uri) -> Target {
+    fn in_tunnel(host: &str, port: u16, uri: &Uri) -> Result<Target, ProxyError> {
         let bare = if host.contains(':') {
             format!("[{host}]")
         } else {
             host.to_string()
         };
-        Target {
+        Ok(Target {
             https: true,
-            host: host.to_string(),
+            host: Normal::Own(host.to_string()),
+            ip: host.parse().ok(),
             port,
-            host_header: if port == 443 {
+            host_header: host_value(if port == 443 {
                 bare
             } else {
                 format!("{bare}:{port}")
-            },
+            })?,
             path_and_query: path_and_query(uri),
+        })
+    }
+
+    /// Lower-case, no brackets, no trailing dot.
+    pub fn host(&self) -> &str {
+        match &self.host {
+            Normal::Within(from, to) => self.host_header.as_str().get(*from..*to).unwrap_or(""),
+            Normal::Own(h) => h,
         }
     }
 
@@ -108,6 +143,12 @@ impl Target {
     pub fn path(&self) -> &str {
         self.path_and_query.path()
     }
+}
+
+/// A `Host` value sluice writes itself (user info dropped, a tunnel's target).
+fn host_value(text: String) -> Result<Authority, ProxyError> {
+    Authority::try_from(text)
+        .map_err(|_| ProxyError::BadRequest("the URL's host is not a valid Host value".into()))
 }
 
 fn path_and_query(uri: &Uri) -> PathAndQuery {
@@ -127,19 +168,26 @@ pub fn forward<'a>(
     let start = Instant::now();
     match Target::from_uri(req.uri()) {
         Ok(target) => Either::Left(route_and_send(app, Some(upstreams), req, target, start)),
-        Err(e) => {
-            let config = app.config();
-            let record = Record {
-                route: None,
-                method: req.method(),
-                host: "-",
-                path: "-",
-                start,
-            };
-            let resp = finish(&config, &record, Err(e));
-            Either::Right(std::future::ready(resp))
-        }
+        Err(e) => Either::Right(std::future::ready(unaddressable(app, &req, start, e))),
     }
+}
+
+/// The answer to a request whose target cannot be read.
+fn unaddressable(
+    app: &App,
+    req: &Request<Incoming>,
+    start: Instant,
+    e: ProxyError,
+) -> Response<Body> {
+    let config = app.config();
+    let record = Record {
+        route: None,
+        method: req.method(),
+        host: "-",
+        path: "-",
+        start,
+    };
+    finish(&config, &record, Err(e))
 }
 
 /// A request inside an intercepted tunnel to `host:port`: routed and limited exactly like
@@ -151,8 +199,10 @@ pub fn intercepted<'a>(
     port: u16,
 ) -> impl Future<Output = Response<Body>> + 'a {
     let start = Instant::now();
-    let target = Target::in_tunnel(host, port, req.uri());
-    route_and_send(app, None, req, target, start)
+    match Target::in_tunnel(host, port, req.uri()) {
+        Ok(target) => Either::Left(route_and_send(app, None, req, target, start)),
+        Err(e) => Either::Right(std::future::ready(unaddressable(app, &req, start, e))),
+    }
 }
 
 /// `upstreams`: the client connection's own plain-HTTP upstream connections, when it has
@@ -169,7 +219,7 @@ fn route_and_send<'a>(
         let config = app.config();
         let method = req.method().clone();
         let route = config.route(
-            &target.host,
+            target.host(),
             target.port,
             &method,
             target.path(),
@@ -185,7 +235,7 @@ fn route_and_send<'a>(
             let record = Record {
                 route: route.as_ref(),
                 method: &method,
-                host: &target.host,
+                host: target.host(),
                 path: target.path(),
                 start,
             };
@@ -268,9 +318,9 @@ fn admit(
         return Err(ProxyError::UnmatchedDenied);
     }
     // A literal address is refused before it is queued; names are checked once resolved.
-    if let Ok(ip) = target.host.parse::<IpAddr>() {
+    if let Some(ip) = target.ip {
         app.resolver
-            .check(&config.egress_rules, &target.host, ip, target.port)
+            .check(&config.egress_rules, target.host(), ip, target.port)
             .map_err(ProxyError::Egress)?;
     }
     to_upstream(req, target)
@@ -290,7 +340,7 @@ fn to_upstream(
     for (name, value) in &parts.headers {
         if name == header::HOST {
             hosts += 1;
-            host_as_url = value.as_bytes() == target.host_header.as_bytes();
+            host_as_url = value.as_bytes() == target.host_header.as_str().as_bytes();
         } else if name == header::EXPECT {
             expect = true;
         } else if name.as_str() == MAX_WAIT {
@@ -308,7 +358,7 @@ fn to_upstream(
         parts.headers.remove(MAX_WAIT);
     }
     if !(hosts == 1 && host_as_url) {
-        let host = HeaderValue::from_str(&target.host_header).map_err(|_| {
+        let host = HeaderValue::from_str(target.host_header.as_str()).map_err(|_| {
             ProxyError::BadRequest("the URL's host is not a valid Host value".into())
         })?;
         parts.headers.insert(header::HOST, host);
@@ -321,7 +371,7 @@ fn to_upstream(
         && parts
             .uri
             .authority()
-            .is_some_and(|a| a.as_str() == target.host_header)
+            .is_some_and(|a| a.as_str() == target.host_header.as_str())
         && parts
             .uri
             .path_and_query()
@@ -425,15 +475,59 @@ mod tests {
                 .unwrap(),
         )
         .unwrap();
-        assert_eq!(t.host, "api.example.com");
+        assert_eq!(t.host(), "api.example.com");
         assert_eq!(t.port, 8080);
-        assert_eq!(t.host_header, "API.Example.com:8080");
+        assert_eq!(t.host_header.as_str(), "API.Example.com:8080");
         assert_eq!(t.path(), "/a/b");
         assert_eq!(t.path_and_query, "/a/b?q=1");
 
+        // The normal host as a slice of the authority, or its own text; the address of a
+        // literal, as the egress rules read it.
+        for (url, host, ip, header) in [
+            (
+                "http://api.example.com:8080/",
+                "api.example.com",
+                None,
+                "api.example.com:8080",
+            ),
+            (
+                "http://api.example.com./",
+                "api.example.com",
+                None,
+                "api.example.com.",
+            ),
+            (
+                "http://127.0.0.1:80/",
+                "127.0.0.1",
+                Some("127.0.0.1"),
+                "127.0.0.1:80",
+            ),
+            ("http://127.1/", "127.0.0.1", Some("127.0.0.1"), "127.1"),
+            ("http://[::1]:8080/", "::1", Some("::1"), "[::1]:8080"),
+            (
+                "http://u@Api.Example:81/",
+                "api.example",
+                None,
+                "Api.Example:81",
+            ),
+            (
+                "http://u@10.0.0.1:/",
+                "10.0.0.1",
+                Some("10.0.0.1"),
+                "10.0.0.1",
+            ),
+        ] {
+            let t = Target::from_uri(&url.parse().unwrap()).unwrap();
+            assert_eq!(
+                (t.host(), t.ip, t.host_header.as_str()),
+                (host, ip.map(|a: &str| a.parse().unwrap()), header),
+                "{url}"
+            );
+        }
+
         let t = Target::from_uri(&"http://[::1]/".parse().unwrap()).unwrap();
         assert_eq!(
-            (t.host.as_str(), t.port, t.host_header.as_str()),
+            (t.host(), t.port, t.host_header.as_str()),
             ("::1", 80, "[::1]")
         );
 
