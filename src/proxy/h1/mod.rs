@@ -124,11 +124,13 @@ pub fn parse_response(
     for s in spans.iter() {
         let name = HeaderName::from_bytes(&bytes[s.name..s.name + s.name_len])
             .map_err(|_| Error::Framing("invalid header name"))?;
+        if seen.note(&name, &bytes[s.value..s.value + s.value_len]) {
+            continue;
+        }
         // Checked again (httparse allows what `HeaderValue` does); the unchecked
         // constructor would save little and is `unsafe`.
         let value = HeaderValue::from_maybe_shared(bytes.slice(s.value..s.value + s.value_len))
             .map_err(|_| Error::Framing("invalid header value"))?;
-        seen.note(&name, value.as_bytes());
         headers.append(name, value);
     }
     let (framing, keep_alive) = framing(status, version, &mut headers, method, &seen)?;
@@ -166,13 +168,22 @@ struct Fields {
 }
 
 impl Fields {
-    fn note(&mut self, name: &HeaderName, value: &[u8]) {
+    /// Notes what framing needs from a field. True for a `Connection` that names only
+    /// `close` or `keep-alive`: it has said all it has to say here, and being hop-by-hop
+    /// (RFC 9110 §7.6.1) it would only be put in the map for the proxy to take out again.
+    /// One that names other fields stays, so that those are removed too.
+    fn note(&mut self, name: &HeaderName, value: &[u8]) -> bool {
         let elements = || value.split(|&b| b == b',').map(<[u8]>::trim_ascii);
         if name == header::CONNECTION {
+            let mut plain = true;
             for t in elements() {
-                self.close |= t.eq_ignore_ascii_case(b"close");
-                self.keep_alive |= t.eq_ignore_ascii_case(b"keep-alive");
+                let close = t.eq_ignore_ascii_case(b"close");
+                let keep_alive = t.eq_ignore_ascii_case(b"keep-alive");
+                self.close |= close;
+                self.keep_alive |= keep_alive;
+                plain &= close || keep_alive || t.is_empty();
             }
+            return plain;
         } else if name == header::TRANSFER_ENCODING {
             if let Some(last) = elements().rfind(|t| !t.is_empty()) {
                 self.coding = Some(last.eq_ignore_ascii_case(b"chunked"));
@@ -187,6 +198,7 @@ impl Fields {
                 }
             }
         }
+        false
     }
 }
 
@@ -420,6 +432,13 @@ mod tests {
         assert!(k(
             "HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 1\r\n\r\n"
         ));
+        // A plain `Connection` is read and left out of the map; one naming other fields
+        // stays for the proxy to remove them.
+        let h = head("HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nContent-Length: 1\r\n\r\n");
+        assert!(h.keep_alive && !h.headers.contains_key(header::CONNECTION));
+        let h = head("HTTP/1.1 200 OK\r\nConnection: close, x-a\r\nContent-Length: 1\r\n\r\n");
+        assert!(!h.keep_alive);
+        assert_eq!(h.headers[header::CONNECTION], "close, x-a");
         // HTTP/1.0 has no chunked coding.
         let h = head("HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n");
         assert_eq!((h.framing, h.keep_alive), (Framing::Close, false));
