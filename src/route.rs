@@ -464,6 +464,7 @@ hosts = ["api.market.example:8080"]
             ("user:pw@host", ("host", None)),
             ("host:", ("host", None)),
             ("a@b@c:1", ("c", Some(1))),
+            ("h:0008080", ("h", Some(8080))),
         ] {
             assert_eq!(authority_parts(a), want, "{a}");
         }

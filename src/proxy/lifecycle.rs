@@ -62,10 +62,16 @@ impl Lifecycle {
     where
         C: Graceful + Future<Output = Result<T, E>>,
     {
+        // A token of the connection's own. Polling a token takes its lock, and the
+        // drain token is shared by every connection on every worker: polled at each
+        // wakeup of each connection, it was a lock the workers contended for, and a
+        // worker preempted while holding it stalled the other worker's connections for a
+        // time slice (docs/BENCHMARKS.md). A child is told when its parent is cancelled.
+        let drain = self.drain.child_token();
         tokio::pin!(conn);
         tokio::select! {
             r = conn.as_mut() => r.map(|_| ()),
-            _ = self.drain.cancelled() => {
+            _ = drain.cancelled() => {
                 conn.as_mut().graceful_shutdown();
                 tokio::select! {
                     r = conn.as_mut() => r.map(|_| ()),
