@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 
 use sluice::config::Overrides;
-use sluice::proxy::server::Workers;
+use sluice::proxy::server::{Pinning, Workers};
 use sluice::{App, Config, Server};
 
 #[derive(Parser)]
@@ -73,6 +73,11 @@ enum Command {
         /// CPU this process may use).
         #[arg(long, env = "SLUICE_WORKERS", value_parser = clap::value_parser!(u16).range(1..=1024))]
         workers: Option<u16>,
+        /// `auto`: when there are exactly as many workers as CPUs this process may run on
+        /// (a machine or a dedicated cpuset of its own), each worker is kept on one of
+        /// them; `off`: the scheduler places them.
+        #[arg(long, env = "SLUICE_PIN_WORKERS", value_enum, default_value = "auto")]
+        pin_workers: PinArg,
         /// Proxy listener, over the file's [proxy] listen (e.g. 0.0.0.0:3128 in a pod).
         #[arg(long, env = "SLUICE_LISTEN", value_name = "IP:PORT")]
         listen: Option<SocketAddr>,
@@ -122,12 +127,13 @@ fn main() -> ExitCode {
         Command::Run {
             config,
             workers,
+            pin_workers,
             listen,
             admin,
             shutdown_delay,
         } => run(
             &config.config,
-            workers,
+            (workers, pin_workers),
             Overrides {
                 listen,
                 admin,
@@ -280,7 +286,18 @@ fn explain(path: &Path, method: &str, url: &str, headers: &[String]) -> anyhow::
     Ok(())
 }
 
-fn run(path: &Path, workers: Option<u16>, overrides: Overrides) -> anyhow::Result<()> {
+/// `--pin-workers`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum PinArg {
+    Auto,
+    Off,
+}
+
+fn run(
+    path: &Path,
+    (workers, pin): (Option<u16>, PinArg),
+    overrides: Overrides,
+) -> anyhow::Result<()> {
     let config = Config::load(path)?;
     match sluice::rlimit::raise_nofile() {
         Ok((before, after)) if after > before => {
@@ -300,7 +317,13 @@ fn run(path: &Path, workers: Option<u16>, overrides: Overrides) -> anyhow::Resul
         || std::thread::available_parallelism().map_or(1, |n| n.get()),
         usize::from,
     );
-    let workers = Workers::start(count).context("cannot start the worker threads")?;
+    let pinning = match pin {
+        PinArg::Auto => Pinning::Auto,
+        PinArg::Off => Pinning::Off,
+    };
+    let (workers, pinned) =
+        Workers::start(count, pinning).context("cannot start the worker threads")?;
+    let pinned = pinned.map_or_else(|| "no".to_string(), |cpus| format!("{cpus:?}"));
     // This thread runs what is not per client: signals, reloads, the admin listener, the
     // partition sweep and the shutdown sequence.
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -313,7 +336,7 @@ fn run(path: &Path, workers: Option<u16>, overrides: Overrides) -> anyhow::Resul
             .overrides(overrides)
             .build()?;
         let server = Server::bind(app).await?.serve_on(workers.handles());
-        tracing::info!(proxy = %server.proxy_addr(), admin = %server.admin_addr(), config = %path.display(), workers = count, "listening");
+        tracing::info!(proxy = %server.proxy_addr(), admin = %server.admin_addr(), config = %path.display(), workers = count, pinned_to_cpus = %pinned, "listening");
         server.run(shutdown_signal()).await;
         Ok(())
     })

@@ -213,3 +213,84 @@ fn run_refuses_zero_workers() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--workers"), "{err}");
 }
+
+/// The CPUs a thread may run on, from its `Cpus_allowed_list` (`0-1,3`).
+fn allowed_cpus(status: &str) -> Vec<usize> {
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .unwrap()
+        .trim();
+    let mut cpus = Vec::new();
+    for part in list.split(',') {
+        match part.split_once('-') {
+            Some((a, b)) => cpus.extend(a.parse::<usize>().unwrap()..=b.parse().unwrap()),
+            None => cpus.push(part.parse().unwrap()),
+        }
+    }
+    cpus
+}
+
+/// Each worker thread of `pid` and the CPUs it may run on.
+fn worker_cpus(pid: u32) -> Vec<Vec<usize>> {
+    let mut workers = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let dir = task.unwrap().path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap();
+        if comm.starts_with("sluice-worker-") {
+            let status = std::fs::read_to_string(dir.join("status")).unwrap();
+            workers.push(allowed_cpus(&status));
+        }
+    }
+    workers
+}
+
+/// As many workers as CPUs: each is kept on its own. More workers than CPUs, or
+/// `--pin-workers off`: the scheduler places them anywhere the process may run.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn workers_are_pinned_one_per_cpu_when_they_cover_the_cpus() {
+    support::crypto();
+    let ours = allowed_cpus(&std::fs::read_to_string("/proc/self/status").unwrap());
+    let n = ours.len().to_string();
+    let more = (ours.len() + 1).to_string();
+    for (args, pinned) in [
+        (vec!["run", "--workers", &n], true),
+        (vec!["run", "--workers", &n, "--pin-workers", "off"], false),
+        (vec!["run", "--workers", &more], false),
+    ] {
+        let mut sluice = Sluice::spawn(
+            &[
+                &args[..],
+                &[
+                    "-c",
+                    "config/sluice.toml",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--admin",
+                    "127.0.0.1:0",
+                ],
+            ]
+            .concat(),
+        );
+        let (_, admin) = sluice.listening().await;
+        assert!(sluice.ready(admin).await);
+        let mut workers = worker_cpus(sluice.pid());
+        if pinned {
+            workers.sort();
+            let each: Vec<Vec<usize>> = ours.iter().map(|&c| vec![c]).collect();
+            assert_eq!(workers, each, "{args:?}: one CPU each");
+        } else {
+            assert!(workers.iter().all(|w| *w == ours), "{args:?}: {workers:?}");
+        }
+        sluice.signal("TERM");
+        let (code, lines) = sluice.exit().await;
+        assert_eq!(code, Some(0));
+        let listening = lines.iter().find(|l| l.contains("listening")).unwrap();
+        assert_eq!(
+            listening.contains("pinned_to_cpus=no"),
+            !pinned,
+            "{listening}"
+        );
+    }
+}

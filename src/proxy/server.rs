@@ -54,26 +54,51 @@ pub struct Workers {
     done: CancellationToken,
 }
 
+/// Whether workers are pinned to CPUs (`--pin-workers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pinning {
+    /// One worker per CPU when there are exactly as many workers as CPUs this process may
+    /// run on; otherwise none.
+    Auto,
+    Off,
+}
+
 impl Workers {
-    pub fn start(count: usize) -> io::Result<Workers> {
+    /// Starts `count` workers. Pinned (see [`Pinning::Auto`]), worker `i` runs only on
+    /// the `i`-th CPU the process may use: two unpinned workers that the scheduler puts
+    /// on one CPU take turns for time slices until it moves one, and every connection of
+    /// both waits meanwhile (docs/BENCHMARKS.md, "Where the slow requests came from").
+    /// Returns the workers and the CPUs they were pinned to, if they were.
+    pub fn start(count: usize, pinning: Pinning) -> io::Result<(Workers, Option<Vec<usize>>)> {
+        let count = count.max(1);
+        let cpus = match pinning {
+            Pinning::Auto => one_cpu_each(count),
+            Pinning::Off => None,
+        };
         let done = CancellationToken::new();
         let mut workers = Workers {
             handles: Vec::new(),
             threads: Vec::new(),
             done: done.clone(),
         };
-        for i in 0..count.max(1) {
+        for i in 0..count {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
             workers.handles.push(rt.handle().clone());
             let done = done.clone();
+            let cpu = cpus.as_ref().map(|c| c[i]);
             let thread = std::thread::Builder::new()
                 .name(format!("sluice-worker-{i}"))
-                .spawn(move || rt.block_on(done.cancelled()))?;
+                .spawn(move || {
+                    if let Some(cpu) = cpu {
+                        pin_to(cpu);
+                    }
+                    rt.block_on(done.cancelled())
+                })?;
             workers.threads.push(thread);
         }
-        Ok(workers)
+        Ok((workers, cpus))
     }
 
     pub fn handles(&self) -> Vec<Handle> {
@@ -89,6 +114,36 @@ impl Drop for Workers {
         }
     }
 }
+
+/// The CPUs this process may run on, when there are exactly `count` of them.
+#[cfg(target_os = "linux")]
+fn one_cpu_each(count: usize) -> Option<Vec<usize>> {
+    use rustix::thread::{CpuSet, sched_getaffinity};
+    let allowed = sched_getaffinity(None).ok()?;
+    let cpus: Vec<usize> = (0..CpuSet::MAX_CPU)
+        .filter(|&c| allowed.is_set(c))
+        .collect();
+    (cpus.len() == count).then_some(cpus)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn one_cpu_each(_: usize) -> Option<Vec<usize>> {
+    None
+}
+
+/// Keeps the calling thread on `cpu`; a refusal leaves it where the scheduler puts it.
+#[cfg(target_os = "linux")]
+fn pin_to(cpu: usize) {
+    use rustix::thread::{CpuSet, sched_setaffinity};
+    let mut only = CpuSet::new();
+    only.set(cpu);
+    if let Err(e) = sched_setaffinity(None, &only) {
+        tracing::warn!(cpu, error = %e, "cannot pin a worker to its CPU; it runs unpinned");
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn pin_to(_: usize) {}
 
 /// A runtime that serves clients, and how many connections it has now.
 struct Worker {
