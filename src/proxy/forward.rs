@@ -77,11 +77,16 @@ impl Target {
         // forwarded) or an empty port.
         let (host_header, host) = if !text.contains('@') && !text.ends_with(':') {
             let host = match normal {
-                // A slice of `text`: its offset is where it starts in the authority.
-                Cow::Borrowed(h) => {
-                    let at = h.as_ptr() as usize - text.as_ptr() as usize;
-                    Normal::Within(at, at + h.len())
-                }
+                // A slice of `text`: its offset is where it starts in the authority
+                // (checked all the same, so that a change elsewhere cannot make it point
+                // outside).
+                Cow::Borrowed(h) => (h.as_ptr() as usize)
+                    .checked_sub(text.as_ptr() as usize)
+                    .filter(|&at| text.get(at..at + h.len()) == Some(h))
+                    .map_or_else(
+                        || Normal::Own(h.to_string()),
+                        |at| Normal::Within(at, at + h.len()),
+                    ),
                 Cow::Owned(h) => Normal::Own(h),
             };
             (authority.clone(), host)

@@ -68,7 +68,7 @@ impl Workers {
     /// the `i`-th CPU the process may use: two unpinned workers that the scheduler puts
     /// on one CPU take turns for time slices until it moves one, and every connection of
     /// both waits meanwhile (docs/BENCHMARKS.md, "Where the slow requests came from").
-    /// Returns the workers and the CPUs they were pinned to, if they were.
+    /// Returns the workers and the CPUs they were pinned to, if all of them were.
     pub fn start(count: usize, pinning: Pinning) -> io::Result<(Workers, Option<Vec<usize>>)> {
         let count = count.max(1);
         let cpus = match pinning {
@@ -81,24 +81,28 @@ impl Workers {
             threads: Vec::new(),
             done: done.clone(),
         };
+        // Each worker pins itself and says whether that worked.
+        let (pinned_tx, pinned_rx) = std::sync::mpsc::channel();
         for i in 0..count {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
             workers.handles.push(rt.handle().clone());
             let done = done.clone();
-            let cpu = cpus.as_ref().map(|c| c[i]);
+            let cpu = cpus.as_ref().and_then(|c| c.get(i).copied());
+            let pinned_tx = pinned_tx.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("sluice-worker-{i}"))
                 .spawn(move || {
-                    if let Some(cpu) = cpu {
-                        pin_to(cpu);
-                    }
+                    let _ = pinned_tx.send(cpu.is_some_and(pin_to));
+                    drop(pinned_tx);
                     rt.block_on(done.cancelled())
                 })?;
             workers.threads.push(thread);
         }
-        Ok((workers, cpus))
+        drop(pinned_tx);
+        let all_pinned = pinned_rx.iter().take(count).filter(|&ok| ok).count() == count;
+        Ok((workers, cpus.filter(|_| all_pinned)))
     }
 
     pub fn handles(&self) -> Vec<Handle> {
@@ -133,17 +137,23 @@ fn one_cpu_each(_: usize) -> Option<Vec<usize>> {
 
 /// Keeps the calling thread on `cpu`; a refusal leaves it where the scheduler puts it.
 #[cfg(target_os = "linux")]
-fn pin_to(cpu: usize) {
+fn pin_to(cpu: usize) -> bool {
     use rustix::thread::{CpuSet, sched_setaffinity};
     let mut only = CpuSet::new();
     only.set(cpu);
-    if let Err(e) = sched_setaffinity(None, &only) {
-        tracing::warn!(cpu, error = %e, "cannot pin a worker to its CPU; it runs unpinned");
+    match sched_setaffinity(None, &only) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(cpu, error = %e, "cannot pin a worker to its CPU; it runs unpinned");
+            false
+        }
     }
 }
 
 #[cfg(not(target_os = "linux"))]
-fn pin_to(_: usize) {}
+fn pin_to(_: usize) -> bool {
+    false
+}
 
 /// A runtime that serves clients, and how many connections it has now.
 struct Worker {
