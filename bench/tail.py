@@ -11,6 +11,7 @@ worker's half).
 
 import collections
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,11 +64,6 @@ def closed_loop(addr, request):
     }
 
 
-def median(values):
-    values = sorted(values)
-    return values[len(values) // 2]
-
-
 def main():
     work = tempfile.mkdtemp(prefix="sluice-tail-")
     procs = Procs()
@@ -103,11 +99,11 @@ def main():
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for name, *_ in targets:
             w = results[name, "wrk"]
-            print(f"| {name} | wrk -t1 | {median([x['rps'] for x in w]):.0f} | "
-                  f"{median([x['p50'] for x in w]):.2f} | {median([x['p99'] for x in w]):.2f} "
+            print(f"| {name} | wrk -t1 | {statistics.median([x['rps'] for x in w]):.0f} | "
+                  f"{statistics.median([x['p50'] for x in w]):.2f} | {statistics.median([x['p99'] for x in w]):.2f} "
                   "| – | – | – | – |")
             c = results[name, "loop"]
-            m = {k: median([x[k] for x in c]) for k in c[0]}
+            m = {k: statistics.median([x[k] for x in c]) for k in c[0]}
             print(f"| {name} | closed loop | {m['rps']:.0f} | {m['p50']:.2f} | {m['p99']:.2f} | "
                   f"{m['p999']:.2f} | {m['slow']:.1f} | {m['whole']:.1f} | {m['partial']:.1f} |")
     finally:

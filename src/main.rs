@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 
 use sluice::config::Overrides;
-use sluice::proxy::server::{Pinning, Workers};
+use sluice::proxy::server::Workers;
 use sluice::{App, Config, Server};
 
 #[derive(Parser)]
@@ -317,12 +317,8 @@ fn run(
         || std::thread::available_parallelism().map_or(1, |n| n.get()),
         usize::from,
     );
-    let pinning = match pin {
-        PinArg::Auto => Pinning::Auto,
-        PinArg::Off => Pinning::Off,
-    };
-    let (workers, pinned) =
-        Workers::start(count, pinning).context("cannot start the worker threads")?;
+    let (workers, pinned) = Workers::start(count, matches!(pin, PinArg::Auto))
+        .context("cannot start the worker threads")?;
     let pinned = pinned.map_or_else(|| "no".to_string(), |cpus| format!("{cpus:?}"));
     // This thread runs what is not per client: signals, reloads, the admin listener, the
     // partition sweep and the shutdown sequence.

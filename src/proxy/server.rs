@@ -54,27 +54,15 @@ pub struct Workers {
     done: CancellationToken,
 }
 
-/// Whether workers are pinned to CPUs (`--pin-workers`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pinning {
-    /// One worker per CPU when there are exactly as many workers as CPUs this process may
-    /// run on; otherwise none.
-    Auto,
-    Off,
-}
-
 impl Workers {
-    /// Starts `count` workers. Pinned (see [`Pinning::Auto`]), worker `i` runs only on
-    /// the `i`-th CPU the process may use: two unpinned workers that the scheduler puts
+    /// Starts `count` workers. With `pin`, when there are exactly as many workers as CPUs
+    /// this process may run on, worker `i` runs only on the `i`-th of them: two unpinned workers that the scheduler puts
     /// on one CPU take turns for time slices until it moves one, and every connection of
     /// both waits meanwhile (docs/BENCHMARKS.md, "Where the slow requests came from").
     /// Returns the workers and the CPUs they were pinned to, if all of them were.
-    pub fn start(count: usize, pinning: Pinning) -> io::Result<(Workers, Option<Vec<usize>>)> {
+    pub fn start(count: usize, pin: bool) -> io::Result<(Workers, Option<Vec<usize>>)> {
         let count = count.max(1);
-        let cpus = match pinning {
-            Pinning::Auto => one_cpu_each(count),
-            Pinning::Off => None,
-        };
+        let cpus = if pin { one_cpu_each(count) } else { None };
         let done = CancellationToken::new();
         let mut workers = Workers {
             handles: Vec::new(),
