@@ -35,6 +35,8 @@ SELF = "--self" in sys.argv
 NGINX_PORT, NGINX_PORT_MATCHED = 18090, 18091
 PROXY_PORT, ADMIN_PORT = 13138, 19911
 
+# CACHE=1: simulate the caches too, and print data references and misses per request.
+CACHE = ["--cache-sim=yes"] if os.environ.get("CACHE") else []
 work = tempfile.mkdtemp(prefix="sluice-cg-")
 procs = Procs()
 
@@ -65,8 +67,13 @@ def measure(name, script, pid, url=f"http://127.0.0.1:{PROXY_PORT}"):
     out = subprocess.run(annotate, capture_output=True, text=True, check=True).stdout
     if os.environ.get("KEEP"):
         shutil.copy(dumps[-1], os.environ["KEEP"] + "." + name.split()[0])
-    total = int(re.search(r"([\d,]+) \(100.0%\)\s+PROGRAM TOTALS", out).group(1).replace(",", ""))
+    total = int(re.search(r"^\s*([\d,]+) \(100.0%\).*PROGRAM TOTALS", out, re.M).group(1).replace(",", ""))
     print(f"| {name} | {requests} | {total / requests / 1000:.1f}k |")
+    if CACHE:
+        events = re.search(r"^Events shown:\s+(.+)$", out, re.M).group(1).split()
+        line = re.search(r"^(.+)PROGRAM TOTALS", out, re.M).group(1)
+        values = [int(v.replace(",", "")) for v in re.findall(r"([\d,]+) \(", line)]
+        print("    " + "  ".join(f"{e}={v / requests:,.0f}" for e, v in zip(events, values)))
     if TOP:
         rows = re.findall(r"^\s*([\d,]+) \(\s*([\d.]+)%\)\s+(?:\S+:)?(.+?)(?: \[|$)", out, re.M)
         rows = [r for r in rows if "PROGRAM TOTALS" not in r[2]]
@@ -86,7 +93,7 @@ def main():
     if not shipped:
         env["RUST_LOG"] = "warn"
     sluice = subprocess.Popen(
-        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/cg.out",
+        ["valgrind", "--tool=callgrind", *CACHE, f"--callgrind-out-file={work}/cg.out",
          SLUICE, "run", "-c", sluice_conf],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
@@ -104,7 +111,7 @@ def main():
         # The same upstream behind haproxy (one thread, its defaults, no log), counted the
         # same way: the instruction count a proxy of the same job needs.
         conf = haproxy_config(work, "haproxy.cfg", HAPROXY_PORT, NGINX_PORT, 1)
-        peer = procs.start(["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/cg.out",
+        peer = procs.start(["valgrind", "--tool=callgrind", *CACHE, f"--callgrind-out-file={work}/cg.out",
                             "haproxy", "-db", "-f", conf])
         wait_slow(f"http://127.0.0.1:{HAPROXY_PORT}/")
         measure("haproxy, 1 thread (reverse)", None, peer.pid, f"http://127.0.0.1:{HAPROXY_PORT}/")
