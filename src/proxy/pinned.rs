@@ -248,7 +248,7 @@ impl PinnedConns {
             .cloned()
             .unwrap_or_else(|| PathAndQuery::from_static("/"));
         let absolute = std::mem::take(req.uri_mut());
-        let mut out = Outgoing::new(req, target);
+        let mut out = Box::new(Outgoing::new(req, target));
         async move {
             let (host, port) = authority_parts(absolute.authority().map_or("", |a| a.as_str()));
             let host = host.trim_start_matches('[').trim_end_matches(']');

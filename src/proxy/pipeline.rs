@@ -15,7 +15,7 @@
 //! sits inside the retry loop, so a retry never reaches an upstream declared dead.
 
 use std::future::{Future, poll_fn};
-use std::pin::{Pin, pin};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::Poll;
 use std::time::{Duration, SystemTime};
@@ -511,6 +511,18 @@ fn attempt<'a>(
     // The limiter counts the request from when hyper takes it to write (see `Outbound`).
     let hook = permit.as_ref().and_then(Permit::send_hook);
     let req = req.map(|b| Outbound::new(b, hook));
+    // Built here and boxed, so that this future holds a pointer rather than the request
+    // and the deepest future on the request path: every level above holds this one and
+    // is copied whole when it is built, so a size here counts several times over
+    // (docs/architecture.md); the allocation costs less.
+    let mut send = match upstreams {
+        Some(own) if req.uri().scheme() == Some(&Scheme::HTTP) => Either::Left(Box::pin(
+            own.send((&app.resolver, &config.egress_rules), req),
+        )),
+        _ => Either::Right(Box::pin(
+            app.client_for(config, route.map(|r| r.upstream)).send(req),
+        )),
+    };
     async move {
         let start = Instant::now();
         // The client connection's own timer (see timer.rs); a request inside an
@@ -523,18 +535,7 @@ fn attempt<'a>(
                 own_timer.at(start + timeout)
             }
         };
-        let mut send = pin!(match upstreams {
-            // Boxed: this is the deepest future on the request path, and every level
-            // above holds it and is copied whole when it is built, so its size counts
-            // several times over (docs/architecture.md); the allocation costs less.
-            Some(own) if req.uri().scheme() == Some(&Scheme::HTTP) => {
-                Either::Left(Box::pin(
-                    own.send((&app.resolver, &config.egress_rules), req),
-                ))
-            }
-            _ => Either::Right(app.client_for(config, route.map(|r| r.upstream)).send(req)),
-        });
-        let sent = poll_fn(|cx| match send.as_mut().poll(cx) {
+        let sent = poll_fn(|cx| match Pin::new(&mut send).poll(cx) {
             Poll::Ready(sent) => Poll::Ready(Some(sent)),
             Poll::Pending => Pin::new(&mut deadline).poll(cx).map(|()| None),
         })
