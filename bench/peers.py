@@ -13,7 +13,11 @@ once with one thread and once with two; targets interleave over the rounds.
   what a sidecar runs).
 
 Each row: median (min-max) req/s, p50 and p99, the proxy's CPU and its user and system
-CPU per request, and RSS after the run. Run by bench/peers.sh.
+CPU per request, and RSS after the run. The machine's speed swings by tens of percent
+within a minute, so each sluice row also has its ratio to haproxy with the same thread
+count, taken round by round (the two ran seconds apart) and then the median of those;
+the order of the targets rotates every round so that none always follows the same one.
+Run by bench/peers.sh.
 """
 
 import os
@@ -50,6 +54,8 @@ BASELINE = os.environ.get("BASELINE")
 # Comma-separated names to measure (default all), e.g. ONLY=sluice,haproxy for an A/B.
 ONLY = os.environ.get("ONLY")
 ADMIN = 19941
+# The instances compared with haproxy round by round.
+PAIRED = {"sluice", "sluice-off", "sluice-1", "baseline"}
 
 work = tempfile.mkdtemp(prefix="sluice-peers-")
 os.chmod(work, 0o755)
@@ -171,7 +177,8 @@ def measure(targets, pids, threads, shipped, logging):
     # Context switches per 1000 requests, voluntary and involuntary.
     switches = {t[0]: [] for t in targets}
     for r in range(ROUNDS):
-        for name, url, script, who in targets:
+        shift = r % len(targets)
+        for name, url, script, who in targets[shift:] + targets[:shift]:
             watched = family_pids(pids[who]) if who else []
             u0, s0 = cpu_split(watched)
             v0, i0 = context_switches(watched)
@@ -191,16 +198,29 @@ def measure(targets, pids, threads, shipped, logging):
     direct = statistics.median(v[0] for v in results["direct"])
     print(f"\nwrk -t{threads} -c{CONNS} -d{SECONDS}s, {ROUNDS} rounds interleaved, "
           f"sluice with {WORKERS} workers; median (min–max)\n")
-    print("| target | req/s | % of direct | p50 ms | p99 ms | proxy CPU % | user µs/req | sys µs/req "
-          "| switches per 1k req (vol. / invol.) | proxy RSS MiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    names = {who: name for name, _, _, who in targets}
+
+    def versus(name, who, column):
+        """Median over rounds of this target's figure over its haproxy peer's in the same
+        round (the peer with as many threads, or one for the one-worker instance)."""
+        peer = names.get("haproxy-1" if who == "sluice-1" else "haproxy")
+        if not who or who.startswith("haproxy") or who not in PAIRED or peer is None:
+            return "–"
+        ratios = [a[column] / b[column] for a, b in zip(results[name], results[peer])]
+        return f"{statistics.median(ratios) * 100:.0f}% ({min(ratios) * 100:.0f}–{max(ratios) * 100:.0f})"
+
+    print("| target | req/s | % of direct | req/s vs haproxy | p50 ms | p99 ms | p99 vs haproxy "
+          "| proxy CPU % | user µs/req | sys µs/req | switches per 1k req (vol. / invol.) | proxy RSS MiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, _, _, who in targets:
         rows = results[name]
         rps = [v[0] for v in rows]
         rss = "–" if not who else f"{sum(rss_kib(p) for p in family_pids(pids[who])) / 1024:.1f}"
         print(
             f"| {name} | {cell(rps, '{:.0f}')} | {statistics.median(rps) / direct * 100:.0f}% "
+            f"| {versus(name, who, 0)} "
             f"| {cell([v[1] for v in rows], '{:.2f}')} | {cell([v[2] for v in rows], '{:.2f}')} "
+            f"| {versus(name, who, 2)} "
             f"| {statistics.median(cpu[name]):.0f} "
             f"| {'–' if not who else f'{statistics.median(u for u, _ in per_req[name]):.1f}'} "
             f"| {'–' if not who else f'{statistics.median(s for _, s in per_req[name]):.1f}'} "
