@@ -230,7 +230,8 @@ impl PinnedConns {
 
     /// Sends `req` (absolute-form `http://` URI) on one of this client's upstream
     /// connections, adopting an idle one or connecting when it has none. The connection
-    /// goes with the response body, which gives it back once read to its end.
+    /// goes with the response body, which gives it back once read to its end. `now`:
+    /// the attempt's start, by which idle connections are judged.
     ///
     /// Not an `async fn`, which would keep a second copy of the request (see
     /// `forward::forward`).
@@ -238,6 +239,7 @@ impl PinnedConns {
         &'a self,
         (resolver, rules): (&'a Resolver, &'a Arc<Rules>),
         mut req: Request<Outbound>,
+        now: Instant,
     ) -> impl Future<Output = Result<UpstreamResponse, AttemptError>> + 'a {
         // The request target as an upstream expects it (`/path?query`), the way a client
         // talking to it directly would write it.
@@ -257,7 +259,7 @@ impl PinnedConns {
             }
             let port = port.unwrap_or(80);
             loop {
-                let ((key, conn), reused) = match self.checkout(host, port, resolver, rules) {
+                let ((key, conn), reused) = match self.checkout(host, port, resolver, rules, now) {
                     Some(found) => (found, true),
                     // Boxed: connecting is rare next to sending on a kept connection, and
                     // its future would otherwise size every request's.
@@ -295,8 +297,8 @@ impl PinnedConns {
         port: u16,
         resolver: &Resolver,
         rules: &Arc<Rules>,
+        now: Instant,
     ) -> Option<(Key, Conn)> {
-        let now = Instant::now();
         let mut st = self.state.lock();
         let mut i = 0;
         while i < st.idle.len() {
@@ -477,7 +479,9 @@ mod tests {
                 .header("host", up.addr.to_string())
                 .body(Outbound::from(body))
                 .unwrap();
-            self.conns.send((&self.resolver, &self.rules), req).await
+            self.conns
+                .send((&self.resolver, &self.rules), req, Instant::now())
+                .await
         }
     }
 
