@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --quiet --bin sluice --example admission
-exec target/release/examples/admission "$@"
+exec "${CARGO_TARGET_DIR:-target}"/release/examples/admission "$@"

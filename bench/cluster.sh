@@ -10,4 +10,4 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
 cargo build --release --quiet --bin sluice --example cluster
-exec target/release/examples/cluster "$@"
+exec "${CARGO_TARGET_DIR:-target}"/release/examples/cluster "$@"

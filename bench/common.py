@@ -11,7 +11,10 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # SLUICE_BIN=<another build> measures that build instead, e.g. an older commit's.
-SLUICE = os.environ.get("SLUICE_BIN") or os.path.join(ROOT, "target", "release", "sluice")
+# Where cargo builds: CARGO_TARGET_DIR when set (relative to the repository, where the
+# bench scripts run), else target/.
+TARGET = os.path.join(ROOT, os.environ.get("CARGO_TARGET_DIR") or "target")
+SLUICE = os.environ.get("SLUICE_BIN") or os.path.join(TARGET, "release", "sluice")
 
 
 class Procs:

@@ -7,4 +7,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --quiet --bin sluice --example edges
-exec target/release/examples/edges "$@"
+exec "${CARGO_TARGET_DIR:-target}"/release/examples/edges "$@"

@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --quiet --bin sluice --example https_load
-exec target/release/examples/https_load "$@"
+exec "${CARGO_TARGET_DIR:-target}"/release/examples/https_load "$@"

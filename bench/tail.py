@@ -18,7 +18,7 @@ import tempfile
 import time
 
 from common import (
-    ROOT,
+    TARGET,
     Procs,
     absolute_form_script,
     haproxy_config,
@@ -33,7 +33,7 @@ ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 6
 CONNS = 32
 UP, PROXY, ADMIN, HAPROXY = 18460, 18461, 18462, 18463
-CLIENT = os.path.join(ROOT, "target", "release", "examples", "closed_loop")
+CLIENT = os.path.join(TARGET, "release", "examples", "closed_loop")
 
 
 def pct(sorted_values, p):
