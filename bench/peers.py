@@ -204,7 +204,7 @@ def measure(targets, pids, threads, shipped, logging):
         """Median over rounds of this target's figure over its haproxy peer's in the same
         round (the peer with as many threads, or one for the one-worker instance)."""
         peer = names.get("haproxy-1" if who == "sluice-1" else "haproxy")
-        if not who or who.startswith("haproxy") or who not in PAIRED or peer is None:
+        if who not in PAIRED or peer is None:
             return "–"
         ratios = [a[column] / b[column] for a, b in zip(results[name], results[peer])]
         return f"{statistics.median(ratios) * 100:.0f}% ({min(ratios) * 100:.0f}–{max(ratios) * 100:.0f})"
