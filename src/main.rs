@@ -133,7 +133,8 @@ fn main() -> ExitCode {
             shutdown_delay,
         } => run(
             &config.config,
-            (workers, pin_workers),
+            workers,
+            pin_workers,
             Overrides {
                 listen,
                 admin,
@@ -293,11 +294,7 @@ enum PinArg {
     Off,
 }
 
-fn run(
-    path: &Path,
-    (workers, pin): (Option<u16>, PinArg),
-    overrides: Overrides,
-) -> anyhow::Result<()> {
+fn run(path: &Path, workers: Option<u16>, pin: PinArg, overrides: Overrides) -> anyhow::Result<()> {
     let config = Config::load(path)?;
     match sluice::rlimit::raise_nofile() {
         Ok((before, after)) if after > before => {

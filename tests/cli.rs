@@ -215,6 +215,7 @@ fn run_refuses_zero_workers() {
 }
 
 /// The CPUs a thread may run on, from its `Cpus_allowed_list` (`0-1,3`).
+#[cfg(target_os = "linux")]
 fn allowed_cpus(status: &str) -> Vec<usize> {
     let list = status
         .lines()
@@ -232,6 +233,7 @@ fn allowed_cpus(status: &str) -> Vec<usize> {
 }
 
 /// Each worker thread of `pid` and the CPUs it may run on.
+#[cfg(target_os = "linux")]
 fn worker_cpus(pid: u32) -> Vec<Vec<usize>> {
     let mut workers = Vec::new();
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {

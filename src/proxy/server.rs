@@ -56,9 +56,10 @@ pub struct Workers {
 
 impl Workers {
     /// Starts `count` workers. With `pin`, when there are exactly as many workers as CPUs
-    /// this process may run on, worker `i` runs only on the `i`-th of them: two unpinned workers that the scheduler puts
-    /// on one CPU take turns for time slices until it moves one, and every connection of
-    /// both waits meanwhile (docs/BENCHMARKS.md, "Where the slow requests came from").
+    /// this process may run on, worker `i` runs only on the `i`-th of them: two unpinned
+    /// workers that the scheduler puts on one CPU take turns for time slices until it
+    /// moves one, and every connection of both waits meanwhile (docs/BENCHMARKS.md,
+    /// "Where the slow requests came from").
     /// Returns the workers and the CPUs they were pinned to, if all of them were.
     pub fn start(count: usize, pin: bool) -> io::Result<(Workers, Option<Vec<usize>>)> {
         let count = count.max(1);
