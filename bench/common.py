@@ -48,7 +48,8 @@ def start_sluice(procs, config, log="shipped", extra_env=None, binary=SLUICE):
     """Starts sluice on `config` as users run it. `log="shipped"`: the default log level
     (an access line per request) with stderr read through a pipe by a thread here, as a
     container runtime reads it; `log="off"`: RUST_LOG=warn, no access lines (stderr still
-    drained). Returns the process; `p.log_lines[0]` counts the lines read."""
+    drained). Returns the process; `p.log_lines[0]` counts the lines read, `p.drain_tid` is
+    the reading thread's id."""
     env = {**os.environ, **(extra_env or {})}
     env.pop("RUST_LOG", None)
     if log == "off":
@@ -59,6 +60,7 @@ def start_sluice(procs, config, log="shipped", extra_env=None, binary=SLUICE):
     p.log_lines = [0]
 
     def drain():
+        p.drain_tid = threading.get_native_id()
         # In large reads, as a container runtime reads a pipe: reading line by line would
         # cost this process more CPU than sluice spends writing them.
         while chunk := p.stderr.read1(1 << 16):
