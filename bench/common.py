@@ -149,8 +149,9 @@ def _ms(value, unit):
     return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
 
 
-def wrk(url, conns, seconds, script=None, threads=2):
-    """Runs wrk (2 threads unless told); returns (req/s, p50 ms, p99 ms). Any non-2xx
+def wrk(url, conns, seconds, script=None, threads=2, count=False):
+    """Runs wrk (2 threads unless told); returns (req/s, p50 ms, p99 ms), and with `count`
+    also the number of requests wrk completed (for exact per-request counts). Any non-2xx
     aborts."""
     cmd = ["wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds}s", "--latency"]
     if script:
@@ -161,7 +162,15 @@ def wrk(url, conns, seconds, script=None, threads=2):
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     if bad:
         raise SystemExit(f"{url}: {bad.group(1)} non-2xx responses\n{out}")
+    if count:
+        return rps, lat["50"], lat["99"], int(re.search(r"(\d+) requests in", out).group(1))
     return rps, lat["50"], lat["99"]
+
+
+def family_pids(root):
+    """The process and its children (nginx and squid work in child processes)."""
+    out = subprocess.run(["pgrep", "-P", str(root)], capture_output=True, text=True).stdout.split()
+    return [root] + [int(p) for p in out]
 
 
 def hello_nginx(procs, work, ports):

@@ -33,6 +33,7 @@ from common import (
     absolute_form_script,
     context_switches,
     cpu_split,
+    family_pids,
     haproxy_config,
     rss_kib,
     shipped_config,
@@ -67,12 +68,6 @@ def write(name, text):
     with open(path, "w") as f:
         f.write(text)
     return path
-
-
-def family_pids(root):
-    """The process and its children (nginx and squid work in child processes)."""
-    out = subprocess.run(["pgrep", "-P", str(root)], capture_output=True, text=True).stdout.split()
-    return [root] + [int(p) for p in out]
 
 
 def main():

@@ -8,7 +8,6 @@ also given as the median of its round-by-round ratio to haproxy's.
 """
 
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -18,11 +17,13 @@ import time
 from common import (
     Procs,
     absolute_form_script,
+    family_pids,
     haproxy_config,
     hello_nginx,
     shipped_config,
     start_sluice,
     wait_http,
+    wrk,
 )
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 6
@@ -71,28 +72,13 @@ def thread_cpu(pid, tid=None, comm=None):
     return total / TICK
 
 
-def run_wrk(url, script):
-    """(req/s, requests): the count itself, so that calls per request come out exact."""
-    cmd = ["wrk", f"-t{THREADS}", "-c32", f"-d{SECONDS}s"] + (["-s", script] if script else [])
-    out = subprocess.run(cmd + [url], capture_output=True, text=True, check=True).stdout
-    if "Non-2xx" in out:
-        raise SystemExit(f"{url}: non-2xx responses\n{out}")
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
-    return rps, int(re.search(r"(\d+) requests in", out).group(1))
-
-
-def children(pid):
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
 def main():
     work = tempfile.mkdtemp(prefix="sluice-syscalls-")
     procs = Procs()
     try:
         ng = hello_nginx(procs, work, [UP])
         time.sleep(0.5)
-        nginx = [ng.pid] + children(ng.pid)
+        nginx = family_pids(ng.pid)
         targets = []
         for name, port, admin, log in [("sluice as shipped", SHIPPED, ADMIN, "shipped"),
                                        ("sluice, log off", OFF, ADMIN + 1, "off")]:
@@ -122,7 +108,7 @@ def main():
                 time.sleep(0.3)
                 before = cpu()
                 w0 = os.times()
-                rps, n = run_wrk(url, script)
+                rps, _, _, n = wrk(url, 32, SECONDS, script, THREADS, count=True)
                 w1 = os.times()
                 after = cpu()
                 for s in (own, every):
