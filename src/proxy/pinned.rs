@@ -258,6 +258,7 @@ impl PinnedConns {
                 return Err(AttemptError::Connect("the request has no host".into()));
             }
             let port = port.unwrap_or(80);
+            let mut now = now;
             loop {
                 let ((key, conn), reused) = match self.checkout(host, port, resolver, rules, now) {
                     Some(found) => (found, true),
@@ -283,7 +284,12 @@ impl PinnedConns {
                     Err(Failed {
                         error: H1Error::Io(_) | H1Error::Closed(_),
                         unsent: Some(unsent),
-                    }) if reused => out = unsent,
+                    }) if reused => {
+                        out = unsent;
+                        // The failed exchange took time: idle connections are judged
+                        // by the clock now, not by the attempt's start.
+                        now = Instant::now();
+                    }
                     Err(failed) => return Err(AttemptError::from_h1(failed.error)),
                 }
             }
