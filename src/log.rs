@@ -20,6 +20,7 @@ use std::io::Write;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
+use tokio::time::Instant;
 
 /// How long the writer waits after waking for more lines to join the same write. Bounds
 /// how late a line reaches stderr, and how many writes a busy proxy makes (100 a second).
@@ -248,6 +249,9 @@ pub struct Access<'a> {
     pub status: u16,
     pub outcome: &'a str,
     pub duration: Duration,
+    /// When the request ended (the reading `duration` was taken from): the line's
+    /// timestamp is derived from it rather than from another clock read.
+    pub at: Instant,
 }
 
 /// Writes `a`'s access line in the chosen format.
@@ -268,7 +272,9 @@ pub fn access(a: &Access<'_>) {
         ),
         AccessFormat::Text | AccessFormat::Json => LINE.with_borrow_mut(|line| {
             line.clear();
-            let now = SystemTime::now();
+            let now = line
+                .clock
+                .wall(a.at, || (Instant::now(), SystemTime::now()));
             if format == AccessFormat::Text {
                 line.stamp(now);
                 a.text(&mut line.buf);
@@ -298,6 +304,33 @@ struct Line {
     buf: Vec<u8>,
     second: u64,
     prefix: [u8; 20],
+    clock: Clock,
+}
+
+/// Wall-clock time for a monotonic reading, from a pair of readings of both clocks taken
+/// at most a second earlier: the request's end is already read to time it, and a second
+/// clock read per line was a tenth of the line's cost. A step of the wall clock shows
+/// within a second; a slew (at most 0.5 ms a second) moves a timestamp by less.
+#[derive(Default)]
+struct Clock {
+    base: Option<(Instant, SystemTime)>,
+}
+
+impl Clock {
+    const REFRESH: Duration = Duration::from_secs(1);
+
+    /// The wall-clock time at `at`; `read` gives both clocks now, called when the pair
+    /// is missing, older than a second, or later than `at`.
+    fn wall(&mut self, at: Instant, read: impl FnOnce() -> (Instant, SystemTime)) -> SystemTime {
+        let (mono, wall) = match self.base {
+            Some((mono, wall)) if at >= mono && at - mono < Self::REFRESH => (mono, wall),
+            _ => *self.base.insert(read()),
+        };
+        match at.checked_duration_since(mono) {
+            Some(after) => wall + after,
+            None => wall.checked_sub(mono - at).unwrap_or(wall),
+        }
+    }
 }
 
 impl Line {
@@ -458,6 +491,7 @@ mod tests {
             status: 200,
             outcome: "200",
             duration: Duration::from_micros(8_211_631 / 1000),
+            at: Instant::now(),
         }
     }
 
@@ -516,6 +550,27 @@ mod tests {
             line.stamp(SystemTime::UNIX_EPOCH + Duration::from_micros(micros));
             assert_eq!(std::str::from_utf8(&line.buf).unwrap(), want);
         }
+    }
+
+    #[test]
+    fn wall_time_follows_the_monotonic_reading_and_is_read_again_each_second() {
+        let mut clock = Clock::default();
+        let t0 = Instant::now();
+        let w0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_796_156_398);
+        let ms = Duration::from_millis;
+        // The first line reads both clocks; a pair read just after the request ended
+        // puts the end that much earlier.
+        assert_eq!(clock.wall(t0, || (t0 + ms(2), w0)), w0 - ms(2));
+        // Within the second the pair is reused: no read.
+        assert_eq!(clock.wall(t0 + ms(5), || unreachable!()), w0 + ms(3));
+        let at = t0 + ms(900);
+        assert_eq!(clock.wall(at, || unreachable!()), w0 + ms(898));
+        // A second on, or a reading from before the pair, reads again; here the wall
+        // clock was stepped back by an hour meanwhile.
+        let stepped = w0 - Duration::from_secs(3600);
+        let at = t0 + ms(2100);
+        assert_eq!(clock.wall(at, || (at, stepped)), stepped);
+        assert_eq!(clock.wall(t0, || (t0, w0)), w0);
     }
 
     #[test]

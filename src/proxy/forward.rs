@@ -252,8 +252,16 @@ fn route_and_send<'a>(
             Ok(admitted) => admitted,
             Err(e) => return done(Err(e)),
         };
-        let (result, waited) =
-            pipeline::run(app, &config, upstreams, route.as_ref(), req, max_wait).await;
+        let (result, waited) = pipeline::run(
+            app,
+            &config,
+            upstreams,
+            route.as_ref(),
+            req,
+            max_wait,
+            start,
+        )
+        .await;
         let mut resp = done(result.map(from_upstream));
         if let Some(waited) = waited {
             // Whole milliseconds: what a client needs to decide whether to shed work.
@@ -455,6 +463,7 @@ pub(crate) fn finish(
     if share < 1.0 && rand::random::<f64>() >= share {
         return resp;
     }
+    let now = Instant::now();
     crate::log::access(&crate::log::Access {
         method: method.as_str(),
         host,
@@ -463,7 +472,8 @@ pub(crate) fn finish(
         family,
         status: status.as_u16(),
         outcome,
-        duration: start.elapsed(),
+        duration: now.saturating_duration_since(start),
+        at: now,
     });
     resp
 }

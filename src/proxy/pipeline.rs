@@ -45,8 +45,8 @@ use crate::route::Route;
 
 /// Sends `req` (already stripped and addressed to the upstream) under the route's policy.
 /// `max_wait`: the client's `sluice-max-wait`, the most its attempts may wait for
-/// admission in all. Returns, with the outcome, how long they waited when the route pays
-/// a limit.
+/// admission in all. `start`: when the request arrived, which the total timeout counts
+/// from. Returns, with the outcome, how long they waited when the route pays a limit.
 ///
 /// The functions here return `async move` blocks rather than being `async fn`s, which
 /// would keep a second copy of the request (see `forward::forward`).
@@ -58,6 +58,7 @@ pub fn run<'a>(
     route: Option<&'a Route>,
     req: Request<Body>,
     max_wait: Option<Duration>,
+    start: Instant,
 ) -> impl Future<Output = (Result<Response<Body>, ProxyError>, Option<Duration>)> + 'a {
     // Taken apart before the future is built, so that it holds the parts only once.
     let (parts, body) = req.into_parts();
@@ -81,6 +82,8 @@ pub fn run<'a>(
                 p.attempt_timeout,
                 head.into_request(body.for_attempt()),
                 None,
+                // Nothing between the request's arrival and here waits.
+                start,
             );
             let result = if p.attempt_timeout <= p.total_timeout {
                 // The single attempt's own timer always fires first: a second one would
@@ -108,7 +111,7 @@ pub fn run<'a>(
             is_idempotent(&head.method) || head.headers.contains_key(&retry.idempotency_header);
         let keep = safe && retry.max_attempts > 1;
         let body = Replay::new(body, keep, config.proxy.max_replay_body, &app.replay_budget);
-        let deadline = Instant::now() + policy.total_timeout;
+        let deadline = start + policy.total_timeout;
         let queued = Queued {
             nanos: AtomicU64::new(0),
             most: max_wait,
@@ -116,7 +119,7 @@ pub fn run<'a>(
         let result = tokio::time::timeout_at(
             deadline,
             retry_loop(
-                app, config, upstreams, route, policy, head, &body, deadline, &queued,
+                app, config, upstreams, route, policy, head, &body, start, deadline, &queued,
             ),
         )
         .await
@@ -146,16 +149,35 @@ impl Queued {
     }
 }
 
-/// Adds the time from its creation to its drop to a request's [`Queued`] total.
+/// Adds the time from its creation to its end, or to its drop when the wait is cut
+/// short, to a request's [`Queued`] total.
 struct Waiting<'a> {
     queued: &'a Queued,
     since: Instant,
+    ended: bool,
+}
+
+impl Waiting<'_> {
+    /// Ends the wait now, and returns now: the attempt starts from the same reading.
+    fn end(mut self) -> Instant {
+        self.ended = true;
+        let now = Instant::now();
+        self.add(now);
+        now
+    }
+
+    fn add(&self, now: Instant) {
+        let took = now.saturating_duration_since(self.since);
+        let took = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        self.queued.nanos.fetch_add(took, Ordering::Relaxed);
+    }
 }
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        let took = u64::try_from(self.since.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.queued.nanos.fetch_add(took, Ordering::Relaxed);
+        if !self.ended {
+            self.add(Instant::now());
+        }
     }
 }
 
@@ -220,6 +242,7 @@ async fn retry_loop(
     policy: &Policy,
     mut head: Head,
     body: &Replay,
+    start: Instant,
     deadline: Instant,
     queued: &Queued,
 ) -> Result<Response<Body>, ProxyError> {
@@ -236,12 +259,13 @@ async fn retry_loop(
             .inc()
     };
 
-    shared.budget().record_request(Instant::now());
+    shared.budget().record_request(start);
 
     let mut prev_delay = retry.backoff.base;
     let mut attempt_no = 1u32;
     loop {
-        let probe = match circuit.with(|b| b.admit(Instant::now())) {
+        let now = Instant::now();
+        let probe = match circuit.with(|b| b.admit(now)) {
             Admit::Yes => false,
             Admit::Probe => true,
             Admit::No { retry_after } => return Err(ProxyError::BreakerOpen { retry_after }),
@@ -250,12 +274,17 @@ async fn retry_loop(
             circuit,
             armed: probe,
         };
-        let permit = {
-            let now = Instant::now();
-            let _waiting = Waiting { queued, since: now };
-            app.limiter
+        let (permit, admitted) = {
+            let waiting = Waiting {
+                queued,
+                since: now,
+                ended: false,
+            };
+            let permit = app
+                .limiter
                 .acquire_by(plan, route, queued.deadline(now))
-                .await?
+                .await?;
+            (permit, waiting.end())
         };
         let feedback = permit.as_ref().and_then(Permit::feedback);
         // The attempt no other can follow (the body cannot be replayed, or it is the last
@@ -273,6 +302,7 @@ async fn retry_loop(
             policy.attempt_timeout,
             req,
             permit,
+            admitted,
         )
         .await;
         let now = Instant::now();
@@ -497,8 +527,12 @@ impl Drop for ProbeGuard<'_> {
 }
 
 /// One upstream attempt: response headers within `timeout`, then a body that may not
-/// stall for longer than `timeout` between chunks. Measured per attempt.
+/// stall for longer than `timeout` between chunks. Measured per attempt, from `start`.
 #[allow(clippy::manual_async_fn, reason = "see above: arguments stored once")]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the request, its route and what the attempt is timed by"
+)]
 fn attempt<'a>(
     app: &'a App,
     config: &'a Live,
@@ -507,13 +541,13 @@ fn attempt<'a>(
     timeout: Duration,
     req: Request<Body>,
     mut permit: Option<Permit>,
+    start: Instant,
 ) -> impl Future<Output = Result<Response<Body>, AttemptError>> + 'a {
     // The limiter counts the request from when hyper takes it to write (see `Outbound`).
     let hook = permit.as_ref().and_then(Permit::send_hook);
     let req = req.map(|b| Outbound::new(b, hook));
-    // The attempt starts when it is built (both callers await it at once); the send
-    // judges idle connections by the same reading, one clock read fewer per request.
-    let start = Instant::now();
+    // `start`: a reading the caller took just before (both callers await the attempt at
+    // once), which the send also judges idle connections by: no clock read of its own.
     // Built here and boxed, so that this future holds a pointer rather than the request
     // and the deepest future on the request path: every level above holds this one and
     // is copied whole when it is built, so a size here counts several times over
