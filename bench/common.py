@@ -2,8 +2,10 @@
 readiness polling, and resident memory from /proc."""
 
 import os
+import random
 import re
 import signal
+import statistics
 import subprocess
 import threading
 import time
@@ -165,6 +167,18 @@ def wrk(url, conns, seconds, script=None, threads=2, count=False):
     if count:
         return rps, lat["50"], lat["99"], int(re.search(r"(\d+) requests in", out).group(1))
     return rps, lat["50"], lat["99"]
+
+
+def median_interval(values, level=0.95, resamples=2000):
+    """The median of `values` and a bootstrap interval for it: the middle `level` of the
+    medians of `resamples` samples drawn with replacement (a fixed seed, so a rerun on
+    the same figures prints the same interval). With the machine's speed swinging by tens
+    of percent, a median of a few rounds says little without it."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
+                     for _ in range(resamples))
+    cut = int(resamples * (1 - level) / 2)
+    return statistics.median(values), medians[cut], medians[-cut - 1]
 
 
 def family_pids(root):

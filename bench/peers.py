@@ -17,6 +17,9 @@ CPU per request, and RSS after the run. The machine's speed swings by tens of pe
 within a minute, so each sluice row also has its ratio to haproxy with the same thread
 count, taken round by round (the two ran seconds apart) and then the median of those;
 the order of the targets rotates every round so that none always follows the same one.
+Below each table, the ratios the targets are judged by (as shipped against haproxy and
+against the log off) with a 95% bootstrap interval of their median: an interval that
+straddles 100% is a tie on this machine, whatever the median says.
 Run by bench/peers.sh.
 """
 
@@ -35,6 +38,7 @@ from common import (
     cpu_split,
     family_pids,
     haproxy_config,
+    median_interval,
     rss_kib,
     shipped_config,
     start_sluice,
@@ -222,6 +226,22 @@ def measure(targets, pids, threads, shipped, logging):
             f"| {'–' if not who else f'{statistics.median(v for v, _ in switches[name]):.0f} / {statistics.median(i for _, i in switches[name]):.0f}'} "
             f"| {rss} |"
         )
+    # The comparisons the targets are judged by (docs/BENCHMARKS.md), each round's ratio
+    # taken between runs seconds apart, with how sure the median of them is.
+    pairs = [("sluice", "haproxy", 0, "req/s"), ("sluice", "haproxy", 2, "p99"),
+             ("sluice-off", "haproxy", 0, "req/s"), ("sluice", "sluice-off", 0, "req/s"),
+             ("sluice-1", "haproxy-1", 0, "req/s"), ("sluice-1", "haproxy-1", 2, "p99"),
+             ("baseline", "sluice", 0, "req/s")]
+    lines = []
+    for a, b, column, what in pairs:
+        if a in names and b in names:
+            ratios = [x[column] / y[column] for x, y in zip(results[names[a]], results[names[b]])]
+            mid, low, high = median_interval(ratios)
+            lines.append(f"- {names[a]} / {names[b]}, {what}: {mid * 100:.1f}% "
+                         f"[{low * 100:.1f}–{high * 100:.1f}]")
+    if lines:
+        print("\nRound-by-round ratios: median [95% bootstrap interval of the median]")
+        print("\n".join(lines))
     print(f"\n{shipped.log_lines[0]} log lines read from the as-shipped instance's stderr so far",
           flush=True)
 
