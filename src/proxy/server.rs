@@ -75,6 +75,9 @@ impl Workers {
         for i in 0..count {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
+                // The worker's log lines go to the writer when it has nothing left to run
+                // (see `log::batch_thread`).
+                .on_thread_park(crate::log::flush_thread)
                 .build()?;
             workers.handles.push(rt.handle().clone());
             let done = done.clone();
@@ -83,6 +86,7 @@ impl Workers {
             let thread = std::thread::Builder::new()
                 .name(format!("sluice-worker-{i}"))
                 .spawn(move || {
+                    crate::log::batch_thread();
                     let _ = pinned_tx.send(cpu.is_some_and(pin_to));
                     drop(pinned_tx);
                     rt.block_on(done.cancelled())
@@ -348,6 +352,9 @@ async fn serve_connection(
     if let Err(e) = result {
         tracing::debug!(%peer, error = %e, "client connection ended with an error");
     }
+    // Before the connection's task ends: a drain that waits for it then logs its end
+    // after the connection's last access line.
+    crate::log::flush_thread();
 }
 
 /// A client socket whose writes may not stay blocked for longer than `limit` (nginx's
