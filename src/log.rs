@@ -194,8 +194,9 @@ impl Write for Stderr {
         let held = LINE
             .try_with(|line| match line.try_borrow_mut() {
                 Ok(mut line) if line.batching => {
+                    let held = line.buf.len();
                     line.buf.extend_from_slice(buf);
-                    line.appended(lines, SINK.get());
+                    line.appended(held, lines, SINK.get());
                     true
                 }
                 _ => false,
@@ -288,6 +289,7 @@ pub fn access(a: &Access<'_>) {
             duration_ms = a.duration.as_secs_f64() * 1000.0,
         ),
         AccessFormat::Text | AccessFormat::Json => LINE.with_borrow_mut(|line| {
+            let held = line.buf.len();
             let now = line
                 .clock
                 .wall(a.at, || (Instant::now(), SystemTime::now()));
@@ -299,7 +301,7 @@ pub fn access(a: &Access<'_>) {
                 line.stamp(now);
                 a.json(&mut line.buf);
             }
-            line.appended(1, SINK.get());
+            line.appended(held, 1, SINK.get());
         }),
     }
 }
@@ -347,13 +349,26 @@ struct Line {
 }
 
 impl Line {
-    /// Called after `lines` lines were appended: hands them over to `sink` (stderr when
-    /// there is none) at once, unless this thread batches and the batch has room.
-    fn appended(&mut self, lines: usize, sink: Option<&Sink>) {
+    /// Called after `lines` lines were appended to the `held` bytes already there: hands
+    /// them over to `sink` (stderr when there is none) at once, unless this thread
+    /// batches and the batch has room.
+    fn appended(&mut self, held: usize, lines: usize, sink: Option<&Sink>) {
+        // A batch never holds more than the queue takes, lines or bytes: the queue would
+        // drop it whole. So a line that would make it too long sends the others first.
+        let (most_lines, most_bytes) = sink.map_or((1, 0), |s| {
+            (s.max_lines.min(BATCH_LINES), s.max_bytes.min(BATCH_BYTES))
+        });
+        if let Some(sink) = sink
+            && self.batching
+            && held > 0
+            && self.buf.len() > most_bytes
+        {
+            sink.push(&self.buf[..held], self.lines);
+            self.buf.drain(..held);
+            self.lines = 0;
+        }
         self.lines += lines;
-        // A batch never holds more lines than the queue takes: it would be dropped whole.
-        let most = sink.map_or(1, |s| s.max_lines.min(BATCH_LINES));
-        if !self.batching || self.lines >= most || self.buf.len() >= BATCH_BYTES {
+        if !self.batching || self.lines >= most_lines || self.buf.len() >= most_bytes {
             self.hand_over(sink);
         }
     }
@@ -668,33 +683,61 @@ mod tests {
         let mut line = Line::default();
         line.batching = true;
         line.buf.extend_from_slice(b"a\n");
-        line.appended(1, Some(&sink));
+        line.appended(0, 1, Some(&sink));
         line.buf.extend_from_slice(b"b\nc\n");
-        line.appended(2, Some(&sink));
+        line.appended(2, 2, Some(&sink));
         assert!(lock(&sink).buf.is_empty(), "held until a flush");
         line.hand_over(Some(&sink));
         assert_eq!(lock(&sink).buf, b"a\nb\nc\n");
         assert_eq!(lock(&sink).lines, 3);
         // A full batch goes without a flush.
         for _ in 0..BATCH_LINES {
+            let held = line.buf.len();
             line.buf.extend_from_slice(b"x\n");
-            line.appended(1, Some(&sink));
+            line.appended(held, 1, Some(&sink));
         }
         assert!(line.buf.is_empty());
         assert_eq!(lock(&sink).lines, 3 + BATCH_LINES);
         // So does a batch as long as the whole queue, which could not take a longer one.
         let small = test_sink(2);
         line.buf.extend_from_slice(b"y\n");
-        line.appended(1, Some(&small));
+        line.appended(0, 1, Some(&small));
         assert!(lock(&small).buf.is_empty());
         line.buf.extend_from_slice(b"z\n");
-        line.appended(1, Some(&small));
+        line.appended(2, 1, Some(&small));
         assert_eq!(lock(&small).buf, b"y\nz\n");
         // A thread that does not batch hands each line over at once.
         line.batching = false;
         line.buf.extend_from_slice(b"w\n");
-        line.appended(1, Some(&sink));
+        line.appended(0, 1, Some(&sink));
         assert!(lock(&sink).buf.ends_with(b"x\nw\n"));
+    }
+
+    #[test]
+    fn a_line_that_would_overfill_the_queue_with_its_batch_sends_the_batch_first() {
+        // A queue of 16 lines takes 16 KiB: a batch of two lines of 10 KiB would be
+        // dropped whole, even into an empty queue.
+        let sink = Sink {
+            max_bytes: 16 << 10,
+            ..test_sink(16)
+        };
+        let long = [b'a'; 10 << 10];
+        let mut line = Line::default();
+        line.batching = true;
+        line.buf.extend_from_slice(&long);
+        line.buf.push(b'\n');
+        line.appended(0, 1, Some(&sink));
+        assert!(lock(&sink).buf.is_empty(), "one line is held");
+        line.buf.extend_from_slice(&long);
+        line.buf.push(b'\n');
+        line.appended(long.len() + 1, 1, Some(&sink));
+        assert_eq!(lock(&sink).lines, 1, "the first went ahead of the second");
+        assert_eq!(line.buf.len(), long.len() + 1, "the second is held");
+        // The writer empties the queue; the second line then fits.
+        *lock(&sink) = State::default();
+        line.hand_over(Some(&sink));
+        assert_eq!(lock(&sink).lines, 1);
+        assert_eq!(lock(&sink).buf.len(), long.len() + 1);
     }
 
     #[test]
