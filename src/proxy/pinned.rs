@@ -231,7 +231,8 @@ impl PinnedConns {
     /// Sends `req` (absolute-form `http://` URI) on one of this client's upstream
     /// connections, adopting an idle one or connecting when it has none. The connection
     /// goes with the response body, which gives it back once read to its end. `now`:
-    /// the attempt's start, by which idle connections are judged.
+    /// a reading the caller took just before (the attempt's start: for an unmatched
+    /// request, its arrival), by which idle connections are judged.
     ///
     /// Not an `async fn`, which would keep a second copy of the request (see
     /// `forward::forward`).
