@@ -7,11 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/prepare.sh
-missing=()
-command -v valgrind >/dev/null || missing+=(valgrind)
-if [[ " $* " == *" --haproxy "* ]] && ! command -v haproxy >/dev/null; then missing+=(haproxy); fi
-if ((${#missing[@]})); then
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+need valgrind valgrind
+if [[ " $* " == *" --haproxy "* ]]; then need haproxy haproxy; fi
+install_missing
 exec python3 bench/callgrind.py "$@"

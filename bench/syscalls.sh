@@ -7,11 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/prepare.sh
-missing=()
-command -v haproxy >/dev/null || missing+=(haproxy)
-command -v perf >/dev/null || missing+=(linux-perf)
-if ((${#missing[@]})); then
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+need haproxy haproxy
+need linux-perf perf
+install_missing
 exec python3 bench/syscalls.py "$@"
