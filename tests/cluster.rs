@@ -187,7 +187,7 @@ fn redis() -> &'static (Redis, parking_lot::Mutex<redis::Connection>) {
     static R: std::sync::OnceLock<(Redis, parking_lot::Mutex<redis::Connection>)> =
         std::sync::OnceLock::new();
     R.get_or_init(|| {
-        let r = Redis::start();
+        let r = Redis::start_for_process();
         let con = redis::Client::open(r.url())
             .unwrap()
             .get_connection()

@@ -1,5 +1,7 @@
 //! A real `redis-server` on a free loopback port, without persistence, stopped by PID:
-//! killed and started again on the same port, frozen with SIGSTOP, flushed.
+//! killed and started again on the same port, frozen with SIGSTOP, flushed. One kept in a
+//! `static`, which is never dropped, is started by [`Redis::start_for_process`] so that
+//! it does not outlive the test binary.
 
 use parking_lot::Mutex;
 use std::process::{Child, Command, Stdio};
@@ -11,6 +13,9 @@ pub struct Redis {
     child: Mutex<Option<Child>>,
     /// TLS only, with this certificate and key.
     tls: Option<(String, String)>,
+    /// Started through a shell that stops it when this process ends: `child` is the
+    /// shell, so it cannot be signalled.
+    for_process: bool,
 }
 
 impl Redis {
@@ -21,6 +26,23 @@ impl Redis {
             port,
             child: Mutex::new(None),
             tls: None,
+            for_process: false,
+        };
+        r.spawn();
+        r
+    }
+
+    /// Lives until the test process ends, for a `static` (never dropped, so `Drop` would
+    /// never stop it). A shell starts the server and waits on a pipe from this process;
+    /// when the process ends, however it ends, the pipe closes and the shell stops the
+    /// server. Cannot be killed, frozen or restarted.
+    pub fn start_for_process() -> Redis {
+        let port = super::free_port();
+        let r = Redis {
+            port,
+            child: Mutex::new(None),
+            tls: None,
+            for_process: true,
         };
         r.spawn();
         r
@@ -34,13 +56,26 @@ impl Redis {
             port,
             child: Mutex::new(None),
             tls: Some((cert.display().to_string(), key.display().to_string())),
+            for_process: false,
         };
         r.spawn();
         r
     }
 
     fn spawn(&self) {
-        let mut cmd = Command::new("redis-server");
+        let mut cmd = if self.for_process {
+            let mut sh = Command::new("sh");
+            // The pipe stays open as long as `child` holds it: until the process ends.
+            sh.args([
+                "-c",
+                "redis-server \"$@\" </dev/null & r=$!; read -r _ ; kill $r; wait $r",
+                "sh",
+            ])
+            .stdin(Stdio::piped());
+            sh
+        } else {
+            Command::new("redis-server")
+        };
         match &self.tls {
             None => cmd.args(["--port", &self.port.to_string()]),
             Some((cert, key)) => cmd.args([
@@ -87,6 +122,10 @@ impl Redis {
     }
 
     fn signal(&self, sig: &str) {
+        assert!(
+            !self.for_process,
+            "a process-long redis-server is not signalled"
+        );
         if let Some(pid) = self.pid() {
             let _ = Command::new("kill")
                 .args([&format!("-{sig}"), &pid.to_string()])
@@ -146,6 +185,11 @@ impl Redis {
 
 impl Drop for Redis {
     fn drop(&mut self) {
+        if self.for_process {
+            // The shell reads the end of its stdin and stops the server.
+            drop(self.child.lock().take());
+            return;
+        }
         self.thaw();
         self.kill();
     }
