@@ -1,11 +1,13 @@
 """Context switches per 1000 proxied requests, machine-wide, by who stopped and why
-(see switches.sh). A switch on this VM costs far more than the system calls around it
-(`finish_task_switch` is the proxy's largest kernel symbol under `perf record`), so two
-proxies making the same system calls can still differ in what the machine spends.
+(see switches.sh). `finish_task_switch` is the proxy's largest kernel symbol under
+`perf record` on this VM, so two proxies that make the same system calls can still
+differ in what they cost the machine; this says where the switches come from.
 
-Tasks are grouped as the proxy (all its threads), wrk, nginx and the rest. A task that
-stopped while still runnable was preempted, by the task named; one that stopped
-otherwise slept. Rounds rotate the targets' order; figures are medians over rounds.
+Tasks are grouped as the proxy (all its threads), wrk, nginx and the rest (the pipe's
+reader, perf, kernel threads). A task that stopped while still runnable was preempted,
+by the task named; one that stopped otherwise slept. Switches away from the idle task
+are not counted: they only say that a CPU had nothing to run. Rounds rotate the targets'
+order; figures are medians over rounds.
 """
 
 import collections
@@ -17,7 +19,16 @@ import sys
 import tempfile
 import time
 
-from common import Procs, absolute_form_script, haproxy_config, hello_nginx, shipped_config, start_sluice, wait_http, wrk
+from common import (
+    Procs,
+    absolute_form_script,
+    haproxy_config,
+    hello_nginx,
+    shipped_config,
+    start_sluice,
+    wait_http,
+    wrk,
+)
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
@@ -43,9 +54,9 @@ def switches(data, proxy_pid):
     counts = collections.Counter()
     for m in SWITCH.finditer(out):
         prev_comm, prev_pid, state, next_comm, next_pid = m.groups()
-        who = group(prev_comm, int(prev_pid), tids)
         if prev_comm.startswith("swapper"):
             continue
+        who = group(prev_comm, int(prev_pid), tids)
         how = f"preempted by {group(next_comm, int(next_pid), tids)}" if state.startswith("R") else "slept"
         counts[(who, how)] += 1
     return counts
@@ -100,7 +111,10 @@ def report(rows):
         return " | ".join(f(rows[n]) for n in names)
 
     print("| req/s | " + cells(lambda rs: f"{statistics.median(r['rps'] for r in rs):.0f}") + " |")
-    print("| all switches | " + cells(lambda rs: f"{statistics.median(sum(v for k, v in r.items() if k != 'rps') for r in rs):.0f}") + " |")
+    def total(rs):
+        return f"{statistics.median(sum(v for k, v in r.items() if k != 'rps') for r in rs):.0f}"
+
+    print("| all switches but the idle task's | " + cells(total) + " |")
     for k in keys:
         if max(statistics.median(r.get(k, 0) for r in rows[n]) for n in names) >= 1:
             print(f"| {k[0]} {k[1]} | " + cells(lambda rs: f"{statistics.median(r.get(k, 0) for r in rs):.1f}") + " |")
