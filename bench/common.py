@@ -294,3 +294,23 @@ def absolute_form_script(work, port):
         f.write(f'wrk.path = "http://127.0.0.1:{port}/"\n')
         f.write(f'wrk.headers["Host"] = "127.0.0.1:{port}"\n')
     return path
+
+
+def shipped_off_haproxy(procs, work, upstream_port, ports):
+    """The three instances bench/syscalls and bench/switches compare, in front of
+    127.0.0.1:`upstream_port`: sluice as shipped, sluice with the log off (each on the
+    shipped config, see `shipped_config`) and haproxy with 2 threads. `ports`: the first
+    sluice's listen and admin ports, the second's, and haproxy's. Returns (name, url, wrk
+    script, process) for each, ready."""
+    shipped, shipped_admin, off, off_admin, haproxy = ports
+    targets = []
+    for name, port, admin, log in [("sluice as shipped", shipped, shipped_admin, "shipped"),
+                                   ("sluice, log off", off, off_admin, "off")]:
+        p = start_sluice(procs, shipped_config(work, f"{log}.toml", port, admin), log=log)
+        wait_http(f"http://127.0.0.1:{admin}/readyz")
+        targets.append((name, f"http://127.0.0.1:{port}/", absolute_form_script(work, upstream_port), p))
+    h = procs.start(["haproxy", "-db", "-f", haproxy_config(work, "h.cfg", haproxy, upstream_port, 2)])
+    time.sleep(1)
+    targets.append(("haproxy, 2 threads", f"http://127.0.0.1:{haproxy}/", None, h))
+    procs.check_alive()
+    return targets

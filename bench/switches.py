@@ -19,16 +19,7 @@ import sys
 import tempfile
 import time
 
-from common import (
-    Procs,
-    absolute_form_script,
-    haproxy_config,
-    hello_nginx,
-    shipped_config,
-    start_sluice,
-    wait_http,
-    wrk,
-)
+from common import Procs, hello_nginx, shipped_off_haproxy, wrk
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
@@ -68,21 +59,12 @@ def main():
     try:
         hello_nginx(procs, work, [UP])
         time.sleep(0.5)
-        targets = []
-        for name, port, admin, log in [("sluice as shipped", SHIPPED, ADMIN, "shipped"),
-                                       ("sluice, log off", OFF, ADMIN + 1, "off")]:
-            p = start_sluice(procs, shipped_config(work, f"{log}.toml", port, admin), log=log)
-            wait_http(f"http://127.0.0.1:{admin}/readyz")
-            targets.append((name, f"http://127.0.0.1:{port}/", absolute_form_script(work, UP), p.pid))
-        h = procs.start(["haproxy", "-db", "-f", haproxy_config(work, "h.cfg", HAPROXY, UP, 2)])
-        time.sleep(1)
-        targets.append(("haproxy, 2 threads", f"http://127.0.0.1:{HAPROXY}/", None, h.pid))
-        procs.check_alive()
+        targets = shipped_off_haproxy(procs, work, UP, (SHIPPED, ADMIN, OFF, ADMIN + 1, HAPROXY))
         rows = {t[0]: [] for t in targets}
         data = os.path.join(work, "sched.data")
         for r in range(ROUNDS):
             shift = r % len(targets)
-            for name, url, script, pid in targets[shift:] + targets[:shift]:
+            for name, url, script, p in targets[shift:] + targets[:shift]:
                 wrk(url, 32, 1, script, THREADS)
                 rec = subprocess.Popen(["perf", "record", "-q", "-a", "-e", "sched:sched_switch", "-o", data],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -90,7 +72,7 @@ def main():
                 rps, _, _, n = wrk(url, 32, SECONDS, script, THREADS, count=True)
                 rec.send_signal(2)
                 rec.wait()
-                row = {k: v / n * 1000 for k, v in switches(data, pid).items()}
+                row = {k: v / n * 1000 for k, v in switches(data, p.pid).items()}
                 row["rps"] = rps
                 rows[name].append(row)
         report(rows)

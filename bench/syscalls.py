@@ -14,17 +14,7 @@ import sys
 import tempfile
 import time
 
-from common import (
-    Procs,
-    absolute_form_script,
-    family_pids,
-    haproxy_config,
-    hello_nginx,
-    shipped_config,
-    start_sluice,
-    wait_http,
-    wrk,
-)
+from common import Procs, family_pids, hello_nginx, shipped_off_haproxy, wrk
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 6
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
@@ -79,16 +69,7 @@ def main():
         ng = hello_nginx(procs, work, [UP])
         time.sleep(0.5)
         nginx = family_pids(ng.pid)
-        targets = []
-        for name, port, admin, log in [("sluice as shipped", SHIPPED, ADMIN, "shipped"),
-                                       ("sluice, log off", OFF, ADMIN + 1, "off")]:
-            p = start_sluice(procs, shipped_config(work, f"{log}.toml", port, admin), log=log)
-            wait_http(f"http://127.0.0.1:{admin}/readyz")
-            targets.append((name, f"http://127.0.0.1:{port}", absolute_form_script(work, UP), p))
-        h = procs.start(["haproxy", "-db", "-f", haproxy_config(work, "h.cfg", HAPROXY, UP, 2)])
-        time.sleep(1)
-        targets.append(("haproxy, 2 threads", f"http://127.0.0.1:{HAPROXY}/", None, h))
-        procs.check_alive()
+        targets = shipped_off_haproxy(procs, work, UP, (SHIPPED, ADMIN, OFF, ADMIN + 1, HAPROXY))
         rows = {t[0]: [] for t in targets}
         for r in range(ROUNDS):
             shift = r % len(targets)

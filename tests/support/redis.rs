@@ -21,15 +21,7 @@ pub struct Redis {
 impl Redis {
     /// Needs `redis-server` on the PATH (`scripts/test` installs it).
     pub fn start() -> Redis {
-        let port = super::free_port();
-        let r = Redis {
-            port,
-            child: Mutex::new(None),
-            tls: None,
-            for_process: false,
-        };
-        r.spawn();
-        r
+        Redis::launch(None, false)
     }
 
     /// Lives until the test process ends, for a `static` (never dropped, so `Drop` would
@@ -37,26 +29,22 @@ impl Redis {
     /// when the process ends, however it ends, the pipe closes and the shell stops the
     /// server. Cannot be killed, frozen or restarted.
     pub fn start_for_process() -> Redis {
-        let port = super::free_port();
-        let r = Redis {
-            port,
-            child: Mutex::new(None),
-            tls: None,
-            for_process: true,
-        };
-        r.spawn();
-        r
+        Redis::launch(None, true)
     }
 
     /// Speaks only TLS (`rediss://`), presenting `cert` (PEM files); clients need no
     /// certificate of their own.
     pub fn start_tls(cert: &std::path::Path, key: &std::path::Path) -> Redis {
-        let port = super::free_port();
+        let tls = (cert.display().to_string(), key.display().to_string());
+        Redis::launch(Some(tls), false)
+    }
+
+    fn launch(tls: Option<(String, String)>, for_process: bool) -> Redis {
         let r = Redis {
-            port,
+            port: super::free_port(),
             child: Mutex::new(None),
-            tls: Some((cert.display().to_string(), key.display().to_string())),
-            for_process: false,
+            tls,
+            for_process,
         };
         r.spawn();
         r
