@@ -280,10 +280,36 @@ pub async fn echo_server() -> SocketAddr {
     addr
 }
 
-/// A port with nothing listening on it.
-pub async fn closed_port() -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    l.local_addr().unwrap()
+/// A port that refuses connections for as long as this lives.
+///
+/// A released port goes back to the kernel's pool: the next `bind(0)`, often the proxy's
+/// own listener, can take it, and the "closed" upstream becomes sluice itself. A socket
+/// bound without `listen` holds the port (no `SO_REUSEADDR`, so nothing else can bind it)
+/// while connections to it are refused.
+pub struct ClosedPort {
+    pub addr: SocketAddr,
+    _held: tokio::net::TcpSocket,
+}
+
+impl ClosedPort {
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+}
+
+impl std::fmt::Display for ClosedPort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.addr.fmt(f)
+    }
+}
+
+pub async fn closed_port() -> ClosedPort {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    ClosedPort {
+        addr: socket.local_addr().unwrap(),
+        _held: socket,
+    }
 }
 
 /// sluice running in-process on free ports.
