@@ -11,7 +11,9 @@
 //! target count: other files in the directory (a log written there, say) are none of our
 //! business. Events come in bursts, so a reload waits until they have been quiet for
 //! [`DEBOUNCE`], never longer than [`MAX_DELAY`] after the first, and only runs when the
-//! bytes behind the path differ from the last ones tried.
+//! bytes behind the path differ from the last ones tried. A file written in place is
+//! half-written until its writer closes it, however long the writer pauses, so after a
+//! write the watcher waits for the close instead (or for [`WRITER_GONE`] of quiet).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -29,6 +31,10 @@ pub const DEBOUNCE: Duration = Duration::from_millis(250);
 
 /// A file that never stays quiet is read this long after its first change anyway.
 pub const MAX_DELAY: Duration = Duration::from_secs(2);
+
+/// A file written to and not yet closed is read once it has been quiet this long: its
+/// writer stopped without closing it, or the close was missed.
+pub const WRITER_GONE: Duration = Duration::from_secs(5);
 
 /// The watch on the config's directory and the SIGHUP handler, for an app loaded from a
 /// file. Both are registered by [`Triggers::new`], so nothing that happens after it is
@@ -81,7 +87,38 @@ impl Triggers {
     }
 }
 
-type Events = mpsc::UnboundedReceiver<()>;
+type Events = mpsc::UnboundedReceiver<Change>;
+
+/// What an event that names one of ours says about the file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Change {
+    /// Bytes were written in place: the file is incomplete until its writer closes it.
+    Written,
+    /// A writer closed it.
+    Closed,
+    /// Renamed, created or deleted, or events were lost: a write in progress, if any,
+    /// is no longer to what the path names.
+    Replaced,
+    /// Anything else (its mode, say): worth a look, but a write in progress goes on.
+    Touched,
+}
+
+impl Change {
+    fn of(kind: &notify::EventKind) -> Option<Change> {
+        use notify::EventKind;
+        use notify::event::{AccessKind, AccessMode, ModifyKind};
+        match kind {
+            EventKind::Modify(ModifyKind::Data(_)) => Some(Change::Written),
+            EventKind::Access(AccessKind::Close(AccessMode::Write)) => Some(Change::Closed),
+            // Other reads and opens (our own included) change nothing.
+            EventKind::Access(_) => None,
+            EventKind::Create(_)
+            | EventKind::Remove(_)
+            | EventKind::Modify(ModifyKind::Name(_)) => Some(Change::Replaced),
+            _ => Some(Change::Touched),
+        }
+    }
+}
 
 /// The file names whose events count: the config file's, `..data`, and the symlink
 /// target's when it lives elsewhere.
@@ -146,20 +183,24 @@ fn watch(path: &Path) -> notify::Result<(notify::RecommendedWatcher, Events, Nam
     let ours = names.clone();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
         let Ok(event) = event else { return };
-        // Access events (reads, our own included) change nothing.
-        if event.kind.is_access() {
-            return;
-        }
-        let names = ours.read();
-        let relevant = event.need_rescan()
-            || event
+        let change = if event.need_rescan() {
+            Change::Replaced
+        } else {
+            let Some(change) = Change::of(&event.kind) else {
+                return;
+            };
+            let names = ours.read();
+            let named = event
                 .paths
                 .iter()
                 .filter_map(|p| p.file_name())
                 .any(|n| names.iter().any(|m| m == n));
-        if relevant {
-            let _ = tx.send(());
-        }
+            if !named {
+                return;
+            }
+            change
+        };
+        let _ = tx.send(change);
     })?;
     watcher.watch(&dir, RecursiveMode::NonRecursive)?;
     Ok((watcher, rx, names))
@@ -178,20 +219,31 @@ async fn on_file_change(
     // watch.
     let mut first = true;
     loop {
+        let mut writing = false;
         if !std::mem::take(&mut first) {
             tokio::select! {
-                e = events.recv() => if e.is_none() { return },
+                e = events.recv() => match e {
+                    None => return,
+                    Some(change) => writing = change == Change::Written,
+                },
                 _ = stop.cancelled() => return,
             }
         }
         // Quiet for DEBOUNCE: the writer is done. A writer that never stops does not keep
-        // the change from being read.
+        // the change from being read, unless it holds the file open mid-write: what it
+        // wrote so far is not the config it is writing.
         let latest = tokio::time::Instant::now() + MAX_DELAY;
         loop {
+            let quiet = if writing { WRITER_GONE } else { DEBOUNCE };
             tokio::select! {
-                e = events.recv() => if e.is_none() { return },
-                _ = tokio::time::sleep(DEBOUNCE) => break,
-                _ = tokio::time::sleep_until(latest) => break,
+                e = events.recv() => match e {
+                    None => return,
+                    Some(Change::Written) => writing = true,
+                    Some(Change::Closed | Change::Replaced) => writing = false,
+                    Some(Change::Touched) => {}
+                },
+                _ = tokio::time::sleep(quiet) => break,
+                _ = tokio::time::sleep_until(latest), if !writing => break,
                 _ = stop.cancelled() => return,
             }
         }

@@ -301,6 +301,61 @@ async fn a_symlinked_config_edited_where_it_lives_is_picked_up() {
     );
 }
 
+/// A config rewritten in place by a writer that pauses mid-file is read when the writer
+/// closes it, not when its first half has been quiet for the debounce, nor MAX_DELAY after
+/// its first change; one written whole and left open is read after WRITER_GONE.
+#[tokio::test]
+async fn a_file_written_in_place_is_read_when_its_writer_closes_it() {
+    use sluice::reload::{DEBOUNCE, MAX_DELAY, WRITER_GONE};
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(&path, config(&window(2, "1s"), "")).unwrap();
+    let proxy = Proxy::from_file(&path).await;
+    // After the watcher's first look at the file (one debounce after start).
+    tokio::time::sleep(DEBOUNCE * 3).await;
+
+    let text = config(&window(5, "1s"), "");
+    // Cut inside the limit: the first part alone is not a valid config.
+    let (head, tail) = text.split_at(text.find("permits").unwrap());
+    let mut file = std::fs::File::create(&path).unwrap();
+    file.write_all(head.as_bytes()).unwrap();
+    tokio::time::sleep(MAX_DELAY + Duration::from_secs(1)).await;
+    assert_eq!(
+        reloads(&proxy, "failure").await,
+        0.0,
+        "the first part was read"
+    );
+    assert_eq!(reloads(&proxy, "success").await, 0.0);
+    file.write_all(tail.as_bytes()).unwrap();
+    drop(file);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            reloads(&proxy, "success").await == 1.0
+        })
+        .await,
+        "the closed file was read"
+    );
+    assert_eq!(live_permits(&proxy).await, 5);
+    assert_eq!(reloads(&proxy, "failure").await, 0.0);
+
+    let mut file = std::fs::File::create(&path).unwrap();
+    file.write_all(config(&window(7, "1s"), "").as_bytes())
+        .unwrap();
+    let written = Instant::now();
+    assert!(
+        eventually(WRITER_GONE + Duration::from_secs(5), || async {
+            live_permits(&proxy).await == 7
+        })
+        .await,
+        "a file left open is read once its writer has been quiet for WRITER_GONE"
+    );
+    // The wait starts at the write's event, which may be seen just before `written`.
+    assert!(written.elapsed() > WRITER_GONE - Duration::from_millis(500));
+    assert_eq!(reloads(&proxy, "failure").await, 0.0);
+    drop(file);
+}
+
 /// 200 requests queued on 20/s; raised to 100/s at 1.2 s, lowered to 20/s at 1.7 s. None
 /// is lost, the raise lets a crowd through at once, the lower holds the rest back
 /// counting what the raised limit let through.
