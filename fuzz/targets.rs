@@ -235,3 +235,30 @@ pub fn response(data: &[u8]) {
         assert_eq!(run(data, step), whole, "fed {step} bytes at a time");
     }
 }
+
+/// The request target's authority as the proxy reads it (`route::authority_parts`, one
+/// pass for routing, the egress check and the dial) against the `http` crate's own
+/// reading, for whatever hyper accepts as an authority or an absolute URI: a request
+/// must never be routed or checked under one host and sent to another.
+pub fn authority(data: &[u8]) {
+    use http::Uri;
+    use http::uri::Authority;
+    use sluice::route::authority_parts;
+
+    let check = |a: &Authority| {
+        assert_eq!(
+            authority_parts(a.as_str()),
+            (a.host(), a.port_u16()),
+            "{:?}",
+            a.as_str()
+        );
+    };
+    if let Ok(a) = Authority::try_from(data) {
+        check(&a);
+    }
+    if let Ok(uri) = Uri::try_from(data)
+        && let Some(a) = uri.authority()
+    {
+        check(a);
+    }
+}

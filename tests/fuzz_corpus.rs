@@ -49,3 +49,8 @@ fn classify_corpus() {
 fn response_corpus() {
     replay("response", targets::response);
 }
+
+#[test]
+fn authority_corpus() {
+    replay("authority", targets::authority);
+}
