@@ -236,10 +236,10 @@ pub fn response(data: &[u8]) {
     }
 }
 
-/// The request target's authority as the proxy reads it (`route::authority_parts`, one
-/// pass for routing, the egress check and the dial) against the `http` crate's own
-/// reading, for whatever hyper accepts as an authority or an absolute URI: a request
-/// must never be routed or checked under one host and sent to another.
+/// The request target's authority as the proxy reads it (`route::authority_parts`, which
+/// routing and the egress check use) against the `http` crate's own reading (which the
+/// pooled client's connector dials), for whatever hyper accepts as an authority or an
+/// absolute URI: a request must never be checked under one host and sent to another.
 pub fn authority(data: &[u8]) {
     use http::Uri;
     use http::uri::Authority;
