@@ -52,6 +52,11 @@ async fn live_permits(proxy: &Proxy) -> u64 {
     v["upstreams"][0]["limits"][0]["permits"].as_u64().unwrap()
 }
 
+/// Whether the live limit becomes `n` permits within `within`.
+async fn permits_become(proxy: &Proxy, n: u64, within: Duration) -> bool {
+    eventually(within, || async { live_permits(proxy).await == n }).await
+}
+
 #[tokio::test]
 async fn post_reload_answers_what_changed_and_refuses_bad_files() {
     let up = Upstream::start().await;
@@ -252,22 +257,12 @@ async fn rename_over_and_delete_and_recreate_are_picked_up_and_other_files_ignor
     let proxy = Proxy::from_file(&path).await;
 
     rename_over(&path, &config(&window(2, "1s"), ""));
-    assert!(
-        eventually(Duration::from_secs(5), || async {
-            live_permits(&proxy).await == 2
-        })
-        .await
-    );
+    assert!(permits_become(&proxy, 2, Duration::from_secs(5)).await);
 
     std::fs::remove_file(&path).unwrap();
     tokio::time::sleep(Duration::from_millis(30)).await;
     std::fs::write(&path, config(&window(3, "1s"), "")).unwrap();
-    assert!(
-        eventually(Duration::from_secs(5), || async {
-            live_permits(&proxy).await == 3
-        })
-        .await
-    );
+    assert!(permits_become(&proxy, 3, Duration::from_secs(5)).await);
     assert_eq!(reloads(&proxy, "success").await, 2.0);
 
     // An editor's swap file coming and going beside it changes nothing.
@@ -293,10 +288,7 @@ async fn a_symlinked_config_edited_where_it_lives_is_picked_up() {
     // Written in place, in the other directory: nothing happens beside the symlink.
     std::fs::write(&target, config(&window(9, "1s"), "")).unwrap();
     assert!(
-        eventually(Duration::from_secs(5), || async {
-            live_permits(&proxy).await == 9
-        })
-        .await,
+        permits_become(&proxy, 9, Duration::from_secs(5)).await,
         "the edit to the symlink's target was seen"
     );
 }
@@ -344,10 +336,7 @@ async fn a_file_written_in_place_is_read_when_its_writer_closes_it() {
         .unwrap();
     let written = Instant::now();
     assert!(
-        eventually(WRITER_GONE + Duration::from_secs(5), || async {
-            live_permits(&proxy).await == 7
-        })
-        .await,
+        permits_become(&proxy, 7, WRITER_GONE + Duration::from_secs(5)).await,
         "a file left open is read once its writer has been quiet for WRITER_GONE"
     );
     // The wait starts at the write's event, which may be seen just before `written`.
@@ -600,10 +589,7 @@ async fn busy_neighbours_and_a_restless_file_never_starve_a_reload() {
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     rename_over(&path, &config(&window(3, "1s"), ""));
-    let changed = eventually(Duration::from_secs(5), || async {
-        live_permits(&proxy).await == 3
-    })
-    .await;
+    let changed = permits_become(&proxy, 3, Duration::from_secs(5)).await;
     assert!(changed, "the neighbour's writes held the reload back");
 
     // The config file itself rewritten every 100 ms, for longer than MAX_DELAY.
@@ -626,10 +612,7 @@ async fn busy_neighbours_and_a_restless_file_never_starve_a_reload() {
     restless.await.unwrap();
     churn.store(false, Ordering::Relaxed);
     neighbour.await.unwrap();
-    let last = eventually(Duration::from_secs(5), || async {
-        live_permits(&proxy).await == 49
-    })
-    .await;
+    let last = permits_become(&proxy, 49, Duration::from_secs(5)).await;
     assert!(last, "the last version is read once the file settles");
 }
 
