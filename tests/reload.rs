@@ -52,6 +52,16 @@ async fn live_permits(proxy: &Proxy) -> u64 {
     v["upstreams"][0]["limits"][0]["permits"].as_u64().unwrap()
 }
 
+/// A proxy started on `text` written to `sluice.toml` in a new directory, which lives as
+/// long as the returned guard.
+async fn proxy_on_file(text: &str) -> (tempfile::TempDir, std::path::PathBuf, Proxy) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(&path, text).unwrap();
+    let proxy = Proxy::from_file(&path).await;
+    (dir, path, proxy)
+}
+
 /// Whether the live limit becomes `n` permits within `within`.
 async fn permits_become(proxy: &Proxy, n: u64, within: Duration) -> bool {
     eventually(within, || async { live_permits(proxy).await == n }).await
@@ -60,10 +70,7 @@ async fn permits_become(proxy: &Proxy, n: u64, within: Duration) -> bool {
 #[tokio::test]
 async fn post_reload_answers_what_changed_and_refuses_bad_files() {
     let up = Upstream::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("sluice.toml");
-    std::fs::write(&path, config(&window(2, "1s"), "")).unwrap();
-    let proxy = Proxy::from_file(&path).await;
+    let (_dir, path, proxy) = proxy_on_file(&config(&window(2, "1s"), "")).await;
 
     let (status, body) = proxy.admin_post("/reload").await;
     assert_eq!(status, 200, "{body}");
@@ -251,10 +258,7 @@ async fn a_configmap_symlink_swap_is_picked_up() {
 
 #[tokio::test]
 async fn rename_over_and_delete_and_recreate_are_picked_up_and_other_files_ignored() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("sluice.toml");
-    std::fs::write(&path, config(&window(1, "1s"), "")).unwrap();
-    let proxy = Proxy::from_file(&path).await;
+    let (dir, path, proxy) = proxy_on_file(&config(&window(1, "1s"), "")).await;
 
     rename_over(&path, &config(&window(2, "1s"), ""));
     assert!(permits_become(&proxy, 2, Duration::from_secs(5)).await);
@@ -300,10 +304,7 @@ async fn a_symlinked_config_edited_where_it_lives_is_picked_up() {
 async fn a_file_written_in_place_is_read_when_its_writer_closes_it() {
     use sluice::reload::{DEBOUNCE, MAX_DELAY, WRITER_GONE};
     use std::io::Write;
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("sluice.toml");
-    std::fs::write(&path, config(&window(2, "1s"), "")).unwrap();
-    let proxy = Proxy::from_file(&path).await;
+    let (_dir, path, proxy) = proxy_on_file(&config(&window(2, "1s"), "")).await;
     // After the watcher's first look at the file (one debounce after start).
     tokio::time::sleep(DEBOUNCE * 3).await;
 
@@ -351,10 +352,7 @@ async fn a_file_written_in_place_is_read_when_its_writer_closes_it() {
 #[tokio::test]
 async fn limits_raised_and_lowered_with_200_queued_lose_nothing() {
     let up = Upstream::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("sluice.toml");
-    std::fs::write(&path, config(&window(20, "1s"), "")).unwrap();
-    let proxy = Proxy::from_file(&path).await;
+    let (_dir, path, proxy) = proxy_on_file(&config(&window(20, "1s"), "")).await;
     let client = proxy.client();
 
     let t0 = Instant::now();
@@ -571,10 +569,7 @@ async fn the_binary_reloads_under_traffic_and_shuts_down_with_a_full_queue() {
 /// read within MAX_DELAY of its first change.
 #[tokio::test]
 async fn busy_neighbours_and_a_restless_file_never_starve_a_reload() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("sluice.toml");
-    std::fs::write(&path, config(&window(2, "1s"), "")).unwrap();
-    let proxy = Proxy::from_file(&path).await;
+    let (dir, path, proxy) = proxy_on_file(&config(&window(2, "1s"), "")).await;
     let churn = Arc::new(AtomicBool::new(true));
     let neighbour = {
         let (churn, file) = (churn.clone(), dir.path().join("app.log"));
