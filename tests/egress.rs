@@ -113,6 +113,34 @@ async fn named_upstreams_and_allow_let_through_but_never_to_own_listeners() {
     assert_eq!(connect(&wide, &admin).await, denied());
 }
 
+/// CONNECT's target is read as the forward path reads an authority: a bracketed IPv6
+/// literal with its port opens, and a target with userinfo or without a usable port is
+/// a 400, not a tunnel to some part of it.
+#[tokio::test]
+async fn connect_targets_are_read_like_request_authorities() {
+    let echo = echo_server().await;
+    let port = echo.port();
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"local\"\nhosts = [\"127.0.0.1:{port}\"]\n[egress]\n\
+         allow = [\"127.0.0.0/8\", \"::1\"]\nconnect_ports = [\"1-65535\"]\n"
+    ))
+    .await;
+    assert_eq!(connect(&proxy, &format!("127.0.0.1:{port}")).await.0, 200);
+    // ::1 may be missing on the machine: the answer is then a 502, never a 400.
+    let v6 = connect(&proxy, &format!("[::1]:{port}")).await.0;
+    assert!(v6 == 200 || v6 == 502, "[::1]:{port} answered {v6}");
+    for target in [
+        format!("user@127.0.0.1:{port}"),
+        format!("user:pw@127.0.0.1:{port}"),
+        "127.0.0.1".to_string(),
+        "127.0.0.1:".to_string(),
+        "127.0.0.1:65536".to_string(),
+        "[::1]".to_string(),
+    ] {
+        assert_eq!(connect(&proxy, &target).await.0, 400, "CONNECT {target}");
+    }
+}
+
 /// CONNECT opens 443 and the ports upstreams name, unless `connect_ports` says otherwise;
 /// the port is checked before any name is resolved or address tried.
 #[tokio::test]

@@ -127,7 +127,7 @@ pub fn ip_literal(host: &str) -> Option<IpAddr> {
 }
 
 /// Splits `host`, `host:port`, `[v6]` or `[v6]:port`. A bare IPv6 literal has no port.
-pub fn split_host_port(s: &str) -> Option<(&str, Option<&str>)> {
+fn split_host_port(s: &str) -> Option<(&str, Option<&str>)> {
     if let Some(rest) = s.strip_prefix('[') {
         let (h, after) = rest.split_once(']')?;
         return match after {

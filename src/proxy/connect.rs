@@ -24,9 +24,8 @@ use super::forward::{Record, finish};
 use super::lifecycle::Lifecycle;
 use super::{Body, empty};
 use crate::app::App;
-use crate::config::pattern::split_host_port;
 use crate::config::{TlsMode, Unmatched};
-use crate::route::normalize_host;
+use crate::route::{authority_parts, normalize_host};
 
 pub(crate) async fn tunnel(
     app: &Arc<App>,
@@ -36,11 +35,16 @@ pub(crate) async fn tunnel(
 ) -> Response<Body> {
     let start = Instant::now();
     let config = app.config();
+    // Read as the forward path reads an absolute URI's authority, so the two cannot
+    // disagree on a host. Userinfo has no place in CONNECT's authority-form (RFC 9110,
+    // 9.3.6): refused rather than quietly dropped.
     let Some((host, port)) = req
         .uri()
         .authority()
-        .and_then(|a| split_host_port(a.as_str()))
-        .and_then(|(h, p)| Some((normalize_host(h), p?.parse::<u16>().ok()?)))
+        .map(|a| a.as_str())
+        .filter(|a| !a.contains('@'))
+        .map(authority_parts)
+        .and_then(|(h, p)| Some((normalize_host(h), p?)))
     else {
         let err = ProxyError::BadRequest("CONNECT needs host:port".into());
         let record = Record {
