@@ -16,7 +16,8 @@ Each row: median (min-max) req/s, p50 and p99, the proxy's CPU and its user and 
 CPU per request, and RSS after the run. The machine's speed swings by tens of percent
 within a minute, so each sluice row also has its ratio to haproxy with the same thread
 count, taken round by round (the two ran seconds apart) and then the median of those;
-the order of the targets rotates every round so that none always follows the same one.
+the targets' order is shuffled every round (`common.round_order`), so that none always
+follows the same one.
 Below each table, the ratios the targets are judged by (as shipped against haproxy and
 against the log off) with a 95% bootstrap interval of their median: an interval that
 straddles 100% is a tie on this machine, whatever the median says.
@@ -39,6 +40,7 @@ from common import (
     family_pids,
     haproxy_config,
     median_interval,
+    round_order,
     rss_kib,
     shipped_config,
     start_sluice,
@@ -176,8 +178,7 @@ def measure(targets, pids, threads, shipped, logging):
     # Context switches per 1000 requests, voluntary and involuntary.
     switches = {t[0]: [] for t in targets}
     for r in range(ROUNDS):
-        shift = r % len(targets)
-        for name, url, script, who in targets[shift:] + targets[:shift]:
+        for name, url, script, who in round_order(targets, r):
             watched = family_pids(pids[who]) if who else []
             u0, s0 = cpu_split(watched)
             v0, i0 = context_switches(watched)

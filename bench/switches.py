@@ -6,8 +6,8 @@ differ in what they cost the machine; this says where the switches come from.
 Tasks are grouped as the proxy (all its threads), wrk, nginx and the rest (the pipe's
 reader, perf, kernel threads). A task that stopped while still runnable was preempted,
 by the task named; one that stopped otherwise slept. Switches away from the idle task
-are not counted: they only say that a CPU had nothing to run. Rounds rotate the targets'
-order; figures are medians over rounds.
+are not counted: they only say that a CPU had nothing to run. Each round shuffles the
+targets' order; figures are medians over rounds.
 """
 
 import collections
@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from common import Procs, hello_nginx, shipped_off_haproxy, wrk
+from common import Procs, hello_nginx, round_order, shipped_off_haproxy, wrk
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
@@ -63,8 +63,7 @@ def main():
         rows = {t[0]: [] for t in targets}
         data = os.path.join(work, "sched.data")
         for r in range(ROUNDS):
-            shift = r % len(targets)
-            for name, url, script, p in targets[shift:] + targets[:shift]:
+            for name, url, script, p in round_order(targets, r):
                 wrk(url, 32, 1, script, THREADS)
                 rec = subprocess.Popen(["perf", "record", "-q", "-a", "-e", "sched:sched_switch", "-o", data],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -3,7 +3,7 @@ spends (see syscalls.sh): system calls and context switches from perf's tracepoi
 (system-wide and the proxy's own), CPU from /proc for the proxy, its log writer thread,
 the thread here that reads its stderr pipe (as a container runtime would), nginx and wrk.
 
-Rounds rotate the targets' order; each figure is the median over rounds, and the rate is
+Each round shuffles the targets' order; each figure is the median over rounds, and the rate is
 also given as the median of its round-by-round ratio to haproxy's.
 """
 
@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 
-from common import Procs, family_pids, hello_nginx, shipped_off_haproxy, wrk
+from common import Procs, family_pids, hello_nginx, round_order, shipped_off_haproxy, wrk
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 6
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
@@ -72,8 +72,7 @@ def main():
         targets = shipped_off_haproxy(procs, work, UP, (SHIPPED, ADMIN, OFF, ADMIN + 1, HAPROXY))
         rows = {t[0]: [] for t in targets}
         for r in range(ROUNDS):
-            shift = r % len(targets)
-            for name, url, script, p in targets[shift:] + targets[:shift]:
+            for name, url, script, p in round_order(targets, r):
                 reader = getattr(p, "drain_tid", None)
 
                 def cpu():
