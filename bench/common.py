@@ -173,8 +173,9 @@ def round_order(targets, r):
     """The order to measure `targets` in, in round `r`: a shuffle, the same for the same
     round on every run (BENCH_SEED changes it). A rotation would keep each target's
     neighbours: it would always follow the same one, so what a target leaves behind for
-    a few seconds (a full peers run showed a 12% dip two places after tinyproxy) would
-    always land on the same next ones and read as their cost."""
+    a few seconds (with wrk -t1, targets measured right after tinyproxy ran at 93% of
+    their own median, two places after at 97%) would always land on the same next ones
+    and read as their cost."""
     order = list(targets)
     random.Random(f"{os.environ.get('BENCH_SEED', '0')}:{r}").shuffle(order)
     return order

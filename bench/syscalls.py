@@ -3,8 +3,8 @@ spends (see syscalls.sh): system calls and context switches from perf's tracepoi
 (system-wide and the proxy's own), CPU from /proc for the proxy, its log writer thread,
 the thread here that reads its stderr pipe (as a container runtime would), nginx and wrk.
 
-Each round shuffles the targets' order; each figure is the median over rounds, and the rate is
-also given as the median of its round-by-round ratio to haproxy's.
+Each round shuffles the targets' order; each figure is the median over rounds, and the
+rate is also given as the median of its round-by-round ratio to haproxy's.
 """
 
 import os
