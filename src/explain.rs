@@ -6,45 +6,76 @@ use std::fmt::{self, Write};
 use http::{HeaderMap, Method, Uri};
 
 use crate::config::units::fmt_duration;
-use crate::config::{Config, Jitter, Limit, Policy, Priority, RetryOn, TlsMode, Unmatched};
+use crate::config::{
+    Config, CounterAlign, Jitter, Limit, Policy, Priority, RetryOn, Rounding, TlsMode, Unmatched,
+    WindowAlign,
+};
 use crate::policy::is_idempotent;
 use crate::route::{Router, normalize_host};
 
 impl fmt::Display for Limit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let (text, scope) = match self {
+        let on_clock = |offset: &Option<std::time::Duration>| match offset {
+            Some(o) if !o.is_zero() => format!(", on the clock + {}", fmt_duration(*o)),
+            _ => ", on the clock".to_string(),
+        };
+        let text = match self {
             Limit::TokenBucket {
-                rate,
-                per,
-                burst,
-                scope,
-                ..
-            } => (
-                format!(
-                    "token_bucket {rate} per {} (burst {burst})",
-                    fmt_duration(*per)
-                ),
-                scope,
+                rate, per, burst, ..
+            } => format!(
+                "token_bucket {rate} per {} (burst {burst})",
+                fmt_duration(*per)
             ),
             Limit::SlidingWindow {
-                permits,
-                window,
-                scope,
-                ..
-            } => (
-                format!("sliding_window {permits} per {}", fmt_duration(*window)),
-                scope,
-            ),
+                permits, window, ..
+            } => format!("sliding_window {permits} per {}", fmt_duration(*window)),
             Limit::FixedWindow {
                 permits,
                 window,
-                scope,
+                align,
+                offset,
                 ..
-            } => (
-                format!("fixed_window {permits} per {}", fmt_duration(*window)),
-                scope,
+            } => {
+                let edges = match align {
+                    WindowAlign::First => String::new(),
+                    WindowAlign::Clock => on_clock(offset),
+                };
+                format!(
+                    "fixed_window {permits} per {}{edges}",
+                    fmt_duration(*window)
+                )
+            }
+            Limit::SlidingCounter {
+                permits,
+                window,
+                align,
+                offset,
+                rounding,
+                ..
+            } => {
+                let edges = match align {
+                    CounterAlign::Any => ", any alignment".to_string(),
+                    CounterAlign::Clock => on_clock(offset),
+                };
+                let rounding = match rounding {
+                    Rounding::Down => "",
+                    Rounding::None => ", unrounded",
+                };
+                format!(
+                    "sliding_counter {permits} per {}{edges}{rounding}",
+                    fmt_duration(*window)
+                )
+            }
+            Limit::LeakyBucket {
+                rate, per, burst, ..
+            } => format!(
+                "leaky_bucket {rate} per {} (burst {burst})",
+                fmt_duration(*per)
             ),
-            Limit::Concurrency { max, scope } => (format!("concurrency {max} in flight"), scope),
+            Limit::Published {
+                permits, window, ..
+            } => format!("published {permits} per {}", fmt_duration(*window)),
+            Limit::Concurrency { max, .. } => format!("concurrency {max} in flight"),
         };
         f.write_str(&text)?;
         if let Some(m) = self.margin() {
@@ -53,7 +84,7 @@ impl fmt::Display for Limit {
                 f.write_str(" (default)")?;
             }
         }
-        if *scope == crate::config::Scope::Global {
+        if self.is_global() {
             f.write_str(" (global)")?;
         }
         Ok(())

@@ -8,45 +8,89 @@ mod support;
 use std::time::Duration;
 
 use proptest::prelude::*;
-use sluice::config::{Limit, Margin, Scope};
+use sluice::cluster::GlobalLimit;
+use sluice::config::{CounterAlign, Limit, Margin, Rounding, Scope, WindowAlign};
 use sluice::limit::kinds::LimitState;
-use support::provider::Counter;
+use support::provider::{Clock, Counter};
 use support::redis::Redis;
 use tokio::time::Instant;
 
 /// One limit as the script takes it, with the same limit for the local model.
 #[derive(Debug, Clone)]
 struct Shape {
+    /// The script's kind, with `C` for a counter on the clock (the script's `c` with an
+    /// offset), `l` a leaky bucket and `p` a published limit (both the script's `t`).
     kind: char,
     permits: u32,
     window_us: u64,
     burst: u32,
     margin_us: u64,
+    /// Windows on the clock start this far past whole windows.
+    offset_us: u64,
 }
+
+/// Script calls give their own `now`, in microseconds; windows on the clock fall by it.
+const BASE_US: u64 = 1_000_000_000;
 
 impl Shape {
     fn limit(&self) -> Limit {
         let nz = |v| std::num::NonZeroU32::new(v).unwrap();
         let window = Duration::from_micros(self.window_us);
         let margin = Some(Margin::Duration(Duration::from_micros(self.margin_us)));
-        let scope = Scope::Local;
+        let offset = Some(Duration::from_micros(self.offset_us % self.window_us));
+        let scope = Scope::Global;
+        let permits = nz(self.permits);
+        let counter = |align, rounding| Limit::SlidingCounter {
+            permits,
+            window,
+            align,
+            offset: (align == CounterAlign::Clock).then_some(offset).flatten(),
+            rounding,
+            margin,
+            margin_max: None,
+            scope,
+        };
         match self.kind {
             's' => Limit::SlidingWindow {
-                permits: nz(self.permits),
+                permits,
                 window,
                 margin,
                 margin_max: None,
                 scope,
             },
-            'f' => Limit::FixedWindow {
-                permits: nz(self.permits),
+            'f' | 'k' => Limit::FixedWindow {
+                align: if self.kind == 'k' {
+                    WindowAlign::Clock
+                } else {
+                    WindowAlign::First
+                },
+                offset: if self.kind == 'k' { offset } else { None },
+                permits,
+                window,
+                margin,
+                margin_max: None,
+                scope,
+            },
+            'c' => counter(CounterAlign::Any, Rounding::Down),
+            'C' => counter(CounterAlign::Clock, Rounding::Down),
+            'u' => counter(CounterAlign::Clock, Rounding::None),
+            'l' => Limit::LeakyBucket {
+                rate: permits,
+                per: window,
+                burst: self.burst - 1,
+                margin,
+                margin_max: None,
+                scope,
+            },
+            'p' => Limit::Published {
+                permits,
                 window,
                 margin,
                 margin_max: None,
                 scope,
             },
             _ => Limit::TokenBucket {
-                rate: nz(self.permits),
+                rate: permits,
                 per: window,
                 burst: nz(self.burst),
                 margin,
@@ -56,24 +100,48 @@ impl Shape {
         }
     }
 
-    /// The script's a and b (see reserve.lua).
-    fn ab(&self) -> (f64, f64) {
-        match self.kind {
-            's' | 'f' => (f64::from(self.permits), self.window_us as f64),
-            _ => {
-                let e = self.window_us as f64 / f64::from(self.permits);
-                (e, e * f64::from(self.burst - 1))
-            }
-        }
+    /// The script's arguments for the limit, as sluice passes them.
+    fn args(&self) -> [String; 4] {
+        GlobalLimit::new("l".into(), &self.limit())
+            .expect("a global rate limit")
+            .script_args()
     }
 
-    fn provider(&self) -> Counter {
+    fn provider(&self, t0: Instant) -> Counter {
         let window = Duration::from_micros(self.window_us);
+        let clock = Clock {
+            t0,
+            unix0: Duration::from_micros(BASE_US),
+        };
+        let offset = Duration::from_micros(self.offset_us % self.window_us);
+        let p = self.permits;
         match self.kind {
-            's' => Counter::sliding(self.permits, window),
-            'f' => Counter::fixed(self.permits, window),
-            _ => Counter::token(self.permits, window, self.burst),
+            's' => Counter::sliding(p, window),
+            'f' => Counter::fixed(p, window),
+            'k' => Counter::calendar(p, window, offset, clock),
+            'c' => Counter::haproxy(p, window, clock),
+            // Windows on the clock without an offset: the providers' own.
+            'C' | 'u' => Counter::weighted(p, window, shifted(clock, offset), self.kind == 'C'),
+            'l' => Counter::nginx(p, window, self.burst - 1, clock),
+            'p' => Counter::All(vec![
+                Counter::sliding(p, window),
+                Counter::fixed(p, window),
+                Counter::calendar(p, window, offset, clock),
+                Counter::haproxy(p, window, clock),
+                Counter::weighted(p, window, clock, true),
+                Counter::token(p, window, 1),
+                Counter::nginx(p, window, 0, clock),
+            ]),
+            _ => Counter::token(p, window, self.burst),
         }
+    }
+}
+
+/// The clock of a provider whose windows start `offset` later.
+fn shifted(clock: Clock, offset: Duration) -> Clock {
+    Clock {
+        t0: clock.t0,
+        unix0: clock.unix0 - offset,
     }
 }
 
@@ -107,7 +175,6 @@ fn call(
     corrections: &[(String, String)],
 ) -> Vec<redis::Value> {
     let (tag, shape) = (&keys.tag, keys.shape);
-    let (a, b) = shape.ab();
     let mut inv = keys.script.prepare_invoke();
     inv.key(format!("{tag}:epoch"))
         .key(format!("{tag}:l"))
@@ -120,9 +187,7 @@ fn call(
         .arg(u64::MAX / 4)
         .arg(u64::MAX / 4)
         .arg(1)
-        .arg(shape.kind.to_string())
-        .arg(format!("{a:.3}"))
-        .arg(format!("{b:.3}"))
+        .arg(&shape.args()[..])
         .arg(shape.margin_us)
         .arg("1")
         .arg(corrections.len());
@@ -141,19 +206,31 @@ fn int(v: &redis::Value) -> i64 {
 
 fn shape() -> impl Strategy<Value = Shape> {
     (
-        prop_oneof![Just('s'), Just('f'), Just('t')],
+        prop_oneof![
+            Just('s'),
+            Just('f'),
+            Just('t'),
+            Just('k'),
+            Just('c'),
+            Just('C'),
+            Just('u'),
+            Just('l'),
+            Just('p')
+        ],
         1..5u32,
         prop_oneof![Just(100_000u64), Just(1_000_000)],
         1..4u32,
         0..=400u64,
+        0..1_000_000u64,
     )
-        .prop_map(|(kind, permits, window_us, burst, m)| Shape {
+        .prop_map(|(kind, permits, window_us, burst, m, offset_us)| Shape {
             kind,
             permits,
             window_us,
             burst,
             // Up to 40% of half the window: the same bound sluice check puts on it.
             margin_us: window_us / 2 * m / 1000,
+            offset_us,
         })
 }
 
@@ -200,12 +277,13 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
     /// Reservations without corrections are the local limiter's admissions: the same
-    /// instants, to the microsecond, for sliding windows and token buckets, requests
-    /// queued FIFO. (Fixed windows differ by design: the script, choosing the instant
-    /// itself, never reserves one that may reach the provider after its window closes.)
+    /// instants, to the microsecond, for sliding windows, counters and every GCRA kind,
+    /// requests queued FIFO. (Fixed windows differ by design: the script, choosing the
+    /// instant itself, never reserves one that may reach the provider in a window that
+    /// is already full.)
     #[test]
     fn the_script_reserves_what_the_local_limiter_admits(
-        shape in shape().prop_filter("no fixed windows", |s| s.kind != 'f'),
+        shape in shape().prop_filter("no fixed windows", |s| s.kind != 'f' && s.kind != 'k'),
         gaps in prop::collection::vec(prop_oneof![2 => Just(0u64), 1 => 0..300_000u64], 1..40),
     ) {
         let script = redis::Script::new(sluice::cluster::SCRIPT);
@@ -213,8 +291,8 @@ proptest! {
         let mut con = con.lock();
         let keys = Keys { script: &script, tag: format!("{{m{}}}", rand_id()), shape: &shape };
         let t0 = Instant::now();
-        let base = 1_000_000_000u64;
-        let mut local = LimitState::new(&shape.limit(), t0);
+        let base = BASE_US;
+        let mut local = LimitState::on_clock(&shape.limit(), t0, 0, Duration::from_micros(base));
         let (mut now, mut prev) = (base, base);
         for (i, gap) in gaps.iter().enumerate() {
             now += gap;
@@ -253,7 +331,7 @@ proptest! {
         let (_, con) = redis();
         let mut con = con.lock();
         let keys = Keys { script: &script, tag: format!("{{p{}}}", rand_id()), shape: &shape };
-        let base = 1_000_000_000u64;
+        let base = BASE_US;
         let mut now = base;
         // Corrections known by `now`, waiting for the next call: (due, member, value).
         let mut due: Vec<(u64, String, String)> = Vec::new();
@@ -286,8 +364,8 @@ proptest! {
             }
         }
         arrivals.sort();
-        let mut provider = shape.provider();
         let t0 = Instant::now();
+        let mut provider = shape.provider(t0);
         for (k, a) in arrivals.iter().enumerate() {
             prop_assert!(
                 provider.arrive(t0 + Duration::from_micros(a - base)),

@@ -15,17 +15,37 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use proptest::prelude::*;
-use sluice::config::{Limit, Margin, Scope};
+use sluice::config::{CounterAlign, Limit, Margin, Rounding, Scope, WindowAlign};
 use sluice::limit::kinds::LimitState;
 use support::Proxy;
-use support::provider::{Counter, Delays, Provider, Relay};
+use support::provider::{Clock, Counter, Delays, Provider, Relay};
 use tokio::time::Instant;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Kind {
     Sliding,
     Fixed,
-    Token { burst: u32 },
+    Token {
+        burst: u32,
+    },
+    /// `sliding_counter` at any alignment, judged by haproxy's counter.
+    CounterAny,
+    /// `sliding_counter` on the clock, judged by Python `limits`' counter (or the same
+    /// counter comparing unrounded).
+    CounterClock {
+        rounds_down: bool,
+    },
+    /// `fixed_window` on the clock, judged by a clock window with the same offset.
+    Calendar {
+        offset_ms: u64,
+    },
+    /// `leaky_bucket`, judged by nginx: `permits` r/s, or `per_minute` r/m.
+    Leaky {
+        burst: u32,
+        per_minute: bool,
+    },
+    /// `published`, judged by every algorithm above at the same numbers at once.
+    Published,
 }
 
 #[derive(Debug, Clone)]
@@ -35,6 +55,8 @@ struct Shape {
     window_ms: u64,
     /// In thousandths of half the window (the most a window's margin may be).
     margin_permille: u64,
+    /// The Unix time at the start, past a round number: where the clock's windows fall.
+    phase_ns: u64,
 }
 
 impl Shape {
@@ -46,29 +68,92 @@ impl Shape {
         self.window() / 2 * self.margin_permille as u32 / 1000
     }
 
+    fn unix0(&self) -> Duration {
+        Duration::from_secs(1_700_000_000) + Duration::from_nanos(self.phase_ns)
+    }
+
+    /// A leaky bucket's rate and period as nginx writes them.
+    fn nginx_rate(&self, per_minute: bool) -> (u32, Duration) {
+        if per_minute {
+            (self.permits * 13 + 1, Duration::from_secs(60))
+        } else {
+            (self.permits, Duration::from_secs(1))
+        }
+    }
+
     fn limit(&self) -> Limit {
         let nz = |v| NonZeroU32::new(v).unwrap();
         let margin = Some(Margin::Duration(self.margin()));
         let scope = Scope::Local;
+        let (permits, window) = (nz(self.permits), self.window());
         match self.kind {
             Kind::Sliding => Limit::SlidingWindow {
-                permits: nz(self.permits),
-                window: self.window(),
+                permits,
+                window,
                 margin,
                 margin_max: None,
                 scope,
             },
             Kind::Fixed => Limit::FixedWindow {
-                permits: nz(self.permits),
-                window: self.window(),
+                align: Default::default(),
+                offset: None,
+                permits,
+                window,
                 margin,
                 margin_max: None,
                 scope,
             },
             Kind::Token { burst } => Limit::TokenBucket {
-                rate: nz(self.permits),
-                per: self.window(),
+                rate: permits,
+                per: window,
                 burst: nz(burst),
+                margin,
+                margin_max: None,
+                scope,
+            },
+            Kind::CounterAny | Kind::CounterClock { .. } => Limit::SlidingCounter {
+                permits,
+                window,
+                align: if self.kind == Kind::CounterAny {
+                    CounterAlign::Any
+                } else {
+                    CounterAlign::Clock
+                },
+                offset: None,
+                rounding: match self.kind {
+                    Kind::CounterClock { rounds_down: false } => Rounding::None,
+                    _ => Rounding::Down,
+                },
+                margin,
+                margin_max: None,
+                scope,
+            },
+            Kind::Calendar { offset_ms } => Limit::FixedWindow {
+                align: WindowAlign::Clock,
+                offset: Some(Duration::from_millis(offset_ms % self.window_ms)),
+                permits,
+                window,
+                margin,
+                margin_max: None,
+                scope,
+            },
+            Kind::Leaky { burst, per_minute } => {
+                let (rate, per) = self.nginx_rate(per_minute);
+                Limit::LeakyBucket {
+                    rate: nz(rate),
+                    per,
+                    burst,
+                    // A share of the interval, as the other kinds' share of the window.
+                    margin: Some(Margin::Duration(
+                        per / rate * self.margin_permille as u32 / 1000,
+                    )),
+                    margin_max: None,
+                    scope,
+                }
+            }
+            Kind::Published => Limit::Published {
+                permits,
+                window,
                 margin,
                 margin_max: None,
                 scope,
@@ -76,11 +161,37 @@ impl Shape {
         }
     }
 
-    fn provider(&self) -> Counter {
+    fn provider(&self, t0: Instant) -> Counter {
+        let clock = Clock {
+            t0,
+            unix0: self.unix0(),
+        };
+        let (p, w) = (self.permits, self.window());
         match self.kind {
-            Kind::Sliding => Counter::sliding(self.permits, self.window()),
-            Kind::Fixed => Counter::fixed(self.permits, self.window()),
-            Kind::Token { burst } => Counter::token(self.permits, self.window(), burst),
+            Kind::Sliding => Counter::sliding(p, w),
+            Kind::Fixed => Counter::fixed(p, w),
+            Kind::Token { burst } => Counter::token(p, w, burst),
+            Kind::CounterAny => Counter::haproxy(p, w, clock),
+            Kind::CounterClock { rounds_down } => Counter::weighted(p, w, clock, rounds_down),
+            Kind::Calendar { offset_ms } => Counter::calendar(
+                p,
+                w,
+                Duration::from_millis(offset_ms % self.window_ms),
+                clock,
+            ),
+            Kind::Leaky { burst, per_minute } => {
+                let (rate, per) = self.nginx_rate(per_minute);
+                Counter::nginx(rate, per, burst, clock)
+            }
+            Kind::Published => Counter::All(vec![
+                Counter::sliding(p, w),
+                Counter::fixed(p, w),
+                Counter::calendar(p, w, Duration::ZERO, clock),
+                Counter::haproxy(p, w, clock),
+                Counter::weighted(p, w, clock, true),
+                Counter::token(p, w, 1),
+                Counter::nginx(p, w, 0, clock),
+            ]),
         }
     }
 }
@@ -112,19 +223,28 @@ fn shape() -> impl Strategy<Value = Shape> {
         Just(Kind::Sliding),
         Just(Kind::Fixed),
         (1..4u32).prop_map(|burst| Kind::Token { burst }),
+        Just(Kind::CounterAny),
+        any::<bool>().prop_map(|rounds_down| Kind::CounterClock { rounds_down }),
+        (0..1000u64).prop_map(|offset_ms| Kind::Calendar { offset_ms }),
+        (0..4u32, any::<bool>()).prop_map(|(burst, per_minute)| Kind::Leaky { burst, per_minute }),
+        Just(Kind::Published),
     ];
     (
         kind,
         1..6u32,
         prop_oneof![Just(100u64), Just(250), Just(1000)],
         prop_oneof![Just(0u64), Just(1000), 0..1000u64],
+        prop_oneof![Just(0u64), 0..120_000_000_000u64],
     )
-        .prop_map(|(kind, permits, window_ms, margin_permille)| Shape {
-            kind,
-            permits,
-            window_ms,
-            margin_permille,
-        })
+        .prop_map(
+            |(kind, permits, window_ms, margin_permille, phase_ns)| Shape {
+                kind,
+                permits,
+                window_ms,
+                margin_permille,
+                phase_ns,
+            },
+        )
 }
 
 fn req() -> impl Strategy<Value = Req> {
@@ -173,8 +293,8 @@ struct Run {
 fn simulate(shape: &Shape, reqs: &[Req]) -> Result<Run, TestCaseError> {
     let t0 = Instant::now();
     let at = |us: u64| t0 + Duration::from_micros(us);
-    let mut l = LimitState::new(&shape.limit(), t0);
-    let margin_us = shape.margin().as_micros() as u64;
+    let mut l = LimitState::on_clock(&shape.limit(), t0, 0, shape.unix0());
+    let margin_us = shape.limit().margin().unwrap_or_default().as_micros() as u64;
     let mut events = BinaryHeap::new();
     let mut seq = 0u64;
     let mut push = |events: &mut BinaryHeap<_>, t: u64, ev: Ev| {
@@ -252,8 +372,8 @@ proptest! {
     ) {
         let run = simulate(&shape, &reqs)?;
         prop_assert_eq!(run.admitted, reqs.len());
-        let mut provider = shape.provider();
         let t0 = Instant::now();
+        let mut provider = shape.provider(t0);
         for (us, i) in &run.arrivals {
             prop_assert!(
                 provider.arrive(t0 + Duration::from_micros(*us)),
@@ -265,25 +385,59 @@ proptest! {
 
 /// Saturated for many windows with a provider that answers within a millisecond: the
 /// default margin (a fifth of the window) costs next to nothing, since a permit comes
-/// back from the response rather than from the margin.
+/// back from the response rather than from the margin. 12 per second for 20 s is 240;
+/// every cycle loses the millisecond to the answer.
 #[test]
 fn with_fast_answers_the_default_margin_costs_little() {
-    for kind in [Kind::Sliding, Kind::Fixed] {
-        let limit = match kind {
-            Kind::Sliding => "sliding_window",
-            _ => "fixed_window",
-        };
+    let kinds = [
+        (
+            "kind = \"sliding_window\", permits = 12, window = \"1s\"",
+            238,
+        ),
+        (
+            "kind = \"fixed_window\", permits = 12, window = \"1s\"",
+            238,
+        ),
+        (
+            "kind = \"fixed_window\", permits = 12, window = \"1s\", align = \"clock\"",
+            238,
+        ),
+        (
+            "kind = \"sliding_counter\", permits = 12, window = \"1s\"",
+            238,
+        ),
+        (
+            "kind = \"sliding_counter\", permits = 12, window = \"1s\", align = \"clock\"",
+            238,
+        ),
+        // Unrounded, a counter that is full at the end of each window admits one less.
+        (
+            "kind = \"sliding_counter\", permits = 12, window = \"1s\", align = \"clock\", \
+             rounding = \"none\"",
+            218,
+        ),
+        // One at a time, a little over 1/12 s apart, each after the previous answer.
+        ("kind = \"published\", permits = 12, window = \"1s\"", 234),
+        // nginx's 12 r/s with a burst of 11: 12 at once, then 12 a second.
+        (
+            "kind = \"leaky_bucket\", rate = 12, per = \"1s\", burst = 11",
+            248,
+        ),
+    ];
+    for (limit, least) in kinds {
         let config = sluice::Config::parse(
-            &format!(
-                "[[upstream]]\nname = \"u\"\nhosts = [\"u\"]\nlimits = [{{ kind = \"{limit}\", permits = 12, window = \"1s\" }}]\n"
-            ),
+            &format!("[[upstream]]\nname = \"u\"\nhosts = [\"u\"]\nlimits = [{{ {limit} }}]\n"),
             "t.toml",
         )
         .unwrap();
         let spec = &config.upstreams[0].limits[0];
-        assert_eq!(spec.margin(), Some(Duration::from_millis(200)));
+        assert_eq!(
+            spec.margin(),
+            spec.span().map(|s| s / 5),
+            "{limit}: the default"
+        );
         let t0 = Instant::now();
-        let mut l = LimitState::new(spec, t0);
+        let mut l = LimitState::on_clock(spec, t0, 0, Duration::from_secs(1_700_000_000));
         let mut now = t0;
         let mut admitted = 0u64;
         let end = t0 + Duration::from_secs(20);
@@ -296,8 +450,7 @@ fn with_fast_answers_the_default_margin_costs_little() {
             }
             now = l.ready_at(1, now).unwrap();
         }
-        // 12 per second for 20 s is 240; every cycle loses the millisecond to the answer.
-        assert!(admitted >= 238, "{kind:?}: {admitted}");
+        assert!(admitted >= least, "{limit}: {admitted}");
     }
 }
 

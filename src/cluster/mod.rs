@@ -34,7 +34,8 @@ use std::time::Duration;
 use redis::aio::MultiplexedConnection;
 use tokio::time::Instant;
 
-use crate::config::{ClusterConfig, Limit, OnRedisError};
+use crate::config::{ClusterConfig, CounterAlign, Limit, OnRedisError, Rounding, WindowAlign};
+use crate::limit::kinds::Pace;
 use crate::metrics::Metrics;
 use breaker::Breaker;
 
@@ -105,6 +106,13 @@ impl Mode {
 pub enum Kind {
     Sliding,
     Fixed,
+    /// A fixed window on the clock.
+    Calendar,
+    /// A sliding window counter; `rounds_down` as the provider compares.
+    Counter {
+        rounds_down: bool,
+    },
+    /// A GCRA: `token_bucket`, `leaky_bucket`, `published`.
     Token,
 }
 
@@ -116,13 +124,16 @@ pub struct GlobalLimit {
     pub id: Arc<str>,
     pub spec: Limit,
     pub kind: Kind,
-    /// Windows: permits; token buckets: the emission interval in microseconds.
+    /// Windows and counters: permits; GCRA: the emission interval in microseconds.
     a: f64,
-    /// Windows: the window; token buckets: the tolerance, (burst - 1) emission intervals.
+    /// Windows and counters: the window; GCRA: the tolerance.
     b: f64,
+    /// Where clock windows start, past multiples of the window since the Unix epoch
+    /// (microseconds); `None` for any alignment (counters) or none at all.
+    offset: Option<f64>,
     pub margin: Duration,
-    /// A window, or a token bucket's emission interval times its burst: how long an
-    /// admission matters to it.
+    /// How long an admission matters to it: a window (two for a counter, whose previous
+    /// window still weighs), or a GCRA's emission interval times its burst.
     pub span: Duration,
 }
 
@@ -133,34 +144,57 @@ impl GlobalLimit {
             return None;
         }
         let margin = spec.margin()?;
-        let (kind, a, b, span) = match *spec {
+        let clock = |offset: Option<Duration>| Some(micros(offset.unwrap_or_default()));
+        let (kind, a, b, offset, span) = match *spec {
             Limit::SlidingWindow {
                 permits, window, ..
-            } => (
-                Kind::Sliding,
-                f64::from(permits.get()),
-                micros(window),
-                window,
-            ),
+            } => (Kind::Sliding, permits.get(), window, None, window),
             Limit::FixedWindow {
-                permits, window, ..
-            } => (
-                Kind::Fixed,
-                f64::from(permits.get()),
-                micros(window),
+                permits,
                 window,
+                align,
+                offset,
+                ..
+            } => match align {
+                WindowAlign::First => (Kind::Fixed, permits.get(), window, None, window),
+                WindowAlign::Clock => {
+                    (Kind::Calendar, permits.get(), window, clock(offset), window)
+                }
+            },
+            Limit::SlidingCounter {
+                permits,
+                window,
+                align,
+                offset,
+                rounding,
+                ..
+            } => (
+                Kind::Counter {
+                    rounds_down: rounding == Rounding::Down,
+                },
+                permits.get(),
+                window,
+                match align {
+                    CounterAlign::Any => None,
+                    CounterAlign::Clock => clock(offset),
+                },
+                window * 2,
             ),
-            Limit::TokenBucket {
-                rate, per, burst, ..
-            } => {
-                let emission = micros(per) / f64::from(rate.get());
-                let span = per * burst.get() / rate.get();
-                (
-                    Kind::Token,
-                    emission,
-                    emission * f64::from(burst.get() - 1),
+            Limit::TokenBucket { .. } | Limit::LeakyBucket { .. } | Limit::Published { .. } => {
+                let pace = Pace::of(spec)?;
+                let emission = pace.interval_ns() / 1000.0;
+                let span =
+                    Duration::from_nanos((pace.interval_ns() * pace.burst() as f64).ceil() as u64);
+                return Some(GlobalLimit {
+                    id: Arc::from(id),
+                    spec: spec.clone(),
+                    kind: Kind::Token,
+                    a: emission,
+                    b: pace.tolerance_ns() / 1000.0,
+                    offset: None,
+                    margin,
                     span,
-                )
+                });
             }
             Limit::Concurrency { .. } => return None,
         };
@@ -168,19 +202,36 @@ impl GlobalLimit {
             id: Arc::from(id),
             spec: spec.clone(),
             kind,
-            a,
-            b,
+            a: f64::from(a),
+            b: micros(b),
+            offset,
             margin,
             span,
         })
     }
 
-    fn kind_arg(&self) -> &'static str {
-        match self.kind {
+    /// The limit as the script takes it: kind, a, b and c (see `reserve.lua`).
+    pub fn script_args(&self) -> [String; 4] {
+        let kind = match self.kind {
             Kind::Sliding => "s",
             Kind::Fixed => "f",
+            Kind::Calendar => "k",
+            Kind::Counter { rounds_down: true } => "c",
+            Kind::Counter { rounds_down: false } => "u",
             Kind::Token => "t",
-        }
+        };
+        // A clock window's offset, `any` for a counter at any alignment, else unused.
+        let c = match (self.kind, self.offset) {
+            (_, Some(o)) => format!("{o:.0}"),
+            (Kind::Counter { .. }, None) => "any".into(),
+            _ => "0".into(),
+        };
+        [
+            kind.into(),
+            format!("{:.3}", self.a),
+            format!("{:.3}", self.b),
+            c,
+        ]
     }
 
     fn is_window(&self) -> bool {

@@ -12,9 +12,10 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{CallError, Cluster, GlobalLimit, Kind, Mode, Reply, micros};
-use crate::config::Limit;
+use crate::config::{Limit, Rounding, WindowAlign};
 use crate::limit::error::LimitError;
 use crate::limit::kinds::LimitState;
+use crate::limit::kinds::Pace;
 use crate::route::Partition;
 
 /// A reservation changes its correction only by more than this: less is clock noise.
@@ -570,9 +571,7 @@ impl Shared {
             .arg(micros(max_wait).ceil() as u64)
             .arg(all.len());
         for (l, pays) in all {
-            inv.arg(l.kind_arg())
-                .arg(num(l.a))
-                .arg(num(l.b))
+            inv.arg(&l.script_args()[..])
                 .arg(num(micros(l.margin)))
                 .arg(if *pays { "1" } else { "0" });
         }
@@ -797,7 +796,7 @@ fn remember(
         Kind::Token => {
             m.debt_until = m.debt_until.max(latest) + limit.a;
         }
-        Kind::Sliding | Kind::Fixed => {
+        Kind::Sliding | Kind::Fixed | Kind::Calendar | Kind::Counter { .. } => {
             m.prune(at_us);
             if limit.kind == Kind::Fixed {
                 match opening.filter(|o| *o > 0.0) {
@@ -816,46 +815,84 @@ fn remember(
 }
 
 /// One replica's share of a global limit while Redis is away, or `None` when the limit
-/// is too small to split. A fixed window becomes a sliding one: replicas' own windows
-/// would not line up with the provider's, and any window of its length must hold.
+/// is too small to split. A fixed window from the first request becomes a sliding one:
+/// replicas' own windows would not line up with the provider's, and any window of its
+/// length must hold; windows on the clock line up by themselves. A counter's share is
+/// compared unrounded: each replica's rounding slack would add up. A GCRA's share keeps
+/// its pace `replicas` times slower, with its burst split.
 fn share(spec: &Limit, replicas: u32) -> Option<Limit> {
-    let part = |n: std::num::NonZeroU32| std::num::NonZeroU32::new(n.get() / replicas);
+    let part = |n: u32| std::num::NonZeroU32::new(n / replicas);
+    let (margin, scope) = (spec.margin_spec(), spec.scope());
     Some(match *spec {
         Limit::SlidingWindow {
-            permits,
-            window,
-            margin,
-            scope,
-            ..
+            permits, window, ..
         }
         | Limit::FixedWindow {
             permits,
             window,
-            margin,
-            scope,
+            align: WindowAlign::First,
             ..
         } => Limit::SlidingWindow {
-            permits: part(permits)?,
+            permits: part(permits.get())?,
             window,
+            margin,
+            margin_max: None,
+            scope,
+        },
+        Limit::FixedWindow {
+            permits,
+            window,
+            align,
+            offset,
+            ..
+        } => Limit::FixedWindow {
+            permits: part(permits.get())?,
+            window,
+            align,
+            offset,
+            margin,
+            margin_max: None,
+            scope,
+        },
+        Limit::SlidingCounter {
+            permits,
+            window,
+            align,
+            offset,
+            ..
+        } => Limit::SlidingCounter {
+            permits: part(permits.get())?,
+            window,
+            align,
+            offset,
+            rounding: Rounding::None,
             margin,
             margin_max: None,
             scope,
         },
         Limit::TokenBucket {
-            rate,
-            per,
-            burst,
-            margin,
-            scope,
-            ..
+            rate, per, burst, ..
         } => Limit::TokenBucket {
             rate,
             per: per.checked_mul(replicas)?,
-            burst: part(burst)?,
+            burst: part(burst.get())?,
             margin,
             margin_max: None,
             scope,
         },
+        Limit::LeakyBucket { .. } | Limit::Published { .. } => {
+            let pace = Pace::of(spec)?;
+            let interval =
+                Duration::from_nanos(u64::try_from(pace.per_ns.div_ceil(pace.rate)).ok()?);
+            Limit::TokenBucket {
+                rate: std::num::NonZeroU32::MIN,
+                per: interval.checked_mul(replicas)?,
+                burst: part(u32::try_from(pace.burst()).ok()?)?,
+                margin: margin.or(Some(crate::config::Margin::Duration(spec.margin()?))),
+                margin_max: None,
+                scope,
+            }
+        }
         Limit::Concurrency { .. } => return None,
     })
 }

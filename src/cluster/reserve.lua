@@ -16,9 +16,16 @@
 -- ARGV[5]  this reservation's id, a member of the windows' sorted sets
 -- ARGV[6]  horizon: an instant further away is not reserved (us)
 -- ARGV[7]  max wait: an instant further away than this is refused (us)
--- ARGV[8]  n, the number of limits; then 5 per limit: kind, a, b, margin (us), pays
---            "s" sliding window, "f" fixed window: a = permits, b = window (us)
---            "t" token bucket: a = emission interval (us), b = tolerance, (burst-1)*a
+-- ARGV[8]  n, the number of limits; then 6 per limit: kind, a, b, c, margin (us), pays
+--            "s" sliding window, "f" fixed window from the first request: a = permits,
+--                b = window (us)
+--            "k" fixed window on the clock: a = permits, b = window (us), c = where
+--                windows start past whole windows since the Unix epoch (us)
+--            "c" sliding window counter, "u" one the provider compares unrounded:
+--                a = permits, b = window (us), c = the offset as for "k", or "any"
+--                when the provider's windows may fall anywhere
+--            "t" GCRA (token bucket, leaky bucket, published): a = emission interval
+--                (us), b = tolerance
 --            pays: "1" if this reservation pays the limit, "0" if it is only here for
 --            its corrections
 -- then     c, the number of corrections; 3 each: limit (1-based), member, value:
@@ -58,9 +65,12 @@ local L = {}
 local i = 9
 for k = 1, n do
   L[k] = {kind = ARGV[i], a = tonumber(ARGV[i + 1]), b = tonumber(ARGV[i + 2]),
-          m = tonumber(ARGV[i + 3]), pays = ARGV[i + 4] == '1',
+          off = tonumber(ARGV[i + 3]), m = tonumber(ARGV[i + 4]), pays = ARGV[i + 5] == '1',
           key = KEYS[2 * k], aux = KEYS[2 * k + 1]}
-  i = i + 5
+  L[k].counter = L[k].kind == 'c' or L[k].kind == 'u'
+  -- How long after its latest arrival an entry still counts.
+  L[k].span = L[k].counter and 2 * L[k].b or L[k].b
+  i = i + 6
 end
 
 -- A sorted set's smallest score, or nil.
@@ -83,11 +93,19 @@ local function keep(key, until_us)
   redis.call('PEXPIRE', key, string.format('%d', ms))
 end
 
+-- The start of the clock window holding t.
+local function edge(l, t)
+  return t - ((t - l.off) % l.b)
+end
+
 -- Forgets what time has made irrelevant: window entries a window past their latest
--- arrival, a fixed window the provider has surely closed.
+-- arrival (two for a counter), a fixed window the provider has surely closed, clock
+-- windows before the current one.
 local function expire(l)
-  if l.kind == 's' then
-    redis.call('ZREMRANGEBYSCORE', l.key, '-inf', num(now - l.b))
+  if l.kind == 's' or l.counter then
+    redis.call('ZREMRANGEBYSCORE', l.key, '-inf', num(now - l.span))
+  elseif l.kind == 'k' then
+    redis.call('ZREMRANGEBYSCORE', l.key, '-inf', '(' .. num(edge(l, now)))
   elseif l.kind == 'f' then
     local hi = lowest(l.key)
     if not hi or now >= hi + l.b then
@@ -122,7 +140,7 @@ if op == 'absorb' then
       local floor = (l.kind == 'f') and (now + l.m) or 0
       for j = 1, count do
         local v = math.max(tonumber(ARGV[i + 1]), floor)
-        if v + l.b > now then
+        if v + l.span > now then
           redis.call('ZADD', l.key, 'NX', num(v), ARGV[i])
         end
         i = i + 2
@@ -131,12 +149,14 @@ if op == 'absorb' then
         local cur = stored(l.aux)
         redis.call('SET', l.aux, num(math.min(cur or opening, opening, now)))
       end
-      local alive = redis.call('ZCOUNT', l.key, '(' .. num(now - l.b), '+inf')
+      -- Windows on the clock and counters are full while `a` entries may arrive now.
+      local since = (l.kind == 's' or l.kind == 'f') and '(' .. num(now - l.b) or num(now)
+      local alive = redis.call('ZCOUNT', l.key, since, '+inf')
       for j = alive + 1, l.a do
         redis.call('ZADD', l.key, 'NX', num(now + l.m), 'drained:' .. ARGV[4] .. ':' .. j)
       end
       local last = redis.call('ZRANGE', l.key, -1, -1, 'WITHSCORES')
-      local until_us = tonumber(last[2] or now) + l.b
+      local until_us = tonumber(last[2] or now) + l.span
       keep(l.key, until_us)
       if l.kind == 'f' then keep(l.aux, until_us) end
     end
@@ -164,8 +184,95 @@ if op == 'flush' then
   return {0, 0, epoch, num(now)}
 end
 
+-- A provider that reads its clock to the millisecond may see an arrival up to that much
+-- earlier in its window: the previous window's weight allows for it (us).
+local GRAIN = 1000
+
+-- The previous window's weight at x into the current one, times the window.
+local function weight(l, x)
+  return l.b - math.min(l.b, math.max(0, x - GRAIN))
+end
+
+-- A counter's estimate at t, times the window, from its entries' latest arrivals
+-- (ascending): an entry not yet past counts fully, one in the current window fully,
+-- one in the previous window by its weight. At any alignment, the largest estimate
+-- over every placement of the edges: it is at x = 0 or where an entry enters the
+-- current window (x = d) or the previous one (x = d - window).
+local function estimate(l, scores, t)
+  local full, ds = 0, {}
+  for j = #scores, 1, -1 do
+    local at = scores[j]
+    if at >= t then
+      full = full + 1
+    elseif t - at < 2 * l.b then
+      ds[#ds + 1] = t - at
+    end
+  end
+  local function at_x(x)
+    local cur, prev = 0, 0
+    for _, d in ipairs(ds) do
+      if d <= x then cur = cur + 1 elseif d <= x + l.b then prev = prev + 1 else break end
+    end
+    return cur * l.b + prev * weight(l, x)
+  end
+  if l.off then
+    return full * l.b + at_x((t - l.off) % l.b)
+  end
+  local xs = {0}
+  for _, d in ipairs(ds) do
+    xs[#xs + 1] = (d < l.b) and d or (d - l.b)
+  end
+  table.sort(xs)
+  local best, i, j, cur, upto = 0, 1, 1, 0, 0
+  for _, x in ipairs(xs) do
+    while i <= #ds and ds[i] <= x do cur = cur + 1; i = i + 1 end
+    while j <= #ds and ds[j] <= x + l.b do upto = upto + 1; j = j + 1 end
+    local v = cur * l.b + (upto - cur) * weight(l, x)
+    if v > best then best = v end
+  end
+  return full * l.b + best
+end
+
+-- Whether a counter's estimate leaves room for one more request.
+local function room(l, v)
+  if l.kind == 'c' then return v < l.a * l.b end
+  return v + l.b <= l.a * l.b
+end
+
+-- Entries of a fixed clock window that may land in the window starting at s.
+local function in_window(l, s)
+  return redis.call('ZCOUNT', l.key, num(s), '(' .. num(s + l.b + l.m))
+end
+
 -- The earliest instant at or after t that limit l admits one more.
 local function earliest(l, t)
+  if l.counter then
+    local r = redis.call('ZRANGEBYSCORE', l.key, '(' .. num(t - 2 * l.b), '+inf', 'WITHSCORES')
+    local scores = {}
+    for j = 2, #r, 2 do scores[#scores + 1] = tonumber(r[j]) end
+    if room(l, estimate(l, scores, t)) then return t end
+    -- Estimates only fall with time, and are empty two windows after the last entry.
+    local lo, hi = t, math.max(t, scores[#scores] or t) + 2 * l.b
+    while hi - lo > 1 do
+      local mid = math.floor((lo + hi) / 2)
+      if room(l, estimate(l, scores, mid)) then hi = mid else lo = mid end
+    end
+    return hi
+  elseif l.kind == 'k' then
+    -- A request may land in the window of t or, within its margin, the next one.
+    for _ = 1, 64 do
+      local s = edge(l, t)
+      local s2 = edge(l, t + l.m)
+      if in_window(l, s) >= l.a then
+        t = s + l.b
+      elseif s2 > s and in_window(l, s2) >= l.a then
+        t = s2 + l.b
+      else
+        return t
+      end
+    end
+    return t
+  end
   if l.kind == 's' then
     local alive = redis.call('ZCOUNT', l.key, '(' .. num(t - l.b), '+inf')
     if alive < l.a then return t end
@@ -224,9 +331,9 @@ for k = 1, n do
   out[4 + k] = '0'
   if not l.pays then
     -- only here for its corrections
-  elseif l.kind == 's' then
+  elseif l.kind == 's' or l.kind == 'k' or l.counter then
     redis.call('ZADD', l.key, num(latest), id)
-    keep(l.key, latest + l.b)
+    keep(l.key, latest + l.span)
   elseif l.kind == 'f' then
     local hi = lowest(l.key)
     if not hi or t >= hi + l.b then

@@ -20,8 +20,9 @@ use sha2::{Digest, Sha256};
 
 pub use pattern::{HostPattern, PathGlob};
 pub use spec::{
-    Action, AdminControl, BudgetSpec, CooldownScope, Jitter, Learn, LimitSpec as Limit,
-    OnRedisError, Priority, RetryOn, Scheme, Scope, TlsMode, Unmatched,
+    Action, AdminControl, BudgetSpec, CooldownScope, CounterAlign, Jitter, Learn,
+    LimitSpec as Limit, OnRedisError, Priority, RetryOn, Rounding, Scheme, Scope, TlsMode,
+    Unmatched, WindowAlign,
 };
 use spec::{AdaptiveSpec, BreakerSpec, ConfigSpec, PolicySpec, RetrySpec};
 pub use units::Margin;
@@ -537,13 +538,10 @@ impl Config {
         }
         if let (OnRedisError::Local, Some(n)) = (c.on_redis_error, c.replicas) {
             for (u, l) in global() {
-                let count = match l {
-                    Limit::SlidingWindow { permits, .. } | Limit::FixedWindow { permits, .. } => {
-                        permits.get()
-                    }
-                    Limit::TokenBucket { burst, .. } => burst.get(),
-                    Limit::Concurrency { .. } => continue,
-                };
+                if matches!(l, Limit::Concurrency { .. }) {
+                    continue;
+                }
+                let count = l.burst().unwrap_or(0);
                 if count < n {
                     out.push(format!(
                         "upstream {:?}: {l} cannot be split between {n} replicas: while Redis is \
@@ -1134,6 +1132,7 @@ fn check_limits(limits: &[toml::Spanned<Limit>], has_cluster: bool) -> Result<Ve
                     ),
                 ));
             }
+            check_edges(l)?;
             let margins = [
                 ("margin", limit.margin()),
                 ("margin_max", limit.margin_max()),
@@ -1142,7 +1141,10 @@ fn check_limits(limits: &[toml::Spanned<Limit>], has_cluster: bool) -> Result<Ve
                 match limit {
                     // Past half the window, a send could be unsure of two window edges at
                     // once, and the window would mostly be margin anyway.
-                    Limit::SlidingWindow { window, .. } | Limit::FixedWindow { window, .. }
+                    Limit::SlidingWindow { window, .. }
+                    | Limit::FixedWindow { window, .. }
+                    | Limit::SlidingCounter { window, .. }
+                    | Limit::Published { window, .. }
                         if margin > *window / 2 =>
                     {
                         return Err(invalid(
@@ -1155,7 +1157,9 @@ fn check_limits(limits: &[toml::Spanned<Limit>], has_cluster: bool) -> Result<Ve
                             ),
                         ));
                     }
-                    Limit::TokenBucket { per, .. } if margin > *per => {
+                    Limit::TokenBucket { per, .. } | Limit::LeakyBucket { per, .. }
+                        if margin > *per =>
+                    {
                         return Err(invalid(
                             l.span(),
                             format!(
@@ -1172,6 +1176,54 @@ fn check_limits(limits: &[toml::Spanned<Limit>], has_cluster: bool) -> Result<Ve
             Ok(limit.clone())
         })
         .collect()
+}
+
+/// Where a limit's windows fall, and a rate nginx can count.
+fn check_edges(l: &toml::Spanned<Limit>) -> Result<()> {
+    let (offset, clock, window) = match l.get_ref() {
+        Limit::FixedWindow {
+            offset,
+            align,
+            window,
+            ..
+        } => (offset, *align == WindowAlign::Clock, window),
+        Limit::SlidingCounter {
+            offset,
+            align,
+            window,
+            ..
+        } => (offset, *align == CounterAlign::Clock, window),
+        Limit::LeakyBucket { rate, per, .. } => {
+            // nginx keeps rates in thousandths of a request per second, truncated.
+            if u128::from(rate.get()) * 1_000 * 1_000_000_000 < per.as_nanos() {
+                return Err(invalid(
+                    l.span(),
+                    format!(
+                        "leaky_bucket {rate} per {} is below the slowest rate nginx counts \
+                         (one request in 1000 s)",
+                        units::fmt_duration(*per)
+                    ),
+                ));
+            }
+            return Ok(());
+        }
+        _ => return Ok(()),
+    };
+    match offset {
+        Some(_) if !clock => Err(invalid(
+            l.span(),
+            "offset places windows on the clock: it needs align = \"clock\"",
+        )),
+        Some(o) if o >= window => Err(invalid(
+            l.span(),
+            format!(
+                "offset {} must be shorter than the window ({})",
+                units::fmt_duration(*o),
+                units::fmt_duration(*window)
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 fn check_cluster(c: toml::Spanned<spec::ClusterSpec>) -> Result<ClusterConfig> {

@@ -323,6 +323,38 @@ pub enum Scope {
     Global,
 }
 
+/// Where a window's edges fall. `First`: a window opens with the first request after the
+/// previous one closed. `Clock`: windows start at multiples of the window since the Unix
+/// epoch, shifted by `offset`, as a provider that resets "every minute" does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WindowAlign {
+    #[default]
+    First,
+    Clock,
+}
+
+/// Where a sliding counter's windows fall at the provider: on the clock, or unknown (a
+/// counter anchored at its first request, as haproxy's is), in which case sluice keeps
+/// every possible alignment within the limit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CounterAlign {
+    #[default]
+    Any,
+    Clock,
+}
+
+/// Whether the provider rounds a sliding counter's weighted estimate down before comparing
+/// it with the limit (haproxy's `sc_http_req_rate`, Python `limits`), or compares it as is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Rounding {
+    #[default]
+    Down,
+    None,
+}
+
 /// One limit, tagged by `kind`. Counts are non-zero by type, so `permits = 0` is refused
 /// where it is written.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -355,6 +387,66 @@ pub enum LimitSpec {
         permits: NonZeroU32,
         #[serde(with = "pos_dur_serde")]
         window: std::time::Duration,
+        #[serde(default)]
+        align: WindowAlign,
+        #[serde(
+            default,
+            with = "opt_dur_serde",
+            skip_serializing_if = "Option::is_none"
+        )]
+        offset: Option<std::time::Duration>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        margin: Option<Margin>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        margin_max: Option<Margin>,
+        #[serde(default)]
+        scope: Scope,
+    },
+    /// The weighted two-window counter: a request is admitted while the previous window's
+    /// count, weighted by the share of it still inside the last `window`, plus the
+    /// current window's count stays under `permits`.
+    SlidingCounter {
+        permits: NonZeroU32,
+        #[serde(with = "pos_dur_serde")]
+        window: std::time::Duration,
+        #[serde(default)]
+        align: CounterAlign,
+        #[serde(
+            default,
+            with = "opt_dur_serde",
+            skip_serializing_if = "Option::is_none"
+        )]
+        offset: Option<std::time::Duration>,
+        #[serde(default)]
+        rounding: Rounding,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        margin: Option<Margin>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        margin_max: Option<Margin>,
+        #[serde(default)]
+        scope: Scope,
+    },
+    /// nginx `limit_req`: `rate` per `per` (nginx's `r/s` or `r/m`), and `burst` requests
+    /// of excess beyond it, counted in nginx's own units (see `limit::kinds::leaky`).
+    LeakyBucket {
+        rate: NonZeroU32,
+        #[serde(with = "pos_dur_serde")]
+        per: std::time::Duration,
+        #[serde(default)]
+        burst: u32,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        margin: Option<Margin>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        margin_max: Option<Margin>,
+        #[serde(default)]
+        scope: Scope,
+    },
+    /// A published "`permits` per `window`" whose algorithm is unknown: requests paced
+    /// evenly, so that every common algorithm at those numbers accepts them.
+    Published {
+        permits: NonZeroU32,
+        #[serde(with = "pos_dur_serde")]
+        window: std::time::Duration,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         margin: Option<Margin>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -376,19 +468,68 @@ pub const DEFAULT_MARGIN: Margin = Margin::Fraction(200_000);
 pub const DEFAULT_MARGIN_CAP: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl LimitSpec {
-    /// Requests per second over the limit's own period; `None` for concurrency.
-    pub fn rate_per_second(&self) -> Option<f64> {
+    /// The kind as written in the file.
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            LimitSpec::TokenBucket { .. } => "token_bucket",
+            LimitSpec::SlidingWindow { .. } => "sliding_window",
+            LimitSpec::FixedWindow { .. } => "fixed_window",
+            LimitSpec::SlidingCounter { .. } => "sliding_counter",
+            LimitSpec::LeakyBucket { .. } => "leaky_bucket",
+            LimitSpec::Published { .. } => "published",
+            LimitSpec::Concurrency { .. } => "concurrency",
+        }
+    }
+
+    /// `permits` per `window` for the kinds written that way.
+    pub fn window_limit(&self) -> Option<(u32, std::time::Duration)> {
         match *self {
-            LimitSpec::TokenBucket { rate, per, .. } => {
-                Some(f64::from(rate.get()) / per.as_secs_f64())
-            }
             LimitSpec::SlidingWindow {
                 permits, window, ..
             }
             | LimitSpec::FixedWindow {
                 permits, window, ..
-            } => Some(f64::from(permits.get()) / window.as_secs_f64()),
+            }
+            | LimitSpec::SlidingCounter {
+                permits, window, ..
+            }
+            | LimitSpec::Published {
+                permits, window, ..
+            } => Some((permits.get(), window)),
+            _ => None,
+        }
+    }
+
+    /// The period a rate is written over: the window, or `per`; `None` for concurrency.
+    pub fn period(&self) -> Option<std::time::Duration> {
+        match *self {
+            LimitSpec::TokenBucket { per, .. } | LimitSpec::LeakyBucket { per, .. } => Some(per),
             LimitSpec::Concurrency { .. } => None,
+            _ => self.window_limit().map(|(_, w)| w),
+        }
+    }
+
+    /// Requests per second over the limit's own period; `None` for concurrency.
+    pub fn rate_per_second(&self) -> Option<f64> {
+        match *self {
+            LimitSpec::TokenBucket { rate, per, .. } | LimitSpec::LeakyBucket { rate, per, .. } => {
+                Some(f64::from(rate.get()) / per.as_secs_f64())
+            }
+            LimitSpec::Concurrency { .. } => None,
+            _ => self
+                .window_limit()
+                .map(|(p, w)| f64::from(p) / w.as_secs_f64()),
+        }
+    }
+
+    /// How many requests may go at once from rest, as the provider allows them.
+    pub fn burst(&self) -> Option<u32> {
+        match *self {
+            LimitSpec::TokenBucket { burst, .. } => Some(burst.get()),
+            LimitSpec::LeakyBucket { burst, .. } => Some(burst.saturating_add(1)),
+            LimitSpec::Published { .. } => Some(1),
+            LimitSpec::Concurrency { max, .. } => Some(max.get()),
+            _ => self.window_limit().map(|(p, _)| p),
         }
     }
 
@@ -397,6 +538,9 @@ impl LimitSpec {
             LimitSpec::TokenBucket { scope, .. }
             | LimitSpec::SlidingWindow { scope, .. }
             | LimitSpec::FixedWindow { scope, .. }
+            | LimitSpec::SlidingCounter { scope, .. }
+            | LimitSpec::LeakyBucket { scope, .. }
+            | LimitSpec::Published { scope, .. }
             | LimitSpec::Concurrency { scope, .. } => scope,
         }
     }
@@ -405,15 +549,19 @@ impl LimitSpec {
         self.scope() == Scope::Global
     }
 
-    /// The span a fractional margin is a share of: the window, or the emission interval
-    /// `per / rate` of a token bucket; `None` for concurrency.
+    /// The span a fractional margin is a share of: the window, or the interval between two
+    /// requests at the limit's pace (`per / rate` of a bucket, `window / permits` of a
+    /// published limit); `None` for concurrency.
     pub fn span(&self) -> Option<std::time::Duration> {
         match *self {
-            LimitSpec::TokenBucket { rate, per, .. } => Some(per / rate.get()),
-            LimitSpec::SlidingWindow { window, .. } | LimitSpec::FixedWindow { window, .. } => {
-                Some(window)
+            LimitSpec::TokenBucket { rate, per, .. } | LimitSpec::LeakyBucket { rate, per, .. } => {
+                Some(per / rate.get())
             }
+            LimitSpec::Published {
+                permits, window, ..
+            } => Some(window / permits.get()),
             LimitSpec::Concurrency { .. } => None,
+            _ => self.window_limit().map(|(_, w)| w),
         }
     }
 
@@ -422,7 +570,10 @@ impl LimitSpec {
         match *self {
             LimitSpec::TokenBucket { margin, .. }
             | LimitSpec::SlidingWindow { margin, .. }
-            | LimitSpec::FixedWindow { margin, .. } => margin,
+            | LimitSpec::FixedWindow { margin, .. }
+            | LimitSpec::SlidingCounter { margin, .. }
+            | LimitSpec::LeakyBucket { margin, .. }
+            | LimitSpec::Published { margin, .. } => margin,
             LimitSpec::Concurrency { .. } => None,
         }
     }
@@ -434,7 +585,10 @@ impl LimitSpec {
         match *self {
             LimitSpec::TokenBucket { margin_max, .. }
             | LimitSpec::SlidingWindow { margin_max, .. }
-            | LimitSpec::FixedWindow { margin_max, .. } => margin_max.map(|m| m.of(span)),
+            | LimitSpec::FixedWindow { margin_max, .. }
+            | LimitSpec::SlidingCounter { margin_max, .. }
+            | LimitSpec::LeakyBucket { margin_max, .. }
+            | LimitSpec::Published { margin_max, .. } => margin_max.map(|m| m.of(span)),
             LimitSpec::Concurrency { .. } => None,
         }
     }
@@ -448,6 +602,19 @@ impl LimitSpec {
             Some(m) => m.of(span),
             None => DEFAULT_MARGIN.of(span).min(DEFAULT_MARGIN_CAP),
         })
+    }
+}
+
+mod opt_dur_serde {
+    use crate::config::units::{Dur, ser_opt_duration};
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        Dur::deserialize(d).map(|p| Some(p.0))
+    }
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        ser_opt_duration(d, s)
     }
 }
 

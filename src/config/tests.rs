@@ -222,6 +222,60 @@ fn every_rule_is_checked() {
             up("limits = [{ kind = \"concurrency\", max = 3, margin = \"10ms\" }]"),
             "unknown field `margin`",
         ),
+        (
+            up(
+                "limits = [{ kind = \"fixed_window\", permits = 3, window = \"1m\", offset = \"5s\" }]",
+            ),
+            "offset places windows on the clock: it needs align = \"clock\"",
+        ),
+        (
+            up(
+                "limits = [{ kind = \"fixed_window\", permits = 3, window = \"1m\", align = \"clock\", offset = \"1m\" }]",
+            ),
+            "offset 1m must be shorter than the window (1m)",
+        ),
+        (
+            up(
+                "limits = [{ kind = \"fixed_window\", permits = 3, window = \"1m\", align = \"any\" }]",
+            ),
+            "unknown variant `any`, expected `first` or `clock`",
+        ),
+        (
+            up(
+                "limits = [{ kind = \"sliding_counter\", permits = 3, window = \"1m\", align = \"first\" }]",
+            ),
+            "unknown variant `first`, expected `any` or `clock`",
+        ),
+        (
+            up(
+                "limits = [{ kind = \"sliding_counter\", permits = 3, window = \"1m\", offset = \"1s\" }]",
+            ),
+            "needs align = \"clock\"",
+        ),
+        (
+            up(
+                "limits = [{ kind = \"sliding_counter\", permits = 3, window = \"1s\", rounding = \"up\" }]",
+            ),
+            "unknown variant `up`",
+        ),
+        (
+            up("limits = [{ kind = \"leaky_bucket\", rate = 1, per = \"2000s\" }]"),
+            "below the slowest rate nginx counts",
+        ),
+        (
+            up("limits = [{ kind = \"leaky_bucket\", rate = 10, per = \"1s\", burst = -1 }]"),
+            "invalid value",
+        ),
+        (
+            up(
+                "limits = [{ kind = \"published\", permits = 10, window = \"1s\", margin = \"600ms\" }]",
+            ),
+            "more than half the window",
+        ),
+        (
+            up("limits = [{ kind = \"published\", permits = 10, window = \"1s\", burst = 2 }]"),
+            "unknown field `burst`",
+        ),
     ];
     for (text, needle) in cases {
         let e = err(text);
@@ -343,6 +397,10 @@ limits = [
   { kind = "token_bucket", rate = 4, per = "1s", burst = 2, margin = "10%" },
   { kind = "fixed_window", permits = 5, window = "1s", margin = "15ms", margin_max = "40%" },
   { kind = "concurrency", max = 2 },
+  { kind = "sliding_counter", permits = 100, window = "1m", align = "clock", offset = "30s" },
+  { kind = "leaky_bucket", rate = 10, per = "1s", burst = 5 },
+  { kind = "published", permits = 100, window = "1m" },
+  { kind = "fixed_window", permits = 1000, window = "1h", align = "clock" },
 ]
 "#,
         "s.toml",
@@ -350,12 +408,34 @@ limits = [
     .unwrap();
     let margins: Vec<_> = c.upstreams[0].limits.iter().map(Limit::margin).collect();
     let ms = |v| Some(Duration::from_millis(v));
-    assert_eq!(margins, [ms(200), ms(1000), ms(25), ms(15), None]);
+    // A bucket's and a published limit's share is of the interval between two requests.
+    assert_eq!(
+        margins,
+        [
+            ms(200),
+            ms(1000),
+            ms(25),
+            ms(15),
+            None,
+            ms(1000),
+            ms(20),
+            ms(120),
+            ms(1000)
+        ]
+    );
     assert_eq!(c.upstreams[0].limits[3].margin_max(), ms(400));
-    // `/config` shows what was written, and only that.
+    // `/config` shows what was written, and only that, with the defaults it took.
     let json = c.to_redacted_json().to_string();
     assert!(json.contains(r#""margin":"10%""#), "{json}");
     assert!(json.contains(r#""margin_max":"40%""#), "{json}");
+    for written in [
+        r#""align":"clock","kind":"sliding_counter","offset":"30s""#,
+        r#""rounding":"down""#,
+        r#""burst":5,"kind":"leaky_bucket""#,
+        r#""align":"clock","kind":"fixed_window""#,
+    ] {
+        assert!(json.contains(written), "{written} in {json}");
+    }
 }
 
 #[test]

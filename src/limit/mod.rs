@@ -119,19 +119,11 @@ impl Plan {
         global.push(Arc::from(Vec::new()));
         // What `adaptive` adapts below: the tightest rate the requests pay, and its period.
         let adapts = |adaptive: Option<Adaptive>, own: &[Limit]| {
-            let (rate, every) =
-                own.iter()
-                    .chain(&u.limits)
-                    .filter_map(|l| {
-                        let every = match *l {
-                            Limit::TokenBucket { per, .. } => per,
-                            Limit::SlidingWindow { window, .. }
-                            | Limit::FixedWindow { window, .. } => window,
-                            Limit::Concurrency { .. } => return None,
-                        };
-                        Some((l.rate_per_second()?, every))
-                    })
-                    .min_by(|a, b| a.0.total_cmp(&b.0))?;
+            let (rate, every) = own
+                .iter()
+                .chain(&u.limits)
+                .filter_map(|l| Some((l.rate_per_second()?, l.period()?)))
+                .min_by(|a, b| a.0.total_cmp(&b.0))?;
             adaptive.map(|spec| aimd::Adapts { spec, rate, every })
         };
         let mut families: Vec<Arc<FamilySpec>> = u
@@ -1162,20 +1154,11 @@ impl Limiter {
             if n > 1 { format!("{level}.{i}") } else { level }
         };
         let mut describe = |name: String, spec: &Limit, state: &mut LimitState| {
-            let (q, w) = match *spec {
-                Limit::TokenBucket {
-                    rate, per, burst, ..
-                } => (
-                    u64::from(burst.get()),
-                    per.as_secs_f64() * f64::from(burst.get()) / f64::from(rate.get()),
-                ),
-                Limit::SlidingWindow {
-                    permits, window, ..
-                }
-                | Limit::FixedWindow {
-                    permits, window, ..
-                } => (u64::from(permits.get()), window.as_secs_f64()),
-                Limit::Concurrency { .. } => return,
+            // A window's quota, or a bucket's burst and the time it takes to refill.
+            let (q, w) = match (spec.window_limit(), spec.burst(), spec.rate_per_second()) {
+                (Some((permits, window)), ..) => (u64::from(permits), window.as_secs_f64()),
+                (None, Some(burst), Some(rate)) => (u64::from(burst), f64::from(burst) / rate),
+                _ => return,
             };
             let r = state.available(now);
             let t = state
@@ -1426,7 +1409,14 @@ fn kind_letter(l: &Limit) -> char {
     match l {
         Limit::TokenBucket { .. } => 't',
         Limit::SlidingWindow { .. } => 's',
+        Limit::FixedWindow {
+            align: crate::config::WindowAlign::Clock,
+            ..
+        } => 'k',
         Limit::FixedWindow { .. } => 'f',
+        Limit::SlidingCounter { .. } => 'w',
+        Limit::LeakyBucket { .. } => 'l',
+        Limit::Published { .. } => 'p',
         Limit::Concurrency { .. } => 'c',
     }
 }

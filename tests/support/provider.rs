@@ -1,8 +1,11 @@
 //! A provider as sluice's users meet one: it counts each request at its *arrival* in its
-//! own application code, strictly, and refuses (429) beyond the limit; refused requests
-//! do not count. [`Counter`] is that rule, pure, so the same counters judge the limiter's
-//! model check, the HTTP [`Provider`] of the end-to-end tests and the benchmark
-//! (`examples/edges.rs` includes this file). [`Relay`] stands between sluice and the
+//! own application code, strictly, and refuses (429) beyond the limit. [`Counter`] is
+//! that rule, pure, so the same counters judge the limiter's model check, the HTTP
+//! [`Provider`] of the end-to-end tests and the benchmark (`examples/edges.rs` includes
+//! this file). Besides the provider models sluice's own kinds are written from, it holds
+//! the algorithms of deployed limiters, transcribed from their source with their
+//! arithmetic (haproxy 2.6 `freq_ctr.c`, Python `limits` 5.8 `storage/memory.py`, nginx
+//! `ngx_http_limit_req_module.c`), each reading time as its clock does. [`Relay`] stands between sluice and the
 //! provider with the delays of a real network: a TLS handshake's round trips on each new
 //! connection, and a little jitter on every request.
 
@@ -22,6 +25,24 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+
+/// A provider's clock: the Unix time at `t0`, from which it reads every arrival.
+#[derive(Debug, Clone, Copy)]
+pub struct Clock {
+    pub t0: Instant,
+    pub unix0: Duration,
+}
+
+impl Clock {
+    pub fn unix_ns(&self, at: Instant) -> u128 {
+        (self.unix0 + at.saturating_duration_since(self.t0)).as_nanos()
+    }
+
+    /// Whole milliseconds, as haproxy and nginx read their clocks.
+    pub fn ms(&self, at: Instant) -> u64 {
+        (self.unix_ns(at) / 1_000_000) as u64
+    }
+}
 
 #[derive(Debug, Clone)]
 pub enum Counter {
@@ -48,6 +69,55 @@ pub enum Counter {
         base: Option<Instant>,
         tat: u128,
     },
+    /// haproxy 2.6 `http-request deny if { sc_http_req_rate(0) gt permits }` after
+    /// `track-sc0`: a `freq_ctr` over `period` ms whose windows start at the first
+    /// arrival (again after two idle periods), the arrival counted before the check,
+    /// refused ones too; the rate is `(prev × remain + curr × period) / period`,
+    /// truncated, with `remain` the whole milliseconds left in the current period.
+    Haproxy {
+        permits: u64,
+        period: u64,
+        clock: Clock,
+        tick: Option<u64>,
+        curr: u64,
+        prev: u64,
+    },
+    /// Python `limits` `SlidingWindowCounterRateLimiter` (memory storage): windows on the
+    /// clock, `floor(prev × (window - elapsed) / window + curr) + 1 <= permits` to accept,
+    /// accepted arrivals counted. `rounds_down: false`: the same counter comparing the
+    /// estimate unrounded (`prev × (1 - elapsed/window) + curr + 1 <= permits`).
+    Weighted {
+        permits: u128,
+        window_ns: u128,
+        clock: Clock,
+        rounds_down: bool,
+        /// The current window's index, its count and the previous one's.
+        index: u128,
+        curr: u128,
+        prev: u128,
+    },
+    /// A fixed window on the clock (windows at Unix multiples of the window, plus
+    /// `offset`), every arrival counted as django-ratelimit does.
+    Calendar {
+        permits: u64,
+        window_ns: u128,
+        offset_ns: u128,
+        clock: Clock,
+        index: Option<u128>,
+        count: u64,
+    },
+    /// nginx `limit_req`: the excess in thousandths of a request, drained by
+    /// `rate × ms / 1000` (`rate` in thousandths per second, as nginx parses `r/s` and
+    /// `r/m`), refused when it would exceed `burst × 1000`.
+    Nginx {
+        rate: u64,
+        burst: u64,
+        clock: Clock,
+        excess: u64,
+        last: Option<u64>,
+    },
+    /// Every one of these counters judges every arrival; accepted only if all accept.
+    All(Vec<Counter>),
 }
 
 impl Counter {
@@ -78,9 +148,158 @@ impl Counter {
         }
     }
 
+    pub fn haproxy(permits: u32, period: Duration, clock: Clock) -> Counter {
+        Counter::Haproxy {
+            permits: u64::from(permits),
+            period: period.as_millis() as u64,
+            clock,
+            tick: None,
+            curr: 0,
+            prev: 0,
+        }
+    }
+
+    pub fn weighted(permits: u32, window: Duration, clock: Clock, rounds_down: bool) -> Counter {
+        Counter::Weighted {
+            permits: u128::from(permits),
+            window_ns: window.as_nanos(),
+            clock,
+            rounds_down,
+            index: 0,
+            curr: 0,
+            prev: 0,
+        }
+    }
+
+    pub fn calendar(permits: u32, window: Duration, offset: Duration, clock: Clock) -> Counter {
+        Counter::Calendar {
+            permits: u64::from(permits),
+            window_ns: window.as_nanos(),
+            offset_ns: offset.as_nanos(),
+            clock,
+            index: None,
+            count: 0,
+        }
+    }
+
+    /// `limit_req zone=... rate=<rate>r/s` (`per` one second) or `r/m` (one minute).
+    pub fn nginx(rate: u32, per: Duration, burst: u32, clock: Clock) -> Counter {
+        let rate = if per == Duration::from_secs(60) {
+            u64::from(rate) * 1000 / 60
+        } else {
+            u64::from(rate) * 1000 * 1000 / per.as_millis() as u64
+        };
+        Counter::Nginx {
+            rate,
+            burst: u64::from(burst) * 1000,
+            clock,
+            excess: 0,
+            last: None,
+        }
+    }
+
     /// Counts an arrival at `at` (arrivals in time order); `false` is a 429.
     pub fn arrive(&mut self, at: Instant) -> bool {
         match self {
+            Counter::Haproxy {
+                permits,
+                period,
+                clock,
+                tick,
+                curr,
+                prev,
+            } => {
+                let now = clock.ms(at);
+                // update_freq_ctr_period: a fresh entry's tick is 0, far in the past.
+                let t = tick.get_or_insert(0);
+                if now - *t < *period {
+                    *curr += 1;
+                } else {
+                    *prev = *curr;
+                    *curr = 1;
+                    *t += *period;
+                    if now - *t >= *period {
+                        *prev = 0;
+                        *t = now;
+                    }
+                }
+                // freq_ctr_total, then read_freq_ctr_period's division.
+                let remain = *t + *period - now;
+                let total = *prev * remain + *curr * *period;
+                total / *period <= *permits
+            }
+            Counter::Weighted {
+                permits,
+                window_ns,
+                clock,
+                rounds_down,
+                index,
+                curr,
+                prev,
+            } => {
+                let t = clock.unix_ns(at);
+                let (i, x) = (t / *window_ns, t % *window_ns);
+                if i != *index {
+                    *prev = if i == *index + 1 { *curr } else { 0 };
+                    *curr = 0;
+                    *index = i;
+                }
+                let w = *window_ns;
+                let ok = if *rounds_down {
+                    *prev * (w - x) / w + *curr < *permits
+                } else {
+                    *prev * (w - x) + *curr * w + w <= *permits * w
+                };
+                if ok {
+                    *curr += 1;
+                }
+                ok
+            }
+            Counter::Calendar {
+                permits,
+                window_ns,
+                offset_ns,
+                clock,
+                index,
+                count,
+            } => {
+                let i = (clock.unix_ns(at) - *offset_ns) / *window_ns;
+                if *index != Some(i) {
+                    *index = Some(i);
+                    *count = 0;
+                }
+                *count += 1;
+                *count <= *permits
+            }
+            Counter::Nginx {
+                rate,
+                burst,
+                clock,
+                excess,
+                last,
+            } => {
+                let now = clock.ms(at);
+                let Some(l) = *last else {
+                    *last = Some(now);
+                    return true;
+                };
+                let drained = *rate * (now - l) / 1000;
+                let e = (*excess + 1000).saturating_sub(drained);
+                if e > *burst {
+                    return false;
+                }
+                *excess = e;
+                *last = Some(now);
+                true
+            }
+            Counter::All(all) => {
+                // Every one counts the arrival, whatever the others said.
+                let mut ok = true;
+                for c in all {
+                    ok &= c.arrive(at);
+                }
+                ok
+            }
             Counter::Sliding {
                 permits,
                 window,

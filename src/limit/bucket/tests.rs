@@ -25,6 +25,8 @@ fn sliding(p: u32, w: u64) -> Limit {
 }
 fn fixed(p: u32, w: u64) -> Limit {
     Limit::FixedWindow {
+        align: Default::default(),
+        offset: None,
         margin: Some(Margin::Duration(Duration::ZERO)),
         margin_max: None,
         permits: nz(p),
@@ -354,6 +356,8 @@ fn check_limit(limit: &Limit, admitted: &[Instant], in_flight_max: u32) {
         Limit::Concurrency { max, .. } => {
             assert!(in_flight_max <= max.get(), "concurrency exceeded")
         }
+        // Not generated here: tests/provider.rs checks them against their providers.
+        ref other => panic!("no check for {other:?}"),
     }
 }
 

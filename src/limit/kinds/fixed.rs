@@ -65,16 +65,10 @@ impl Fixed {
     }
 
     /// This window under a changed spec (a reload), keeping what has been counted.
-    pub fn carry(
-        mut self,
-        permits: u32,
-        window: Duration,
-        margin: Duration,
-        now: Instant,
-    ) -> Fixed {
-        self.permits = permits;
-        self.window = window;
-        self.margin = margin;
+    pub fn carry(mut self, new: Fixed, now: Instant) -> Fixed {
+        self.permits = new.permits;
+        self.window = new.window;
+        self.margin = new.margin;
         self.refresh(now);
         self
     }

@@ -1,4 +1,4 @@
-//! The four limit kinds as pure state machines: every method takes `now` and nothing here
+//! The limit kinds as pure state machines: every method takes `now` and nothing here
 //! sleeps or locks, so each rule is tested by stepping `now`.
 //!
 //! A provider counts a request when it *arrives*; sluice decides when it *admits* it, and
@@ -10,18 +10,24 @@
 //! requests, never by sluice's own admission instants. An admission that never reached
 //! its connection is undone. Concurrency counts requests in flight and ignores all this.
 
+mod bounds;
+mod calendar;
+mod counter;
 mod fixed;
 mod sliding;
 mod time;
 mod token;
 
-pub use time::Id;
+pub use time::{Id, unix_at};
+pub use token::Pace;
 
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::config::Limit;
+use crate::config::{CounterAlign, Limit, Rounding, WindowAlign};
+use calendar::Calendar;
+use counter::{Counter, Edges};
 use fixed::Fixed;
 use sliding::Sliding;
 use token::Gcra;
@@ -34,15 +40,90 @@ pub struct LimitState {
     /// The slowest answer that came back later than the margin after its send: the
     /// provider may have counted that request that late (for the edge-429 hint).
     slowest: Duration,
+    /// The kind as written (`token_bucket`, `leaky_bucket`, ...): a reload carries state
+    /// only into the same one.
+    spec_kind: &'static str,
     kind: Kind,
 }
 
 #[derive(Debug, Clone)]
 enum Kind {
+    /// `token_bucket`, `leaky_bucket` and `published`: they differ only in their pace.
     TokenBucket(Gcra),
     SlidingWindow(Sliding),
     FixedWindow(Fixed),
-    Concurrency { max: u32, in_flight: u32 },
+    /// `fixed_window` with `align = "clock"`.
+    Calendar(Calendar),
+    SlidingCounter(Counter),
+    Concurrency {
+        max: u32,
+        in_flight: u32,
+    },
+}
+
+impl Kind {
+    /// The state of a fresh `spec` at `now`, when the Unix time is `unix`.
+    fn of(spec: &Limit, now: Instant, unix: Duration) -> Kind {
+        let margin = spec.margin().unwrap_or_default();
+        let edge = |window, offset: Option<Duration>| {
+            time::edge_after(now, unix, window, offset.unwrap_or_default())
+        };
+        match *spec {
+            Limit::TokenBucket { .. } | Limit::LeakyBucket { .. } | Limit::Published { .. } => {
+                // Validation refuses rates nginx reads as zero; one a second is the fallback.
+                let pace =
+                    Pace::of(spec).unwrap_or_else(|| Pace::token(1, Duration::from_secs(1), 1));
+                Kind::TokenBucket(Gcra::new(pace, margin, now))
+            }
+            Limit::SlidingWindow {
+                permits, window, ..
+            } => Kind::SlidingWindow(Sliding::new(permits.get(), window, margin)),
+            Limit::FixedWindow {
+                permits,
+                window,
+                align: WindowAlign::First,
+                ..
+            } => Kind::FixedWindow(Fixed::new(permits.get(), window, margin)),
+            Limit::FixedWindow {
+                permits,
+                window,
+                align: WindowAlign::Clock,
+                offset,
+                ..
+            } => Kind::Calendar(Calendar::new(
+                permits.get(),
+                window,
+                margin,
+                edge(window, offset),
+            )),
+            Limit::SlidingCounter {
+                permits,
+                window,
+                align,
+                offset,
+                rounding,
+                ..
+            } => {
+                let edges = match align {
+                    CounterAlign::Any => Edges::Any,
+                    CounterAlign::Clock => Edges::Clock {
+                        origin: edge(window, offset),
+                    },
+                };
+                Kind::SlidingCounter(Counter::new(
+                    permits.get(),
+                    window,
+                    margin,
+                    edges,
+                    rounding == Rounding::Down,
+                ))
+            }
+            Limit::Concurrency { max, .. } => Kind::Concurrency {
+                max: max.get(),
+                in_flight: 0,
+            },
+        }
+    }
 }
 
 impl LimitState {
@@ -52,79 +133,68 @@ impl LimitState {
 
     /// A new limit created by the reload of `epoch`.
     pub fn new_in(spec: &Limit, now: Instant, epoch: u64) -> LimitState {
-        let margin = spec.margin().unwrap_or_default();
-        let kind = match *spec {
-            Limit::TokenBucket {
-                rate, per, burst, ..
-            } => Kind::TokenBucket(Gcra::new(rate.get(), per, burst.get(), margin, now)),
-            Limit::SlidingWindow {
-                permits, window, ..
-            } => Kind::SlidingWindow(Sliding::new(permits.get(), window, margin)),
-            Limit::FixedWindow {
-                permits, window, ..
-            } => Kind::FixedWindow(Fixed::new(permits.get(), window, margin)),
-            Limit::Concurrency { max, .. } => Kind::Concurrency {
-                max: max.get(),
-                in_flight: 0,
-            },
-        };
+        LimitState::on_clock(spec, now, epoch, unix_at(now))
+    }
+
+    /// As [`LimitState::new_in`], when the Unix time at `now` is `unix` (windows on the
+    /// clock fall by it).
+    pub fn on_clock(spec: &Limit, now: Instant, epoch: u64, unix: Duration) -> LimitState {
         LimitState {
             since: epoch,
             slowest: Duration::ZERO,
-            kind,
+            spec_kind: spec.kind_name(),
+            kind: Kind::of(spec, now, unix),
         }
     }
 
     /// This limit under a changed spec of the same kind (a reload), keeping what has been
-    /// taken: a token bucket keeps its debt in permits, windows keep their admissions
-    /// (as far back as the old window remembered), concurrency keeps its permits in
-    /// flight. A lowered limit therefore admits nothing until the permits already taken
-    /// fit under it. A different kind starts fresh.
+    /// taken: a token bucket keeps its debt in permits, windows and counters keep their
+    /// admissions (as far back as the old window remembered), concurrency keeps its
+    /// permits in flight. A lowered limit therefore admits nothing until the permits
+    /// already taken fit under it. A different kind starts fresh.
     pub fn carry(self, spec: &Limit, now: Instant, epoch: u64) -> LimitState {
+        if !self.same_kind(spec) {
+            return LimitState::new_in(spec, now, epoch);
+        }
         let margin = spec.margin().unwrap_or_default();
-        let kind = match (self.kind, spec) {
-            (
-                Kind::TokenBucket(g),
-                Limit::TokenBucket {
-                    rate, per, burst, ..
-                },
-            ) => Kind::TokenBucket(g.carry(rate.get(), *per, burst.get(), margin, now)),
-            (
-                Kind::SlidingWindow(w),
-                Limit::SlidingWindow {
-                    permits, window, ..
-                },
-            ) => Kind::SlidingWindow(w.carry(permits.get(), *window, margin, now)),
-            (
-                Kind::FixedWindow(w),
-                Limit::FixedWindow {
-                    permits, window, ..
-                },
-            ) => Kind::FixedWindow(w.carry(permits.get(), *window, margin, now)),
-            (Kind::Concurrency { in_flight, .. }, Limit::Concurrency { max, .. }) => {
-                Kind::Concurrency {
-                    max: max.get(),
-                    in_flight,
-                }
+        let kind = match (self.kind, Kind::of(spec, now, unix_at(now))) {
+            (Kind::TokenBucket(g), Kind::TokenBucket(new)) => {
+                Kind::TokenBucket(g.carry(new.pace(), margin, now))
             }
-            (_, spec) => return LimitState::new_in(spec, now, epoch),
+            (Kind::SlidingWindow(w), Kind::SlidingWindow(new)) => {
+                Kind::SlidingWindow(w.carry(new, now))
+            }
+            (Kind::FixedWindow(w), Kind::FixedWindow(new)) => Kind::FixedWindow(w.carry(new, now)),
+            (Kind::Calendar(w), Kind::Calendar(new)) => Kind::Calendar(w.carry(new, now)),
+            (Kind::SlidingCounter(c), Kind::SlidingCounter(new)) => {
+                Kind::SlidingCounter(c.carry(new, now))
+            }
+            (Kind::Concurrency { in_flight, .. }, Kind::Concurrency { max, .. }) => {
+                Kind::Concurrency { max, in_flight }
+            }
+            (_, fresh) => fresh,
         };
         LimitState {
             since: self.since,
             slowest: self.slowest,
+            spec_kind: self.spec_kind,
             kind,
         }
     }
 
     /// Whether two limits are of the same kind, so one can carry into the other.
     pub fn same_kind(&self, spec: &Limit) -> bool {
-        matches!(
-            (&self.kind, spec),
-            (Kind::TokenBucket(_), Limit::TokenBucket { .. })
-                | (Kind::SlidingWindow(_), Limit::SlidingWindow { .. })
-                | (Kind::FixedWindow(_), Limit::FixedWindow { .. })
-                | (Kind::Concurrency { .. }, Limit::Concurrency { .. })
-        )
+        let clock = |k: &Kind| matches!(k, Kind::Calendar(_));
+        self.spec_kind == spec.kind_name()
+            && (!matches!(spec, Limit::FixedWindow { .. })
+                || clock(&self.kind)
+                    == matches!(
+                        spec,
+                        Limit::FixedWindow {
+                            align: WindowAlign::Clock,
+                            ..
+                        }
+                    ))
     }
 
     /// Forgets what time has made irrelevant (expired window entries, closed windows).
@@ -132,6 +202,8 @@ impl LimitState {
         match &mut self.kind {
             Kind::SlidingWindow(w) => w.refresh(now),
             Kind::FixedWindow(w) => w.refresh(now),
+            Kind::Calendar(w) => w.refresh(now),
+            Kind::SlidingCounter(c) => c.refresh(now),
             Kind::TokenBucket(_) | Kind::Concurrency { .. } => {}
         }
     }
@@ -143,6 +215,8 @@ impl LimitState {
             Kind::TokenBucket(g) => g.available(now),
             Kind::SlidingWindow(w) => w.available(),
             Kind::FixedWindow(w) => w.available(),
+            Kind::Calendar(w) => w.available(now),
+            Kind::SlidingCounter(c) => c.available(now),
             Kind::Concurrency { max, in_flight } => u64::from(max.saturating_sub(*in_flight)),
         }
     }
@@ -159,6 +233,8 @@ impl LimitState {
             Kind::TokenBucket(g) => g.pending += 1,
             Kind::SlidingWindow(w) => w.pending += 1,
             Kind::FixedWindow(w) => w.pending += 1,
+            Kind::Calendar(w) => w.pending += 1,
+            Kind::SlidingCounter(c) => c.pending += 1,
             Kind::Concurrency { in_flight, .. } => *in_flight += 1,
         }
     }
@@ -176,6 +252,14 @@ impl LimitState {
                 w.sent(id, reserved, now)
             }
             Kind::FixedWindow(w) => w.sent(id, reserved, now),
+            Kind::Calendar(w) => {
+                w.refresh(now);
+                w.sent(id, reserved, now)
+            }
+            Kind::SlidingCounter(c) => {
+                c.refresh(now);
+                c.sent(id, reserved, now)
+            }
             Kind::Concurrency { .. } => {}
         }
     }
@@ -190,6 +274,8 @@ impl LimitState {
             Kind::TokenBucket(g) => g.answered(id, now),
             Kind::SlidingWindow(w) => w.answered(id, now),
             Kind::FixedWindow(w) => w.answered(id, now),
+            Kind::Calendar(w) => w.answered(id, now),
+            Kind::SlidingCounter(c) => c.answered(id, now),
             Kind::Concurrency { .. } => {}
         }
     }
@@ -204,6 +290,8 @@ impl LimitState {
             Kind::TokenBucket(g) => g.pending = g.pending.saturating_sub(1),
             Kind::SlidingWindow(w) => w.pending = w.pending.saturating_sub(1),
             Kind::FixedWindow(w) => w.pending = w.pending.saturating_sub(1),
+            Kind::Calendar(w) => w.pending = w.pending.saturating_sub(1),
+            Kind::SlidingCounter(c) => c.pending = c.pending.saturating_sub(1),
             Kind::Concurrency { .. } => {}
         }
     }
@@ -235,6 +323,8 @@ impl LimitState {
             Kind::TokenBucket(g) => Some(g.margin),
             Kind::SlidingWindow(w) => Some(w.margin),
             Kind::FixedWindow(w) => Some(w.margin),
+            Kind::Calendar(w) => Some(w.margin),
+            Kind::SlidingCounter(c) => Some(c.margin),
             Kind::Concurrency { .. } => None,
         }
     }
@@ -250,6 +340,8 @@ impl LimitState {
             Kind::TokenBucket(g) => &mut g.margin,
             Kind::SlidingWindow(w) => &mut w.margin,
             Kind::FixedWindow(w) => &mut w.margin,
+            Kind::Calendar(w) => &mut w.margin,
+            Kind::SlidingCounter(c) => &mut c.margin,
             Kind::Concurrency { .. } => return,
         };
         *m = (*m).max(to);
@@ -261,6 +353,8 @@ impl LimitState {
             Kind::TokenBucket(g) => g.pending,
             Kind::SlidingWindow(w) => w.pending as u64,
             Kind::FixedWindow(w) => u64::from(w.pending),
+            Kind::Calendar(w) => u64::from(w.pending),
+            Kind::SlidingCounter(c) => c.pending as u64,
             Kind::Concurrency { .. } => 0,
         }
     }
@@ -277,6 +371,8 @@ impl LimitState {
             Kind::TokenBucket(g) => Some(g.ready_at(n, now)),
             Kind::SlidingWindow(w) => Some(w.ready_at(n, now)),
             Kind::FixedWindow(w) => Some(w.ready_at(n, now)),
+            Kind::Calendar(w) => Some(w.ready_at(n, now)),
+            Kind::SlidingCounter(c) => Some(c.ready_at(n, now)),
             Kind::Concurrency { max, in_flight } => {
                 (n <= u64::from(max.saturating_sub(*in_flight))).then_some(now)
             }
@@ -290,6 +386,8 @@ impl LimitState {
             Kind::TokenBucket(g) => g.is_pristine(now),
             Kind::SlidingWindow(w) => w.is_pristine(),
             Kind::FixedWindow(w) => w.is_pristine(),
+            Kind::Calendar(w) => w.is_pristine(),
+            Kind::SlidingCounter(c) => c.is_pristine(),
             Kind::Concurrency { in_flight, .. } => *in_flight == 0,
         }
     }

@@ -1,11 +1,11 @@
 //! A sliding window as the provider counts it: a permit comes back `window` after the
 //! latest instant the provider may have counted its request.
 
-use std::collections::VecDeque;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::bounds::Bounds;
 use super::time::{Id, turns_after};
 
 /// `pending` requests are admitted but not sent: each holds a slot with no known return.
@@ -19,7 +19,7 @@ pub struct Sliding {
     window: Duration,
     pub(super) margin: Duration,
     pub(super) pending: usize,
-    sent: VecDeque<(Instant, Id)>,
+    sent: Bounds,
 }
 
 impl Sliding {
@@ -29,33 +29,22 @@ impl Sliding {
             window,
             margin,
             pending: 0,
-            sent: VecDeque::new(),
+            sent: Bounds::default(),
         }
     }
 
     /// This window under a changed spec (a reload), keeping what has been taken.
-    pub fn carry(
-        mut self,
-        permits: u32,
-        window: Duration,
-        margin: Duration,
-        now: Instant,
-    ) -> Sliding {
-        self.permits = permits as usize;
-        self.window = window;
-        self.margin = margin;
+    pub fn carry(mut self, new: Sliding, now: Instant) -> Sliding {
+        self.permits = new.permits;
+        self.window = new.window;
+        self.margin = new.margin;
         self.refresh(now);
         self
     }
 
     pub fn refresh(&mut self, now: Instant) {
-        while self
-            .sent
-            .front()
-            .is_some_and(|(t, _)| *t + self.window <= now)
-        {
-            self.sent.pop_front();
-        }
+        let window = self.window;
+        self.sent.forget_while(|t| t + window <= now);
     }
 
     fn held(&self) -> usize {
@@ -66,32 +55,15 @@ impl Sliding {
         self.permits.saturating_sub(self.held()) as u64
     }
 
-    /// Keeps `sent` ascending; new entries are nearly always the latest.
-    fn insert(&mut self, entry: (Instant, Id)) {
-        let at = self
-            .sent
-            .iter()
-            .rposition(|(t, _)| *t <= entry.0)
-            .map_or(0, |i| i + 1);
-        self.sent.insert(at, entry);
-    }
-
     pub fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
         if reserved {
             self.pending = self.pending.saturating_sub(1);
         }
-        self.insert((now + self.margin, id));
+        self.sent.insert(now + self.margin, id);
     }
 
     pub fn answered(&mut self, id: Id, now: Instant) {
-        // Answers come soon after their sends: search from the latest.
-        let Some(i) = self.sent.iter().rposition(|(_, s)| *s == id) else {
-            return;
-        };
-        if self.sent[i].0 > now {
-            self.sent.remove(i);
-            self.insert((now, id));
-        }
+        self.sent.answered(id, now);
     }
 
     /// The earliest instant the `n`-th permit from now (n >= 1) could be taken if nothing
@@ -119,7 +91,7 @@ impl Sliding {
     /// requests in order, pending ones as if sent at `now`.
     fn frees(&self, i: u64, now: Instant) -> Instant {
         let i = i as usize;
-        let before_now = self.sent.partition_point(|(t, _)| *t < now);
+        let before_now = self.sent.before(now);
         let t = if i < before_now {
             self.sent.get(i)
         } else if i < before_now + self.pending {
@@ -127,7 +99,7 @@ impl Sliding {
         } else {
             self.sent.get(i - self.pending)
         };
-        t.map_or(now, |(t, _)| *t) + self.window
+        t.unwrap_or(now) + self.window
     }
 
     pub fn is_pristine(&self) -> bool {

@@ -43,6 +43,8 @@ fn sliding_spec(permits: u32, window: u64, m: u64) -> Limit {
 
 fn fixed_spec(permits: u32, window: u64, m: u64) -> Limit {
     Limit::FixedWindow {
+        align: Default::default(),
+        offset: None,
         permits: nz(permits),
         window: ms(window),
         margin: margin(m),
@@ -387,6 +389,24 @@ fn carried_windows_and_concurrency_keep_what_was_taken() {
         7
     );
 
+    let counter = |permits: u32| {
+        written(&format!(
+            "kind = \"sliding_counter\"\npermits = {permits}\nwindow = \"1s\"\nmargin = \"0s\""
+        ))
+    };
+    let mut w = LimitState::new(&counter(5), t0);
+    for i in 0..4 {
+        go(&mut w, i, t0);
+    }
+    assert!(w.same_kind(&counter(2)));
+    let mut lower = w.clone().carry(&counter(2), t0 + ms(100), 1);
+    assert_eq!(lower.available(t0 + ms(100)), 0);
+    assert_eq!(
+        w.carry(&counter(10), t0 + ms(100), 1)
+            .available(t0 + ms(100)),
+        6
+    );
+
     let mut c = LimitState::new(&conc_spec(4), t0);
     for _ in 0..3 {
         c.take(t0);
@@ -430,6 +450,208 @@ fn a_changed_kind_starts_fresh() {
     let spec = sliding_spec(3, 1000, 0);
     assert!(!l.same_kind(&spec));
     assert_eq!(l.carry(&spec, t0, 1).available(t0), 3);
+    // The same GCRA underneath, but another kind as written: fresh too.
+    let mut l = LimitState::new(&token_spec(1, Duration::from_secs(1), 1, 0), t0);
+    go(&mut l, 0, t0);
+    let leaky = written("kind = \"leaky_bucket\"\nrate = 1\nper = \"1s\"\nmargin = \"0s\"");
+    assert!(!l.same_kind(&leaky));
+    assert_eq!(l.carry(&leaky, t0, 1).available(t0), 1);
+    // A fixed window from the first request and one on the clock are not the same kind.
+    let l = LimitState::new(&fixed_spec(1, 1000, 0), t0);
+    assert!(!l.same_kind(&written(
+        "kind = \"fixed_window\"\npermits = 1\nwindow = \"1s\"\nalign = \"clock\""
+    )));
+}
+
+/// A limit as written in the file, `kind` and keys one per line.
+fn written(text: &str) -> Limit {
+    toml::from_str(text).unwrap_or_else(|e| panic!("{e}\n{text}"))
+}
+
+/// A limit created when the Unix time is `unix_ms`.
+fn at_unix(text: &str, t0: Instant, unix_ms: u64) -> LimitState {
+    LimitState::on_clock(&written(text), t0, 0, ms(unix_ms))
+}
+
+/// 1_700_000_000 s: a whole number of seconds, minutes (and 20-second windows).
+const ROUND: u64 = 1_700_000_000_000;
+
+#[test]
+fn a_counter_on_the_clock_weighs_the_previous_window_by_what_is_left_of_it() {
+    let t0 = Instant::now();
+    let text = "kind = \"sliding_counter\"\npermits = 10\nwindow = \"1s\"\nalign = \"clock\"\n\
+                margin = \"0s\"";
+    // A window starts at t0.
+    let mut l = at_unix(text, t0, ROUND);
+    for i in 0..10 {
+        go(&mut l, i, t0);
+    }
+    assert_eq!(l.available(t0 + ms(999)), 0, "the current window is full");
+    // The next window: the previous one weighs all of it (the provider's clock may read
+    // a millisecond early), then falls; rounded down, 10 x 0.999 leaves room for one.
+    assert_eq!(l.available(t0 + ms(1000)), 0);
+    assert_eq!(l.available(t0 + ms(1001)), 0);
+    assert_eq!(
+        l.ready_at(1, t0 + ms(1000)),
+        Some(t0 + ms(1001) + Duration::from_nanos(1))
+    );
+    assert_eq!(l.available(t0 + ms(1501)), 5, "10 x 0.5 leaves 5");
+    assert_eq!(
+        l.ready_at(5, t0 + ms(1000)),
+        Some(t0 + ms(1401) + Duration::from_nanos(1)),
+        "10 x (1 - 0.4) + 4 < 10"
+    );
+    // Unrounded, the same estimate must leave a whole request: one less at 5.005.
+    let mut u = at_unix(&format!("{text}\nrounding = \"none\""), t0, ROUND);
+    for i in 0..10 {
+        go(&mut u, i, t0);
+    }
+    let x = t0 + ms(1500) + Duration::from_micros(500);
+    assert_eq!((l.available(x), u.available(x)), (5, 4));
+    // Two windows later nothing counts.
+    assert_eq!(l.available(t0 + ms(2000)), 10);
+}
+
+#[test]
+fn a_counter_at_any_alignment_holds_a_burst_for_a_whole_window() {
+    let t0 = Instant::now();
+    let any = "kind = \"sliding_counter\"\npermits = 10\nwindow = \"1s\"\nmargin = \"0s\"";
+    let mut l = at_unix(any, t0, ROUND);
+    for i in 0..10 {
+        go(&mut l, i, t0);
+    }
+    // Whatever the edges: had a window started just after the burst, the burst weighs
+    // fully until that window is a millisecond old.
+    let free = t0 + ms(1001) + Duration::from_nanos(1);
+    assert_eq!(l.ready_at(1, t0), Some(free));
+    assert!(!l.can_take(free - Duration::from_nanos(1)));
+    assert!(l.can_take(free));
+    // On the clock with an edge 500 ms after the burst, it frees half a window sooner.
+    let clock = format!("{any}\nalign = \"clock\"");
+    let mut c = at_unix(&clock, t0, ROUND + 500);
+    for i in 0..10 {
+        go(&mut c, i, t0);
+    }
+    assert_eq!(
+        c.ready_at(1, t0),
+        Some(t0 + ms(501) + Duration::from_nanos(1))
+    );
+    // Two windows after the burst (the longest any placement keeps it), all of it.
+    assert_eq!(l.available(t0 + ms(2000)), 10);
+}
+
+#[test]
+fn a_counter_counts_a_send_at_the_latest_its_margin_allows() {
+    let t0 = Instant::now();
+    let text = "kind = \"sliding_counter\"\npermits = 2\nwindow = \"1s\"\nalign = \"clock\"\n\
+                margin = \"100ms\"";
+    let mut l = at_unix(text, t0, ROUND + 850);
+    // Sent 100 ms before the edge, unanswered: it may arrive after it, fully counted there.
+    l.take(t0 + ms(50));
+    l.sent(0, Some(0), t0 + ms(50));
+    l.take(t0 + ms(60));
+    l.sent(1, Some(0), t0 + ms(60));
+    assert_eq!(l.available(t0 + ms(200)), 0);
+    // Answered before the edge: they arrived in the window before, and weigh less there.
+    l.answered(0, t0 + ms(70), Duration::ZERO);
+    l.answered(1, t0 + ms(80), Duration::ZERO);
+    assert_eq!(
+        l.available(t0 + ms(151)),
+        0,
+        "a millisecond in, they weigh fully"
+    );
+    assert_eq!(l.available(t0 + ms(152)), 1, "2 x 0.999 rounds down to 1");
+}
+
+#[test]
+fn a_fixed_window_on_the_clock_resets_at_its_edge() {
+    let t0 = Instant::now();
+    // Windows start 250 ms past each second; t0 is 100 ms past one: the edge is 150 ms on.
+    let text = "kind = \"fixed_window\"\npermits = 2\nwindow = \"1s\"\nalign = \"clock\"\n\
+                offset = \"250ms\"\nmargin = \"40ms\"";
+    let mut l = at_unix(text, t0, ROUND + 100);
+    go(&mut l, 0, t0);
+    go(&mut l, 1, t0);
+    assert!(!l.can_take(t0 + ms(149)));
+    assert_eq!(l.ready_at(1, t0), Some(t0 + ms(150)));
+    assert_eq!(
+        l.ready_at(3, t0),
+        Some(t0 + ms(1150)),
+        "two more windows on"
+    );
+    go(&mut l, 2, t0 + ms(150));
+    // Sent 10 ms before the next edge: within its margin it may land after it.
+    l.take(t0 + ms(1140));
+    l.sent(3, Some(0), t0 + ms(1140));
+    assert_eq!(
+        l.available(t0 + ms(1150)),
+        1,
+        "it counts in the next window too"
+    );
+    // Answered before the edge: it landed in the window that closed.
+    l.answered(3, t0 + ms(1145), Duration::ZERO);
+    assert_eq!(l.available(t0 + ms(1150)), 2);
+    // Admitted but not sent: it holds a permit in every window from now on.
+    l.take(t0 + ms(1150));
+    assert_eq!(l.available(t0 + ms(9000)), 1);
+}
+
+#[test]
+fn a_leaky_bucket_counts_as_nginx_does() {
+    let t0 = Instant::now();
+    let leaky = |rate: u32, per: &str, burst: u32| {
+        written(&format!(
+            "kind = \"leaky_bucket\"\nrate = {rate}\nper = \"{per}\"\nburst = {burst}\n\
+             margin = \"0s\""
+        ))
+    };
+    // rate=10r/s burst=5: six at once (nginx's excess reaches 5), then one every 100 ms.
+    let mut l = LimitState::new(&leaky(10, "1s", 5), t0);
+    assert_eq!(l.available(t0), 6);
+    let got = drive(&mut l, t0, Duration::from_secs(1));
+    assert_eq!(got.len(), 6 + 9);
+    assert_eq!(got[6], t0 + ms(100));
+    // rate=3r/s: nginx drains 3 thousandths a millisecond and counts whole ones, so it
+    // takes 334 ms, not 333.3, to drain a request.
+    let mut l = LimitState::new(&leaky(3, "1s", 0), t0);
+    go(&mut l, 0, t0);
+    assert_eq!(l.ready_at(1, t0), Some(t0 + ms(334)));
+    // rate=100r/m: nginx keeps 1.666 a second (truncated), and each drain truncates too:
+    // a request costs 1.001, 601 ms; the burst of 2 is 1200 ms of excess, two at once.
+    let mut l = LimitState::new(&leaky(100, "1m", 2), t0);
+    assert_eq!(l.available(t0), 2);
+    go(&mut l, 0, t0);
+    go(&mut l, 1, t0);
+    assert_eq!(l.ready_at(1, t0), Some(t0 + ms(2)));
+    assert_eq!(l.ready_at(2, t0), Some(t0 + ms(603)));
+}
+
+#[test]
+fn published_paces_for_every_common_algorithm() {
+    let t0 = Instant::now();
+    let published = |permits: u32, window: &str| {
+        written(&format!(
+            "kind = \"published\"\npermits = {permits}\nwindow = \"{window}\"\nmargin = \"0s\""
+        ))
+    };
+    let next = |spec: &Limit| {
+        let mut l = LimitState::new(spec, t0);
+        assert_eq!(l.available(t0), 1, "no burst");
+        go(&mut l, 0, t0);
+        l.ready_at(1, t0).unwrap() - t0
+    };
+    // Just over (1 s + 1 ms) / 10 apart: a counter reading whole milliseconds stays
+    // under 10 at any alignment.
+    assert_eq!(
+        next(&published(10, "1s")),
+        ms(100) + Duration::from_micros(100) + Duration::from_nanos(1)
+    );
+    // 1 s / 3 is 333.3 ms, which a bucket counting whole milliseconds reads as 333.
+    assert_eq!(next(&published(3, "1s")), ms(334));
+    assert_eq!(
+        next(&published(1000, "1s")),
+        Duration::from_micros(1001) + Duration::from_nanos(1)
+    );
 }
 
 #[test]
@@ -444,6 +666,8 @@ fn margins_resolve_per_kind() {
     };
     assert_eq!(LimitState::new(&default, t0).margin(), Some(ms(200)));
     let minute = Limit::FixedWindow {
+        align: Default::default(),
+        offset: None,
         permits: nz(300),
         window: Duration::from_secs(60),
         margin: None,

@@ -17,3 +17,51 @@ pub(super) fn turns_after(at: Instant, window: Duration, turns: u64) -> Instant 
         .and_then(|d| at.checked_add(d.min(FAR)))
         .unwrap_or(at + FAR)
 }
+
+/// `t - from` in nanoseconds, negative when `t` is earlier.
+pub(super) fn ns_between(from: Instant, t: Instant) -> i128 {
+    if t >= from {
+        (t - from).as_nanos() as i128
+    } else {
+        -((from - t).as_nanos() as i128)
+    }
+}
+
+/// `at` moved by `ns` nanoseconds, saturating rather than overflowing.
+pub(super) fn shifted(at: Instant, ns: i128) -> Instant {
+    let d = Duration::from_nanos(u64::try_from(ns.unsigned_abs()).unwrap_or(u64::MAX));
+    if ns >= 0 {
+        at.checked_add(d).unwrap_or(at)
+    } else {
+        at.checked_sub(d).unwrap_or(at)
+    }
+}
+
+/// The time since the Unix epoch at `now`, from the system clock: where windows on the
+/// clock fall. Read when a limit is created or reloaded; the monotonic clock carries it
+/// from there.
+pub fn unix_at(now: Instant) -> Duration {
+    let wall = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let mono = Instant::now();
+    if now >= mono {
+        wall + (now - mono)
+    } else {
+        wall.saturating_sub(mono - now)
+    }
+}
+
+/// A window edge on the clock: the first instant at or after `now` whose Unix time, less
+/// `offset`, is a whole number of `window`s, given the Unix time `unix` at `now`.
+pub(super) fn edge_after(
+    now: Instant,
+    unix: Duration,
+    window: Duration,
+    offset: Duration,
+) -> Instant {
+    let w = window.as_nanos().max(1);
+    let since = unix.as_nanos() as i128 - offset.as_nanos() as i128;
+    let phase = since.rem_euclid(w as i128) as u128;
+    shifted(now, ((w - phase) % w) as i128)
+}

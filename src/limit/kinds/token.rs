@@ -1,11 +1,132 @@
 //! A token bucket as the provider runs it, in GCRA form, fed with the instants at which
 //! requests may have reached the provider rather than the instants sluice admitted them.
+//! Three kinds run on it: `token_bucket` as written, `leaky_bucket` in nginx's units and
+//! `published`, which paces (see [`Pace`]).
 
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use super::time::Id;
+use crate::config::Limit;
+
+/// The rule a GCRA enforces: one request every `per_ns / rate` nanoseconds, and requests
+/// up to `tau / rate` nanoseconds ahead of that schedule (`tau` is in nanoseconds times
+/// `rate`, so neither needs rounding).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pace {
+    pub rate: u128,
+    pub per_ns: u128,
+    pub tau: u128,
+}
+
+const MS: u128 = 1_000_000;
+
+impl Pace {
+    /// `rate` per `per`, `burst` at once.
+    pub fn token(rate: u32, per: Duration, burst: u32) -> Pace {
+        let per_ns = per.as_nanos();
+        Pace {
+            rate: u128::from(rate),
+            per_ns,
+            tau: u128::from(burst.saturating_sub(1)) * per_ns,
+        }
+    }
+
+    /// nginx `limit_req` at `rate` per `per` with `burst`, as nginx counts it: the rate in
+    /// thousandths of a request per second, truncated (`100r/m` is 1666), time in whole
+    /// milliseconds, and each request's excess drained by `rate × ms / 1000`, truncated.
+    /// nginx refuses a request when the excess it would leave exceeds `burst`.
+    ///
+    /// A GCRA whose interval and tolerance are whole milliseconds accepts the arrivals
+    /// nginx sees (its clock truncated to the millisecond) whenever it accepts the real
+    /// ones: `floor(b) - floor(a) >= floor(b - a)`. With a rate of whole requests per
+    /// second nginx drains exactly `r/1000` per millisecond, so an interval of
+    /// `ceil(1000 / r)` ms and a tolerance of `burst` intervals keep the excess within
+    /// `burst`: after k requests since the excess was last zero it is at most
+    /// `1000k - r(kT - τ)`, which is at most `1000 × burst`. Otherwise every truncated
+    /// drain can lose up to a thousandth of a request, so each request costs 1001
+    /// thousandths and the tolerance is the exact `burst × 10⁶ / r` ms, rounded down.
+    /// `None` when the rate is below one request in 1000 seconds (nginx reads it as 0).
+    pub fn nginx(rate: u32, per: Duration, burst: u32) -> Option<Pace> {
+        let milli = u128::from(rate) * 1000 * 1_000_000_000 / per.as_nanos().max(1);
+        if milli == 0 {
+            return None;
+        }
+        let exact = milli.is_multiple_of(1000);
+        let cost: u128 = if exact { 1000 } else { 1001 };
+        let interval_ms = (cost * 1000).div_ceil(milli);
+        let tau_ms = if exact {
+            u128::from(burst) * interval_ms
+        } else {
+            u128::from(burst) * 1_000_000 / milli
+        };
+        Some(Pace {
+            rate: 1,
+            per_ns: interval_ms * MS,
+            tau: tau_ms * MS,
+        })
+    }
+
+    /// `permits` per `window` whatever the provider's algorithm: one request at a time,
+    /// spaced so that a token bucket with a burst of 1 accepts them (`window / permits`
+    /// apart), a sliding counter at any alignment that reads its clock to the millisecond
+    /// does too (more than `(window + 1 ms) / permits`: at that spacing its estimate can
+    /// reach the limit exactly), and so does a bucket that counts in whole milliseconds
+    /// (nginx: `window / permits` rounded up to whole milliseconds when it is at least one).
+    pub fn published(permits: u32, window: Duration) -> Pace {
+        let p = u128::from(permits);
+        let w = window.as_nanos();
+        // One nanosecond per request more than (window + 1 ms) / permits.
+        let spread = Pace {
+            rate: p,
+            per_ns: w + MS + p,
+            tau: 0,
+        };
+        let whole_ms = (w / p).div_ceil(MS) * MS;
+        if w / p >= MS && whole_ms * p > w + MS + p {
+            Pace {
+                rate: 1,
+                per_ns: whole_ms,
+                tau: 0,
+            }
+        } else {
+            spread
+        }
+    }
+
+    /// The pace of a limit that runs on a GCRA, `None` for the others (and for a
+    /// `leaky_bucket` slower than nginx can count, which validation refuses).
+    pub fn of(spec: &Limit) -> Option<Pace> {
+        match *spec {
+            Limit::TokenBucket {
+                rate, per, burst, ..
+            } => Some(Pace::token(rate.get(), per, burst.get())),
+            Limit::LeakyBucket {
+                rate, per, burst, ..
+            } => Pace::nginx(rate.get(), per, burst),
+            Limit::Published {
+                permits, window, ..
+            } => Some(Pace::published(permits.get(), window)),
+            _ => None,
+        }
+    }
+
+    /// The interval between two requests, in nanoseconds.
+    pub fn interval_ns(&self) -> f64 {
+        self.per_ns as f64 / self.rate as f64
+    }
+
+    /// How far ahead of the schedule a request may go, in nanoseconds.
+    pub fn tolerance_ns(&self) -> f64 {
+        self.tau as f64 / self.rate as f64
+    }
+
+    /// Requests at once from rest.
+    pub fn burst(&self) -> u64 {
+        (self.tau / self.per_ns + 1) as u64
+    }
+}
 
 /// GCRA in integers: `tat` is the theoretical arrival time of the next request, in
 /// nanoseconds since `base` multiplied by `rate`, so that the emission interval `per / rate`
@@ -21,7 +142,7 @@ use super::time::Id;
 pub struct Gcra {
     rate: u128,
     per_ns: u128,
-    burst: u128,
+    tau: u128,
     base: Instant,
     tat: u128,
     pub(super) margin: Duration,
@@ -32,11 +153,11 @@ pub struct Gcra {
 }
 
 impl Gcra {
-    pub fn new(rate: u32, per: Duration, burst: u32, margin: Duration, now: Instant) -> Gcra {
+    pub fn new(pace: Pace, margin: Duration, now: Instant) -> Gcra {
         Gcra {
-            rate: u128::from(rate),
-            per_ns: per.as_nanos(),
-            burst: u128::from(burst),
+            rate: pace.rate,
+            per_ns: pace.per_ns,
+            tau: pace.tau,
             base: now,
             tat: 0,
             margin,
@@ -50,26 +171,26 @@ impl Gcra {
     }
 
     fn tau(&self) -> u128 {
-        (self.burst - 1) * self.per_ns
+        self.tau
+    }
+
+    pub fn pace(&self) -> Pace {
+        Pace {
+            rate: self.rate,
+            per_ns: self.per_ns,
+            tau: self.tau,
+        }
     }
 
     /// This bucket under a changed spec (a reload), keeping its debt in permits.
-    pub fn carry(
-        self,
-        rate: u32,
-        per: Duration,
-        burst: u32,
-        margin: Duration,
-        now: Instant,
-    ) -> Gcra {
+    pub fn carry(self, pace: Pace, margin: Duration, now: Instant) -> Gcra {
         // Debt in scaled units: `per_ns` is one permit. Rounded up, so the conversion never
         // creates a permit.
         let debt = self.tat.saturating_sub(self.scaled(now));
-        let new_per = per.as_nanos();
         Gcra {
-            tat: (debt * new_per).div_ceil(self.per_ns),
+            tat: (debt * pace.per_ns).div_ceil(self.per_ns),
             pending: self.pending,
-            ..Gcra::new(rate, per, burst, margin, now)
+            ..Gcra::new(pace, margin, now)
         }
     }
 

@@ -1,0 +1,136 @@
+//! A fixed window on the clock, as the provider counts it: windows start at whole
+//! multiples of `window` since the Unix epoch (plus an offset), each admits `permits`
+//! arrivals, and the count starts again at the next edge, whenever the requests came.
+//!
+//! A sent request arrives somewhere between its send and its bound (the send plus the
+//! margin, lowered to its response): it counts in every window that span touches. An
+//! admitted request not yet sent may arrive in any window from now on: it counts in all
+//! of them until it is sent.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::time::{Id, ns_between, shifted};
+
+#[derive(Debug, Clone)]
+pub struct Calendar {
+    permits: u32,
+    window: Duration,
+    pub(super) margin: Duration,
+    pub(super) pending: u32,
+    /// A window edge.
+    origin: Instant,
+    /// Sent requests that may still count in the current window or a later one: their
+    /// send, their bound, their id.
+    sent: Vec<(Instant, Instant, Id)>,
+}
+
+impl Calendar {
+    pub fn new(permits: u32, window: Duration, margin: Duration, origin: Instant) -> Calendar {
+        Calendar {
+            permits,
+            window,
+            margin,
+            pending: 0,
+            origin,
+            sent: Vec::new(),
+        }
+    }
+
+    /// This window under a changed spec (a reload), keeping what has been sent.
+    pub fn carry(mut self, new: Calendar, now: Instant) -> Calendar {
+        self.permits = new.permits;
+        self.window = new.window;
+        self.margin = new.margin;
+        self.origin = new.origin;
+        self.refresh(now);
+        self
+    }
+
+    /// The window `t` falls in, counted from the one starting at `origin`.
+    fn index(&self, t: Instant) -> i128 {
+        ns_between(self.origin, t).div_euclid(self.window.as_nanos().max(1) as i128)
+    }
+
+    /// The start of window `k`, as an instant no earlier than `now`.
+    fn start_from(&self, k: i128, now: Instant) -> Instant {
+        let start = k * self.window.as_nanos() as i128;
+        let here = ns_between(self.origin, now);
+        shifted(now, (start - here).max(0))
+    }
+
+    pub fn refresh(&mut self, now: Instant) {
+        let k = self.index(now);
+        let origin = self.origin;
+        let w = self.window.as_nanos().max(1) as i128;
+        self.sent
+            .retain(|(_, bound, _)| ns_between(origin, *bound).div_euclid(w) >= k);
+    }
+
+    /// Sent requests that may land in window `k`.
+    fn sent_in(&self, k: i128) -> u32 {
+        self.sent
+            .iter()
+            .filter(|(send, bound, _)| self.index(*send) <= k && k <= self.index(*bound))
+            .count() as u32
+    }
+
+    /// The last window a sent request may land in.
+    fn last(&self) -> Option<i128> {
+        self.sent.iter().map(|(_, b, _)| self.index(*b)).max()
+    }
+
+    pub fn available(&self, now: Instant) -> u64 {
+        let k = self.index(now);
+        let fullest = (k..=self.last().unwrap_or(k).max(k))
+            .map(|k| self.sent_in(k))
+            .max()
+            .unwrap_or(0);
+        u64::from(self.permits.saturating_sub(fullest + self.pending))
+    }
+
+    pub fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
+        if reserved {
+            self.pending = self.pending.saturating_sub(1);
+        }
+        self.sent.push((now, now + self.margin, id));
+    }
+
+    pub fn answered(&mut self, id: Id, now: Instant) {
+        if let Some(s) = self.sent.iter_mut().find(|s| s.2 == id) {
+            s.1 = s.1.min(now).max(s.0);
+        }
+    }
+
+    /// The earliest instant the `n`-th request from now could be admitted, a lower bound.
+    /// An admission counts in every window from its own on until it is sent, so the first
+    /// can go in the first window after which every window has room for it and the
+    /// pending ones; from there each window takes what room it has, the pending first.
+    pub fn ready_at(&self, n: u64, now: Instant) -> Instant {
+        let p = u64::from(self.permits);
+        let pending = u64::from(self.pending);
+        let here = self.index(now);
+        let last = self.last().unwrap_or(here).max(here);
+        let sent = |k: i128| u64::from(self.sent_in(k));
+        let mut k = (here..=last)
+            .rev()
+            .find(|k| sent(*k) + pending + 1 > p)
+            .map_or(here, |full| full + 1);
+        let mut need = n.max(1) + pending;
+        while k <= last {
+            let room = p.saturating_sub(sent(k));
+            if need <= room {
+                return self.start_from(k, now);
+            }
+            need -= room;
+            k += 1;
+        }
+        // Empty windows from here on, `permits` each.
+        self.start_from(k + ((need - 1) / p) as i128, now)
+    }
+
+    pub fn is_pristine(&self) -> bool {
+        self.pending == 0 && self.sent.is_empty()
+    }
+}

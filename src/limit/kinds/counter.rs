@@ -1,0 +1,239 @@
+//! A sliding window counter as the provider keeps one (haproxy's `sc_http_req_rate`,
+//! Python `limits`' sliding window counter, many gateways and CDNs): at each arrival it
+//! estimates the last `window` from two fixed windows, the previous one's count weighted
+//! by the share of it the last `window` still covers plus the current one's count, and
+//! accepts while that estimate with the arrival stays within `permits` (after rounding
+//! it down, where the provider rounds).
+//!
+//! sluice sees sends, not arrivals. A request counts for more the later it arrives
+//! (fully in the current window, partly in the previous one, not at all before), so at
+//! any instant each sent request is counted as if it arrived at its bound (its send plus
+//! the margin, lowered to its response), or just now while the bound is still ahead; an
+//! admitted request not yet sent counts fully. Every such term only falls with time, so
+//! an estimate that has room for one more now has room at every later instant: whichever
+//! of its possible instants each request arrives at, the provider accepts it.
+//!
+//! Where the provider's windows fall: on the clock, or unknown (`Any`: haproxy starts a
+//! counter's windows at its first request), in which case the estimate must hold for
+//! every placement of the window edges. A provider that reads its clock to the
+//! millisecond may place an arrival up to 1 ms earlier in its window than it was, which
+//! weighs the previous window a little more: the weights allow for it.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::bounds::Bounds;
+use super::time::{Id, ns_between, shifted};
+
+/// The resolution of a provider's clock that the weights allow for.
+const GRAIN: u128 = 1_000_000;
+
+#[derive(Debug, Clone, Copy)]
+pub enum Edges {
+    /// Any placement of the window edges.
+    Any,
+    /// Windows start at `origin` and every `window` before and after it.
+    Clock { origin: Instant },
+}
+
+/// Estimates are kept multiplied by the window in nanoseconds, so that a weight is an
+/// integer: a request in the current window counts `window`, one in the previous window
+/// `window` less the part of it already past (less a millisecond).
+#[derive(Debug, Clone)]
+pub struct Counter {
+    permits: u128,
+    window: u128,
+    pub(super) margin: Duration,
+    pub(super) pending: usize,
+    edges: Edges,
+    /// The provider rounds the estimate down before comparing.
+    rounds_down: bool,
+    sent: Bounds,
+}
+
+impl Counter {
+    pub fn new(
+        permits: u32,
+        window: Duration,
+        margin: Duration,
+        edges: Edges,
+        rounds_down: bool,
+    ) -> Counter {
+        Counter {
+            permits: u128::from(permits),
+            window: window.as_nanos().max(1),
+            margin,
+            pending: 0,
+            edges,
+            rounds_down,
+            sent: Bounds::default(),
+        }
+    }
+
+    /// This counter under a changed spec (a reload), keeping what has been sent.
+    pub fn carry(mut self, new: Counter, now: Instant) -> Counter {
+        self.permits = new.permits;
+        self.window = new.window;
+        self.margin = new.margin;
+        self.edges = new.edges;
+        self.rounds_down = new.rounds_down;
+        self.refresh(now);
+        self
+    }
+
+    fn window(&self) -> Duration {
+        Duration::from_nanos(u64::try_from(self.window).unwrap_or(u64::MAX))
+    }
+
+    /// A request counts for nothing two windows after its bound, wherever the edges fall.
+    pub fn refresh(&mut self, now: Instant) {
+        let span = self.window() * 2;
+        self.sent.forget_while(|t| t + span <= now);
+    }
+
+    /// The estimate at `t`, times the window: the sent requests at their bounds, and
+    /// `extra` more that reach the provider at `extra_at` (or later).
+    fn load(&self, t: Instant, extra: u64, extra_at: Instant) -> u128 {
+        let w = self.window;
+        // How long before `t` each request arrived, with how many arrived then; the ones
+        // still ahead count fully.
+        let mut full = self.sent.len() - self.sent.before(t);
+        let mut past: Vec<(u128, u128)> = Vec::with_capacity(self.sent.before(t) + 1);
+        for at in self.sent.iter().rev().filter(|at| *at < t) {
+            let d = (t - at).as_nanos();
+            if d >= 2 * w {
+                break;
+            }
+            past.push((d, 1));
+        }
+        if extra_at >= t {
+            full += extra as usize;
+        } else if extra > 0 {
+            let d = (t - extra_at).as_nanos();
+            let i = past.partition_point(|p| p.0 < d);
+            past.insert(i, (d, u128::from(extra)));
+        }
+        let full = full as u128 * w;
+        match self.edges {
+            Edges::Clock { origin } => {
+                let x = ns_between(origin, t).rem_euclid(w as i128) as u128;
+                full + weighed(&past, x, w)
+            }
+            Edges::Any => full + worst(&past, w),
+        }
+    }
+
+    /// Whether an estimate of `load` (times the window) leaves room for one more.
+    fn room(&self, load: u128) -> bool {
+        let cap = self.permits * self.window;
+        if self.rounds_down {
+            load < cap
+        } else {
+            load + self.window <= cap
+        }
+    }
+
+    pub fn available(&self, now: Instant) -> u64 {
+        let load = self.load(now, self.pending as u64, now);
+        let (w, cap) = (self.window, self.permits * self.window);
+        let n = if self.rounds_down {
+            cap.saturating_sub(load).div_ceil(w)
+        } else {
+            cap.saturating_sub(load) / w
+        };
+        u64::try_from(n).unwrap_or(u64::MAX)
+    }
+
+    pub fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
+        if reserved {
+            self.pending = self.pending.saturating_sub(1);
+        }
+        self.sent.insert(now + self.margin, id);
+    }
+
+    pub fn answered(&mut self, id: Id, now: Instant) {
+        self.sent.answered(id, now);
+    }
+
+    /// The earliest instant the `n`-th request from now (n >= 1) could be admitted if
+    /// nothing else took any, a lower bound: the pending requests and the `n - 1` before
+    /// it as if they reached the provider now (any later, they would count for more),
+    /// and no more than `permits` in any one window.
+    pub fn ready_at(&self, n: u64, now: Instant) -> Instant {
+        let ahead = n.max(1) - 1 + self.pending as u64;
+        let per_window = (ahead + 1).div_ceil(self.permits as u64);
+        let floor = super::time::turns_after(now, self.window(), per_window.saturating_sub(2));
+        let fits = |t: Instant| self.room(self.load(t, ahead, now));
+        if fits(floor) {
+            return floor;
+        }
+        // Every estimate falls with time and is empty two windows after the last bound.
+        let end = self.sent.latest().map_or(now, |l| l.max(now)).max(floor) + self.window() * 2;
+        let (mut lo, mut hi) = (0i128, ns_between(floor, end));
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if fits(shifted(floor, mid)) {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        shifted(floor, hi)
+    }
+
+    pub fn is_pristine(&self) -> bool {
+        self.pending == 0 && self.sent.is_empty()
+    }
+}
+
+/// The previous window's weight at `x` into the current one: what of it the last window
+/// still covers, plus a millisecond of the provider's clock.
+fn weight(x: u128, w: u128) -> u128 {
+    w - x.saturating_sub(GRAIN).min(w)
+}
+
+/// The estimate at `x` into the current window, for arrivals `past` (how long ago,
+/// ascending, with their number): those of the current window count `w`, those of the
+/// previous one its weight.
+fn weighed(past: &[(u128, u128)], x: u128, w: u128) -> u128 {
+    let (mut cur, mut prev) = (0, 0);
+    for &(d, k) in past {
+        if d <= x {
+            cur += k;
+        } else if d <= x + w {
+            prev += k;
+        } else {
+            break;
+        }
+    }
+    cur * w + prev * weight(x, w)
+}
+
+/// The largest estimate over every placement of the window edges. Moving the current
+/// window's start back (`x` growing) only lowers the previous window's weight, except
+/// where an arrival moves into the current window (`x = d`) or into the previous one
+/// (`x = d - w`): the largest estimate is at one of those, or at `x = 0`.
+fn worst(past: &[(u128, u128)], w: u128) -> u128 {
+    let mut xs: Vec<u128> = Vec::with_capacity(past.len() + 1);
+    xs.push(0);
+    xs.extend(past.iter().map(|p| p.0).filter(|d| *d < w));
+    xs.extend(past.iter().map(|p| p.0).filter(|d| *d >= w).map(|d| d - w));
+    xs.sort_unstable();
+    xs.dedup();
+    let (mut i, mut j) = (0, 0);
+    let (mut cur, mut upto) = (0u128, 0u128);
+    let mut best = 0;
+    for x in xs {
+        while i < past.len() && past[i].0 <= x {
+            cur += past[i].1;
+            i += 1;
+        }
+        while j < past.len() && past[j].0 <= x + w {
+            upto += past[j].1;
+            j += 1;
+        }
+        best = best.max(cur * w + (upto - cur) * weight(x, w));
+    }
+    best
+}
