@@ -91,6 +91,25 @@ impl fmt::Display for Limit {
     }
 }
 
+/// The provider algorithms a limit keeps within at its own numbers, and those it can
+/// overrun with the worst it lets through (`limit::exposure`).
+fn against(l: &Limit) -> Vec<String> {
+    let Some(verdicts) = crate::limit::exposure::exposure(l) else {
+        return Vec::new();
+    };
+    let (within, over): (Vec<_>, Vec<_>) = verdicts.iter().partition(|v| v.within());
+    let mut out = Vec::new();
+    if !within.is_empty() {
+        let names: Vec<_> = within.iter().map(|v| v.algorithm.name()).collect();
+        out.push(format!("  within {}", names.join(", ")));
+    }
+    out.extend(
+        over.iter()
+            .map(|v| format!("  overruns {}: {}", v.algorithm.name(), v.overrun())),
+    );
+    out
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ExplainError {
     #[error("URL must be absolute (http://host/path or https://host/path)")]
@@ -226,13 +245,15 @@ pub fn explain(
         ),
     }
 
-    let mut limits: Vec<String> = u
-        .limits
-        .iter()
-        .map(|l| format!("{l}  [upstream]"))
-        .collect();
-    if let Some(f) = family {
-        limits.extend(f.limits.iter().map(|l| format!("{l}  [family {}]", f.name)));
+    let mut limits: Vec<String> = Vec::new();
+    let paid = u.limits.iter().map(|l| (l, "upstream".to_string())).chain(
+        family
+            .iter()
+            .flat_map(|f| f.limits.iter().map(|l| (l, format!("family {}", f.name)))),
+    );
+    for (l, at) in paid {
+        limits.push(format!("{l}  [{at}]"));
+        limits.extend(against(l));
     }
     if limits.is_empty() {
         limits.push("none".into());
@@ -419,6 +440,37 @@ mod tests {
     }
 
     #[test]
+    fn names_each_kind_as_written() {
+        let c = Config::parse(
+            "[[upstream]]\nname = \"u\"\nhosts = [\"u.example\"]\nlimits = [\n\
+             { kind = \"sliding_counter\", permits = 100, window = \"1m\" },\n\
+             { kind = \"sliding_counter\", permits = 10, window = \"1s\", align = \"clock\", \
+             rounding = \"none\" },\n\
+             { kind = \"fixed_window\", permits = 1000, window = \"1h\", align = \"clock\", \
+             offset = \"30m\" },\n\
+             { kind = \"leaky_bucket\", rate = 10, per = \"1s\", burst = 5 },\n\
+             { kind = \"published\", permits = 100, window = \"1m\" },\n]\n",
+            "k.toml",
+        )
+        .unwrap();
+        let names: Vec<String> = c.upstreams[0]
+            .limits
+            .iter()
+            .map(|l| l.to_string())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "sliding_counter 100 per 1m, any alignment, margin 1s (default)",
+                "sliding_counter 10 per 1s, on the clock, unrounded, margin 200ms (default)",
+                "fixed_window 1000 per 1h, on the clock + 30m, margin 1s (default)",
+                "leaky_bucket 10 per 1s (burst 5), margin 20ms (default)",
+                "published 100 per 1m, margin 120ms (default)",
+            ]
+        );
+    }
+
+    #[test]
     fn explains_the_product_example() {
         let c = Config::parse(
             include_str!("../tests/fixtures/product-example.toml"),
@@ -439,6 +491,19 @@ mod tests {
         );
         assert!(
             out.contains("sliding_window 12 per 1s, margin 200ms (default)  [family orders]"),
+            "{out}"
+        );
+        // Each limit against the algorithms providers run at its numbers.
+        assert!(
+            out.contains(
+                "              within a sliding log, fixed windows on the clock, fixed windows \
+                 from the first request, a token bucket as deep as the limit\n              \
+                 overruns a sliding window counter: an estimate of 24 (12 allowed)\n"
+            ),
+            "{out}"
+        );
+        assert!(
+            out.contains("overruns a sliding log: 599 in one window (300 allowed)"),
             "{out}"
         );
         assert!(out.contains("no: POST without idempotency-key"), "{out}");

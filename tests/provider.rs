@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use sluice::config::{CounterAlign, Limit, Margin, Rounding, Scope, WindowAlign};
+use sluice::limit::exposure::{Algorithm, exposure};
 use sluice::limit::kinds::LimitState;
 use support::Proxy;
 use support::provider::{Clock, Counter, Delays, Provider, Relay};
@@ -380,7 +381,66 @@ proptest! {
                 "the provider refused request {} arriving at {} us", i, us
             );
         }
+        // And every other algorithm `sluice explain` says the limit keeps within.
+        for (algorithm, mut provider) in claimed(&shape, t0) {
+            for (us, i) in &run.arrivals {
+                prop_assert!(
+                    provider.arrive(t0 + Duration::from_micros(*us)),
+                    "{} refused request {} arriving at {} us", algorithm.name(), i, us
+                );
+            }
+        }
     }
+}
+
+/// The algorithms `limit::exposure` says the shape's limit keeps within, each as a
+/// provider counting at the limit's own numbers.
+fn claimed(shape: &Shape, t0: Instant) -> Vec<(Algorithm, Counter)> {
+    let limit = shape.limit();
+    let (p, w) = match (limit.window_limit(), &limit) {
+        (Some(pw), _) => pw,
+        (None, Limit::TokenBucket { rate, per, .. } | Limit::LeakyBucket { rate, per, .. }) => {
+            (rate.get(), *per)
+        }
+        (None, other) => panic!("no numbers for {other:?}"),
+    };
+    let clock = Clock {
+        t0,
+        unix0: shape.unix0(),
+    };
+    // Clock windows where the limit's own are, or anywhere for a limit that has none.
+    let offset = match limit {
+        Limit::FixedWindow {
+            align: WindowAlign::Clock,
+            offset,
+            ..
+        }
+        | Limit::SlidingCounter {
+            align: CounterAlign::Clock,
+            offset,
+            ..
+        } => offset.unwrap_or_default(),
+        _ => Duration::from_nanos(shape.phase_ns % w.as_nanos() as u64),
+    };
+    exposure(&limit)
+        .unwrap()
+        .into_iter()
+        .filter(|v| v.within())
+        .map(|v| {
+            let judge = match v.algorithm {
+                Algorithm::SlidingLog => Counter::sliding(p, w),
+                Algorithm::SlidingCounter => Counter::All(vec![
+                    Counter::haproxy(p, w, clock),
+                    Counter::weighted(p, w, clock, true),
+                ]),
+                Algorithm::ClockWindows => Counter::calendar(p, w, offset, clock),
+                Algorithm::FirstRequestWindows => Counter::fixed(p, w),
+                Algorithm::FullBucket => Counter::token(p, w, p),
+                Algorithm::Pacing => Counter::token(p, w, 1),
+            };
+            (v.algorithm, judge)
+        })
+        .collect()
 }
 
 /// Saturated for many windows with a provider that answers within a millisecond: the

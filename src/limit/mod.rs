@@ -23,6 +23,7 @@
 pub mod aimd;
 pub mod bucket;
 pub mod error;
+pub mod exposure;
 pub mod kinds;
 pub mod learned;
 pub mod queue;
