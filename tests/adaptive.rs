@@ -398,3 +398,67 @@ async fn responses_describe_the_bucket_they_paid_in_ratelimit_fields() {
     assert_eq!((at(&now, "api/f", "r"), at(&now, "api", "r")), (0, 3));
     assert!(refused.headers().contains_key("sluice-queue-wait"));
 }
+
+/// A provider with windows of 20 s on the clock, a second before now and every 20 s
+/// from there, announcing its reset (`X-RateLimit-Reset`, a Unix second): sluice's clock
+/// windows, with no offset written, end somewhere else. Ten clients, five at once and
+/// five more as soon as sluice lets them. Reading the announcement, sluice moves its
+/// edges to the provider's and holds the second five until its next window (give or take
+/// the announcement's whole seconds); without it, it sends them when its own window
+/// turns, inside the provider's, which refuses them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clock_windows_follow_the_reset_the_provider_announces() {
+    use support::provider::{Clock, Counter, Provider};
+    let window = Duration::from_secs(20);
+    let unix = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+    };
+    // sluice's own edge (a whole 20 s of Unix time) between 5 s and 14 s from now: inside
+    // the provider's window, with time for the first five to go, and further from the
+    // provider's edge (19 s on) than an announcement's whole seconds blur.
+    let mut now = unix();
+    let to_edge = |now: Duration| 20 - now.as_secs() % 20;
+    while !(5..=14).contains(&to_edge(now)) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        now = unix();
+    }
+    let offset = Duration::from_secs((now.as_secs() + 20 - 1) % 20);
+    let limit = "limits = [{ kind = \"fixed_window\", permits = 5, window = \"20s\", \
+                 align = \"clock\" }]\nretry = { max_attempts = 1 }\n";
+    let run = |learn: bool| async move {
+        let clock = Clock {
+            t0: Instant::now(),
+            unix0: unix(),
+        };
+        let provider = Provider::start(Counter::calendar(5, window, offset, clock), None).await;
+        let proxy = Proxy::start(&format!(
+            "[[upstream]]\nname = \"p\"\nhosts = [\"127.0.0.1:{}\"]\n{}{limit}",
+            provider.addr.port(),
+            if learn { "learn = \"headers\"\n" } else { "" },
+        ))
+        .await;
+        let url = format!("http://{}/", provider.addr);
+        let mut clients = Vec::new();
+        for _ in 0..10 {
+            let (client, url) = (proxy.client(), url.clone());
+            clients.push(tokio::spawn(async move {
+                client.get(&url).send().await.unwrap().status().as_u16()
+            }));
+        }
+        for c in clients {
+            c.await.unwrap();
+        }
+        let buckets = proxy.admin_get("/buckets").await.1;
+        (provider.counts(), buckets)
+    };
+    let ((learned, buckets), (unread, _)) = tokio::join!(run(true), run(false));
+    assert_eq!(learned, (10, 0), "following the announced reset: {buckets}");
+    let b: serde_json::Value = serde_json::from_str(&buckets).unwrap();
+    assert_eq!(
+        b[0]["limits"][0]["edges_from"], "announced reset",
+        "{buckets}"
+    );
+    assert_eq!(unread, (5, 5), "on sluice's own clock edges");
+}

@@ -47,6 +47,16 @@ enum Kind {
     },
     /// `published`, judged by every algorithm above at the same numbers at once.
     Published,
+    /// A clock window (`counter`: a counter on the clock) whose edges sluice's clock
+    /// misplaces, moved to an edge the provider announced, `error` thousandths of the
+    /// slack (a tenth of the window) off its real edge (`offset_ms` thousandths of the
+    /// window past the clock's, further than twice the slack: an announcement within it is
+    /// taken to agree with the edges written).
+    Announced {
+        counter: bool,
+        offset_permille: u64,
+        error: i64,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -159,7 +169,52 @@ impl Shape {
                 margin_max: None,
                 scope,
             },
+            Kind::Announced { counter: false, .. } => Limit::FixedWindow {
+                align: WindowAlign::Clock,
+                offset: None,
+                permits,
+                window,
+                margin,
+                margin_max: None,
+                scope,
+            },
+            Kind::Announced { counter: true, .. } => Limit::SlidingCounter {
+                permits,
+                window,
+                align: CounterAlign::Clock,
+                offset: None,
+                rounding: Rounding::Down,
+                margin,
+                margin_max: None,
+                scope,
+            },
         }
+    }
+
+    /// Where the provider announces an edge, for a limit whose edges must move there,
+    /// and how far from the real one it may be.
+    fn announced(&self, t0: Instant) -> Option<(Instant, Duration)> {
+        let Kind::Announced {
+            offset_permille,
+            error,
+            ..
+        } = self.kind
+        else {
+            return None;
+        };
+        let w = self.window().as_nanos() as i128;
+        let slack = self.window() / 10;
+        // The provider's edge after t0: `offset_permille` of the window past the clock's,
+        // which fall on whole windows of Unix time; then off by `error` of the slack.
+        let offset = (self.window() * offset_permille as u32 / 1000).as_nanos() as i128;
+        let edge = (offset - self.unix0().as_nanos() as i128).rem_euclid(w);
+        let at = edge + slack.as_nanos() as i128 * error as i128 / 1000;
+        let at = if at >= 0 {
+            t0 + Duration::from_nanos(at as u64)
+        } else {
+            t0 - Duration::from_nanos((-at) as u64)
+        };
+        Some((at, slack))
     }
 
     fn provider(&self, t0: Instant) -> Counter {
@@ -183,6 +238,22 @@ impl Shape {
             Kind::Leaky { burst, per_minute } => {
                 let (rate, per) = self.nginx_rate(per_minute);
                 Counter::nginx(rate, per, burst, clock)
+            }
+            Kind::Announced {
+                counter,
+                offset_permille,
+                ..
+            } => {
+                let offset = self.window() * offset_permille as u32 / 1000;
+                if counter {
+                    let shifted = Clock {
+                        t0,
+                        unix0: self.unix0() - offset,
+                    };
+                    Counter::weighted(p, w, shifted, true)
+                } else {
+                    Counter::calendar(p, w, offset, clock)
+                }
             }
             Kind::Published => Counter::All(vec![
                 Counter::sliding(p, w),
@@ -229,6 +300,13 @@ fn shape() -> impl Strategy<Value = Shape> {
         (0..1000u64).prop_map(|offset_ms| Kind::Calendar { offset_ms }),
         (0..4u32, any::<bool>()).prop_map(|(burst, per_minute)| Kind::Leaky { burst, per_minute }),
         Just(Kind::Published),
+        (any::<bool>(), 201..800u64, -1000..=1000i64).prop_map(
+            |(counter, offset_permille, error)| Kind::Announced {
+                counter,
+                offset_permille,
+                error,
+            }
+        ),
     ];
     (
         kind,
@@ -295,6 +373,9 @@ fn simulate(shape: &Shape, reqs: &[Req]) -> Result<Run, TestCaseError> {
     let t0 = Instant::now();
     let at = |us: u64| t0 + Duration::from_micros(us);
     let mut l = LimitState::on_clock(&shape.limit(), t0, 0, shape.unix0());
+    if let Some((edge, slack)) = shape.announced(t0) {
+        l.realign(edge, slack);
+    }
     let margin_us = shape.limit().margin().unwrap_or_default().as_micros() as u64;
     let mut events = BinaryHeap::new();
     let mut seq = 0u64;
@@ -408,18 +489,28 @@ fn claimed(shape: &Shape, t0: Instant) -> Vec<(Algorithm, Counter)> {
         t0,
         unix0: shape.unix0(),
     };
-    // Clock windows where the limit's own are, or anywhere for a limit that has none.
-    let offset = match limit {
-        Limit::FixedWindow {
-            align: WindowAlign::Clock,
-            offset,
-            ..
-        }
-        | Limit::SlidingCounter {
-            align: CounterAlign::Clock,
-            offset,
-            ..
-        } => offset.unwrap_or_default(),
+    // Clock windows where the limit's own are (the provider's, once announced), or
+    // anywhere for a limit that has none.
+    let offset = match (shape.kind, &limit) {
+        (
+            Kind::Announced {
+                offset_permille, ..
+            },
+            _,
+        ) => shape.window() * offset_permille as u32 / 1000,
+        (
+            _,
+            Limit::FixedWindow {
+                align: WindowAlign::Clock,
+                offset,
+                ..
+            }
+            | Limit::SlidingCounter {
+                align: CounterAlign::Clock,
+                offset,
+                ..
+            },
+        ) => offset.unwrap_or_default(),
         _ => Duration::from_nanos(shape.phase_ns % w.as_nanos() as u64),
     };
     exposure(&limit)

@@ -177,6 +177,13 @@ pub struct Bucket<W> {
     epoch: u64,
 }
 
+/// How far an edge placed by an announced reset may be from the provider's: the reset
+/// and the `Date` it is read against are whole seconds.
+pub const ANNOUNCED_SLACK: Duration = Duration::from_secs(2);
+
+/// The shortest window on the clock whose edges an announced reset places.
+pub const ALIGNABLE: Duration = Duration::from_secs(20);
+
 /// The upstream limits a family pays: all of them, or only concurrency for tunnels.
 fn paid(
     upstream: &mut [LimitState],
@@ -664,7 +671,7 @@ impl<W> Bucket<W> {
     /// A response announced the provider's budget at `now` (`learn = "headers"`): below
     /// what the upstream's rate limits would still admit, it sets the pace until the
     /// provider's reset; at or above it, any pace learned before is lifted.
-    pub fn learn(&mut self, a: Announced, now: Instant) {
+    pub fn learn(&mut self, a: Announced, now: Instant) -> bool {
         let believed = self
             .upstream
             .iter_mut()
@@ -673,6 +680,28 @@ impl<W> Bucket<W> {
             .min()
             .unwrap_or(u64::MAX);
         self.learned = Learned::from(a, believed, now, self.learned.as_ref());
+        self.align(a, now)
+    }
+
+    /// A reset the provider announces is where its window ends: the one limit on the
+    /// clock it can belong to (a window at least as long, and long enough for whole
+    /// seconds to place its edges) moves its edges there when they are further from it
+    /// than the announcement's precision. With two such limits it cannot be told whose
+    /// edge it is, and none moves. Whether one moved.
+    fn align(&mut self, a: Announced, now: Instant) -> bool {
+        let fits = |l: &&mut LimitState| {
+            l.clock_window()
+                .is_some_and(|w| w >= ALIGNABLE && a.reset <= w + ANNOUNCED_SLACK)
+        };
+        let mut clock = self
+            .upstream
+            .iter_mut()
+            .chain(self.families.iter_mut().flat_map(|f| f.limits.iter_mut()))
+            .filter(fits);
+        match (clock.next(), clock.next()) {
+            (Some(only), None) => only.realign(now + a.reset, ANNOUNCED_SLACK),
+            _ => false,
+        }
     }
 
     /// Pauses one family (or, with `None`, the whole upstream) until `until`; a later

@@ -631,10 +631,18 @@ impl Permit {
         let mut st = self.cell.lock();
         let now = Instant::now();
         let before = st.bucket.learned.as_ref().is_some_and(|l| l.active(now));
-        st.bucket.learn(a, now);
+        let aligned = st.bucket.learn(a, now);
         let after = st.bucket.learned.as_ref().map(|l| l.rate());
         self.cell.changed(&mut st, now);
         drop(st);
+        if aligned {
+            tracing::info!(
+                upstream = &*self.cell.name,
+                reset_s = a.reset.as_secs(),
+                source = a.source,
+                "the provider's window ends elsewhere than this limit's clock edges: they follow the reset it announced"
+            );
+        }
         match (before, after) {
             (false, Some(rate)) => tracing::info!(
                 upstream = &*self.cell.name,
@@ -1397,6 +1405,16 @@ fn limits_json(specs: &[Limit], states: &mut [LimitState], now: Instant) -> serd
                     o.insert("margin".into(), fmt_duration(m).into());
                     // Admitted, still connecting: their permits have no return time yet.
                     o.insert("unsent".into(), state.unsent_count().into());
+                }
+                if let Some((next, slack)) = state.clock_edges(now) {
+                    let next = Duration::from_millis(next.as_millis() as u64);
+                    o.insert("next_edge_in".into(), fmt_duration(next).into());
+                    let from = if slack.is_zero() {
+                        "clock"
+                    } else {
+                        "announced reset"
+                    };
+                    o.insert("edges_from".into(), from.into());
                 }
             }
             v

@@ -198,6 +198,28 @@ impl Counter {
         }
     }
 
+    /// What a clock window announces after the last arrival, as many APIs do: requests
+    /// left, and the Unix second its window resets (`X-RateLimit-Remaining`,
+    /// `X-RateLimit-Reset`). `None` for the others.
+    pub fn announce(&self) -> Option<(u64, u64)> {
+        let Counter::Calendar {
+            permits,
+            window_ns,
+            offset_ns,
+            index: Some(i),
+            count,
+            ..
+        } = self
+        else {
+            return None;
+        };
+        let end_ns = (i + 1) * window_ns + offset_ns;
+        Some((
+            permits.saturating_sub(*count),
+            end_ns.div_ceil(1_000_000_000) as u64,
+        ))
+    }
+
     /// Counts an arrival at `at` (arrivals in time order); `false` is a 429.
     pub fn arrive(&mut self, at: Instant) -> bool {
         match self {
@@ -385,7 +407,10 @@ impl Provider {
                 tokio::spawn(async move {
                     let svc = service_fn(move |_req| {
                         let at = Instant::now();
-                        let ok = counter.lock().arrive(at);
+                        let (ok, announced) = {
+                            let mut c = counter.lock();
+                            (c.arrive(at), c.announce())
+                        };
                         log.lock().push((at, ok));
                         let (status, body) = if ok {
                             (StatusCode::OK, "ok\n")
@@ -398,6 +423,11 @@ impl Provider {
                         let mut resp =
                             Response::new(Full::new(Bytes::from_static(body.as_bytes())));
                         *resp.status_mut() = status;
+                        if let Some((remaining, reset)) = announced {
+                            let h = resp.headers_mut();
+                            h.insert("x-ratelimit-remaining", remaining.into());
+                            h.insert("x-ratelimit-reset", reset.into());
+                        }
                         async move { Ok::<_, Infallible>(resp) }
                     });
                     let http = hyper::server::conn::http1::Builder::new();

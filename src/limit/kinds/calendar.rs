@@ -5,13 +5,14 @@
 //! A sent request arrives somewhere between its send and its bound (the send plus the
 //! margin, lowered to its response): it counts in every window that span touches. An
 //! admitted request not yet sent may arrive in any window from now on: it counts in all
-//! of them until it is sent.
+//! of them until it is sent. Edges known only to within `slack` (taken from a reset the
+//! provider announced, in whole seconds) widen every span by that much on both sides.
 
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::time::{Id, ns_between, shifted};
+use super::time::{Id, ns_between, shifted, to_next_edge};
 
 #[derive(Debug, Clone)]
 pub struct Calendar {
@@ -21,6 +22,8 @@ pub struct Calendar {
     pub(super) pending: u32,
     /// A window edge.
     origin: Instant,
+    /// How far the real edges may be from `origin`'s.
+    slack: Duration,
     /// Sent requests that may still count in the current window or a later one: their
     /// send, their bound, their id.
     sent: Vec<(Instant, Instant, Id)>,
@@ -34,6 +37,7 @@ impl Calendar {
             margin,
             pending: 0,
             origin,
+            slack: Duration::ZERO,
             sent: Vec::new(),
         }
     }
@@ -44,8 +48,40 @@ impl Calendar {
         self.window = new.window;
         self.margin = new.margin;
         self.origin = new.origin;
+        self.slack = Duration::ZERO;
         self.refresh(now);
         self
+    }
+
+    pub fn window(&self) -> Duration {
+        self.window
+    }
+
+    /// Moves the edges to `edge` (and every window from it), known to within `slack`.
+    /// What was sent is counted again against them.
+    pub fn realign(&mut self, edge: Instant, slack: Duration) {
+        self.origin = edge;
+        self.slack = slack;
+    }
+
+    /// How long to the next edge, and how far the real edges may be from sluice's.
+    pub fn edges(&self, now: Instant) -> (Duration, Duration) {
+        (to_next_edge(self.origin, self.window, now), self.slack)
+    }
+
+    /// How far `t` is from the nearest edge.
+    pub fn off_edge(&self, t: Instant) -> Duration {
+        let w = self.window.as_nanos().max(1) as i128;
+        let phase = ns_between(self.origin, t).rem_euclid(w);
+        Duration::from_nanos(phase.min(w - phase) as u64)
+    }
+
+    /// The windows a send at `send` with bound `bound` may land in, first and last.
+    fn span(&self, send: Instant, bound: Instant) -> (i128, i128) {
+        let slack = self.slack.as_nanos() as i128;
+        let w = self.window.as_nanos().max(1) as i128;
+        let at = |t: Instant, by: i128| (ns_between(self.origin, t) + by).div_euclid(w);
+        (at(send, -slack), at(bound, slack))
     }
 
     /// The window `t` falls in, counted from the one starting at `origin`.
@@ -53,36 +89,47 @@ impl Calendar {
         ns_between(self.origin, t).div_euclid(self.window.as_nanos().max(1) as i128)
     }
 
-    /// The start of window `k`, as an instant no earlier than `now`.
+    /// The first window a request sent at `now` may land in: with edges known only to
+    /// within the slack, the one `slack` before.
+    fn first(&self, now: Instant) -> i128 {
+        self.index(shifted(now, -(self.slack.as_nanos() as i128)))
+    }
+
+    /// The first instant from which requests land no earlier than window `k` (its start,
+    /// and the slack), no earlier than `now`.
     fn start_from(&self, k: i128, now: Instant) -> Instant {
-        let start = k * self.window.as_nanos() as i128;
+        let start = k * self.window.as_nanos() as i128 + self.slack.as_nanos() as i128;
         let here = ns_between(self.origin, now);
         shifted(now, (start - here).max(0))
     }
 
     pub fn refresh(&mut self, now: Instant) {
-        let k = self.index(now);
-        let origin = self.origin;
-        let w = self.window.as_nanos().max(1) as i128;
-        self.sent
-            .retain(|(_, bound, _)| ns_between(origin, *bound).div_euclid(w) >= k);
+        let k = self.first(now);
+        let sent = std::mem::take(&mut self.sent);
+        self.sent = sent
+            .into_iter()
+            .filter(|(send, bound, _)| self.span(*send, *bound).1 >= k)
+            .collect();
     }
 
     /// Sent requests that may land in window `k`.
     fn sent_in(&self, k: i128) -> u32 {
         self.sent
             .iter()
-            .filter(|(send, bound, _)| self.index(*send) <= k && k <= self.index(*bound))
+            .filter(|(send, bound, _)| {
+                let (first, last) = self.span(*send, *bound);
+                first <= k && k <= last
+            })
             .count() as u32
     }
 
     /// The last window a sent request may land in.
     fn last(&self) -> Option<i128> {
-        self.sent.iter().map(|(_, b, _)| self.index(*b)).max()
+        self.sent.iter().map(|(s, b, _)| self.span(*s, *b).1).max()
     }
 
     pub fn available(&self, now: Instant) -> u64 {
-        let k = self.index(now);
+        let k = self.first(now);
         let fullest = (k..=self.last().unwrap_or(k).max(k))
             .map(|k| self.sent_in(k))
             .max()
@@ -110,7 +157,7 @@ impl Calendar {
     pub fn ready_at(&self, n: u64, now: Instant) -> Instant {
         let p = u64::from(self.permits);
         let pending = u64::from(self.pending);
-        let here = self.index(now);
+        let here = self.first(now);
         let last = self.last().unwrap_or(here).max(here);
         let sent = |k: i128| u64::from(self.sent_in(k));
         let mut k = (here..=last)

@@ -24,7 +24,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::bounds::Bounds;
-use super::time::{Id, ns_between, shifted};
+use super::time::{Id, ns_between, shifted, to_next_edge};
 
 /// The resolution of a provider's clock that the weights allow for.
 const GRAIN: u128 = 1_000_000;
@@ -33,8 +33,10 @@ const GRAIN: u128 = 1_000_000;
 pub enum Edges {
     /// Any placement of the window edges.
     Any,
-    /// Windows start at `origin` and every `window` before and after it.
-    Clock { origin: Instant },
+    /// Windows start at `origin` and every `window` before and after it, give or take
+    /// `slack` (edges taken from a reset the provider announced in whole seconds): the
+    /// estimate must hold wherever within it the edges are.
+    Clock { origin: Instant, slack: Duration },
 }
 
 /// Estimates are kept multiplied by the window in nanoseconds, so that a weight is an
@@ -82,8 +84,42 @@ impl Counter {
         self
     }
 
-    fn window(&self) -> Duration {
+    pub fn window(&self) -> Duration {
         Duration::from_nanos(u64::try_from(self.window).unwrap_or(u64::MAX))
+    }
+
+    /// Whether the windows are on the clock.
+    pub fn on_clock(&self) -> bool {
+        matches!(self.edges, Edges::Clock { .. })
+    }
+
+    /// Moves the clock's edges to `edge`, known to within `slack`.
+    pub fn realign(&mut self, edge: Instant, slack: Duration) {
+        if self.on_clock() {
+            self.edges = Edges::Clock {
+                origin: edge,
+                slack,
+            };
+        }
+    }
+
+    /// How long to the next clock edge, and how far the real edges may be from sluice's
+    /// (`None` at any alignment).
+    pub fn edges(&self, now: Instant) -> Option<(Duration, Duration)> {
+        let Edges::Clock { origin, slack } = self.edges else {
+            return None;
+        };
+        Some((to_next_edge(origin, self.window(), now), slack))
+    }
+
+    /// How far `t` is from the nearest clock edge (`None` at any alignment).
+    pub fn off_edge(&self, t: Instant) -> Option<Duration> {
+        let Edges::Clock { origin, .. } = self.edges else {
+            return None;
+        };
+        let w = self.window as i128;
+        let phase = ns_between(origin, t).rem_euclid(w);
+        Some(Duration::from_nanos(phase.min(w - phase) as u64))
     }
 
     /// A request counts for nothing two windows after its bound, wherever the edges fall.
@@ -98,9 +134,13 @@ impl Counter {
         let w = self.window;
         // How long before `t` each request arrived, with how many arrived then; the ones
         // still ahead count fully.
-        let mut full = self.sent.len() - self.sent.before(t);
-        let mut past: Vec<(u128, u128)> = Vec::with_capacity(self.sent.before(t) + 1);
-        for at in self.sent.iter().rev().filter(|at| *at < t) {
+        let mut full = 0;
+        let mut past: Vec<(u128, u128)> = Vec::with_capacity(self.sent.len() + 1);
+        for at in self.sent.iter().rev() {
+            if at >= t {
+                full += 1;
+                continue;
+            }
             let d = (t - at).as_nanos();
             if d >= 2 * w {
                 break;
@@ -116,11 +156,17 @@ impl Counter {
         }
         let full = full as u128 * w;
         match self.edges {
-            Edges::Clock { origin } => {
+            Edges::Clock { origin, slack } => {
                 let x = ns_between(origin, t).rem_euclid(w as i128) as u128;
-                full + weighed(&past, x, w)
+                let s = slack.as_nanos();
+                if s == 0 {
+                    full + weighed(&past, x, w)
+                } else {
+                    // The edge anywhere within the slack of sluice's.
+                    full + worst(&past, w, Some(((x + w - s % w) % w, 2 * s)))
+                }
             }
-            Edges::Any => full + worst(&past, w),
+            Edges::Any => full + worst(&past, w, None),
         }
     }
 
@@ -169,7 +215,9 @@ impl Counter {
             return floor;
         }
         // Every estimate falls with time and is empty two windows after the last bound.
-        let end = self.sent.latest().map_or(now, |l| l.max(now)).max(floor) + self.window() * 2;
+        let end = self.sent.latest().map_or(now, |l| l.max(now)).max(floor)
+            + self.window() * 2
+            + Duration::from_secs(2);
         let (mut lo, mut hi) = (0i128, ns_between(floor, end));
         while hi - lo > 1 {
             let mid = lo + (hi - lo) / 2;
@@ -210,15 +258,25 @@ fn weighed(past: &[(u128, u128)], x: u128, w: u128) -> u128 {
     cur * w + prev * weight(x, w)
 }
 
-/// The largest estimate over every placement of the window edges. Moving the current
+/// The largest estimate over the placements of the window edges that put `x` (how far
+/// into the current window the estimate is made) in `range` (its start, and how far it
+/// runs on, wrapping at the window), or over every placement. Moving the current
 /// window's start back (`x` growing) only lowers the previous window's weight, except
 /// where an arrival moves into the current window (`x = d`) or into the previous one
-/// (`x = d - w`): the largest estimate is at one of those, or at `x = 0`.
-fn worst(past: &[(u128, u128)], w: u128) -> u128 {
-    let mut xs: Vec<u128> = Vec::with_capacity(past.len() + 1);
-    xs.push(0);
-    xs.extend(past.iter().map(|p| p.0).filter(|d| *d < w));
-    xs.extend(past.iter().map(|p| p.0).filter(|d| *d >= w).map(|d| d - w));
+/// (`x = d - w`): the largest estimate is at one of those, or where the range starts.
+fn worst(past: &[(u128, u128)], w: u128, range: Option<(u128, u128)>) -> u128 {
+    let (start, len) = range.filter(|r| r.1 < w).unwrap_or((0, w));
+    let inside = |x: &u128| (x + w - start) % w <= len;
+    let mut xs: Vec<u128> = Vec::with_capacity(past.len() + 2);
+    xs.push(start);
+    if start + len >= w {
+        xs.push(0);
+    }
+    xs.extend(
+        past.iter()
+            .map(|p| if p.0 < w { p.0 } else { p.0 - w })
+            .filter(inside),
+    );
     xs.sort_unstable();
     xs.dedup();
     let (mut i, mut j) = (0, 0);

@@ -108,6 +108,7 @@ impl Kind {
                     CounterAlign::Any => Edges::Any,
                     CounterAlign::Clock => Edges::Clock {
                         origin: edge(window, offset),
+                        slack: Duration::ZERO,
                     },
                 };
                 Kind::SlidingCounter(Counter::new(
@@ -315,6 +316,38 @@ impl LimitState {
 
     pub fn is_concurrency(&self) -> bool {
         matches!(self.kind, Kind::Concurrency { .. })
+    }
+
+    /// The window of a limit whose windows are on the clock.
+    pub fn clock_window(&self) -> Option<Duration> {
+        match &self.kind {
+            Kind::Calendar(w) => Some(w.window()),
+            Kind::SlidingCounter(c) if c.on_clock() => Some(c.window()),
+            _ => None,
+        }
+    }
+
+    /// Windows on the clock: how long to the next edge, and how far the provider's edges
+    /// may be from it (zero unless they were moved to an announced reset).
+    pub fn clock_edges(&self, now: Instant) -> Option<(Duration, Duration)> {
+        match &self.kind {
+            Kind::Calendar(w) => Some(w.edges(now)),
+            Kind::SlidingCounter(c) => c.edges(now),
+            _ => None,
+        }
+    }
+
+    /// A window edge the provider announced at `edge`, known to within `slack`: unless
+    /// the clock's edges are already that close to it, they move there.
+    pub fn realign(&mut self, edge: Instant, slack: Duration) -> bool {
+        match &mut self.kind {
+            Kind::Calendar(w) if w.off_edge(edge) > slack => w.realign(edge, slack),
+            Kind::SlidingCounter(c) if c.off_edge(edge).is_some_and(|d| d > slack) => {
+                c.realign(edge, slack)
+            }
+            _ => return false,
+        }
+        true
     }
 
     /// The margin this limit allows between a send and the provider counting it.

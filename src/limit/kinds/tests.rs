@@ -473,8 +473,8 @@ fn at_unix(text: &str, t0: Instant, unix_ms: u64) -> LimitState {
     LimitState::on_clock(&written(text), t0, 0, ms(unix_ms))
 }
 
-/// 1_700_000_000 s: a whole number of seconds, minutes (and 20-second windows).
-const ROUND: u64 = 1_700_000_000_000;
+/// A Unix time on a whole minute, in milliseconds.
+const ROUND: u64 = 1_699_999_980_000;
 
 #[test]
 fn a_counter_on_the_clock_weighs_the_previous_window_by_what_is_left_of_it() {
@@ -693,4 +693,35 @@ fn margins_resolve_per_kind() {
         "10% of 100 ms"
     );
     assert_eq!(LimitState::new(&conc_spec(1), t0).margin(), None);
+}
+
+#[test]
+fn clock_edges_move_to_an_announced_reset_and_allow_for_its_seconds() {
+    let t0 = Instant::now();
+    let text = "kind = \"fixed_window\"\npermits = 2\nwindow = \"1m\"\nalign = \"clock\"\n\
+                margin = \"0s\"";
+    // sluice's clock puts an edge 40 s from t0; the provider's window ends 13 s from t0.
+    let mut l = at_unix(text, t0, ROUND + 20_000);
+    assert_eq!(l.clock_edges(t0), Some((ms(40_000), Duration::ZERO)));
+    go(&mut l, 0, t0);
+    go(&mut l, 1, t0);
+    assert_eq!(l.ready_at(1, t0), Some(t0 + ms(40_000)));
+    let slack = Duration::from_secs(2);
+    assert!(l.realign(t0 + ms(13_000), slack));
+    assert_eq!(l.clock_edges(t0), Some((ms(13_000), slack)));
+    // Sends may land anywhere within the slack of an edge: the next window is free once
+    // a send there cannot fall in the last one.
+    assert_eq!(l.ready_at(1, t0), Some(t0 + ms(15_000)));
+    assert_eq!(l.available(t0 + ms(13_500)), 0);
+    assert_eq!(l.available(t0 + ms(15_000)), 2);
+    // An announcement within the slack of the edges already kept moves nothing.
+    assert!(!l.realign(t0 + ms(14_500), slack));
+    assert!(!l.realign(t0 + ms(73_000), slack));
+    // A counter on the clock moves too; one at any alignment has no edges to move.
+    let counter = "kind = \"sliding_counter\"\npermits = 2\nwindow = \"1m\"\nalign = \"clock\"";
+    let mut c = at_unix(counter, t0, ROUND);
+    assert!(c.realign(t0 + ms(13_000), slack));
+    assert_eq!(c.clock_edges(t0), Some((ms(13_000), slack)));
+    let any = "kind = \"sliding_counter\"\npermits = 2\nwindow = \"1m\"";
+    assert!(!at_unix(any, t0, ROUND).realign(t0 + ms(13_000), slack));
 }

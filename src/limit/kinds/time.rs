@@ -65,3 +65,10 @@ pub(super) fn edge_after(
     let phase = since.rem_euclid(w as i128) as u128;
     shifted(now, ((w - phase) % w) as i128)
 }
+
+/// How long from `now` to the next edge of windows of `window` that start at `origin`.
+pub(super) fn to_next_edge(origin: Instant, window: Duration, now: Instant) -> Duration {
+    let w = window.as_nanos().max(1) as i128;
+    let phase = ns_between(origin, now).rem_euclid(w);
+    Duration::from_nanos((w - phase) as u64)
+}
