@@ -1,7 +1,10 @@
 //! Limiter micro-benchmarks: admissions per second uncontended, under 64 tasks on one
 //! bucket, and the cost of an admission while 10k waiters are queued. An admission to a
 //! rate limit is followed through its life as a request's is: admitted, handed to its
-//! connection (the send hook), answered, dropped.
+//! connection (the send hook), answered, dropped. Then each kind on its own, saturated:
+//! what deciding one admission and the next instant costs when a window holds `permits`
+//! sends (a sliding counter at any alignment looks at every send of its last two
+//! windows).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -193,10 +196,57 @@ fn reload_100k_partitions(c: &mut Criterion) {
     g.finish();
 }
 
+/// A kind saturated at `permits` per second for three seconds, one send a millisecond
+/// answered a millisecond later: then the cost of the check a request arriving at the
+/// full limit pays (`available`), and of the instant it must wait for (`ready_at`).
+fn kinds(c: &mut Criterion) {
+    use sluice::limit::kinds::LimitState;
+    use tokio::time::Instant;
+    let mut g = c.benchmark_group("kinds");
+    for permits in [100, 1000] {
+        for (name, extra) in [
+            ("sliding_window", ""),
+            ("sliding_counter clock", ", align = \"clock\""),
+            ("sliding_counter any", ""),
+            ("fixed_window clock", ", align = \"clock\""),
+            ("published", ""),
+        ] {
+            let kind = name.split(' ').next().unwrap_or(name);
+            let text = format!(
+                "[[upstream]]\nname = \"u\"\nhosts = [\"u\"]\nlimits = [{{ kind = \"{kind}\", \
+                 permits = {permits}, window = \"1s\"{extra} }}]\n"
+            );
+            let config = Config::parse(&text, "bench.toml").expect("bench config");
+            let spec = &config.upstreams[0].limits[0];
+            let t0 = Instant::now();
+            let mut l = LimitState::new(spec, t0);
+            let mut now = t0;
+            let mut id = 0;
+            while now < t0 + Duration::from_secs(3) {
+                while l.can_take(now) {
+                    l.take(now);
+                    l.sent(id, Some(0), now);
+                    l.answered(id, now + Duration::from_millis(1), Duration::ZERO);
+                    id += 1;
+                }
+                now += Duration::from_millis(1);
+            }
+            g.bench_function(format!("{name}, {permits}/s: available"), |b| {
+                b.iter(|| l.available(now))
+            });
+            g.bench_function(format!("{name}, {permits}/s: ready_at"), |b| {
+                b.iter(|| l.ready_at(1, now))
+            });
+        }
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
     uncontended,
     ten_thousand_waiters,
-    reload_100k_partitions
+    reload_100k_partitions,
+    kinds
 );
 criterion_main!(benches);

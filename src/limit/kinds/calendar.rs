@@ -15,6 +15,17 @@ use tokio::time::Instant;
 use super::time::{Id, ns_between, shifted, to_next_edge};
 
 #[derive(Debug, Clone)]
+struct Sent {
+    id: Id,
+    at: Instant,
+    bound: Instant,
+    /// The first and last windows it may land in (kept with the edges they were
+    /// computed from).
+    first: i128,
+    last: i128,
+}
+
+#[derive(Debug, Clone)]
 pub struct Calendar {
     permits: u32,
     window: Duration,
@@ -24,9 +35,8 @@ pub struct Calendar {
     origin: Instant,
     /// How far the real edges may be from `origin`'s.
     slack: Duration,
-    /// Sent requests that may still count in the current window or a later one: their
-    /// send, their bound, their id.
-    sent: Vec<(Instant, Instant, Id)>,
+    /// Sent requests that may still count in the current window or a later one.
+    sent: Vec<Sent>,
 }
 
 impl Calendar {
@@ -49,8 +59,18 @@ impl Calendar {
         self.margin = new.margin;
         self.origin = new.origin;
         self.slack = Duration::ZERO;
+        self.respan();
         self.refresh(now);
         self
+    }
+
+    /// Places every send again after the edges moved.
+    fn respan(&mut self) {
+        let mut sent = std::mem::take(&mut self.sent);
+        for s in &mut sent {
+            (s.first, s.last) = self.span(s.at, s.bound);
+        }
+        self.sent = sent;
     }
 
     pub fn window(&self) -> Duration {
@@ -62,6 +82,7 @@ impl Calendar {
     pub fn realign(&mut self, edge: Instant, slack: Duration) {
         self.origin = edge;
         self.slack = slack;
+        self.respan();
     }
 
     /// How long to the next edge, and how far the real edges may be from sluice's.
@@ -105,27 +126,20 @@ impl Calendar {
 
     pub fn refresh(&mut self, now: Instant) {
         let k = self.first(now);
-        let sent = std::mem::take(&mut self.sent);
-        self.sent = sent
-            .into_iter()
-            .filter(|(send, bound, _)| self.span(*send, *bound).1 >= k)
-            .collect();
+        self.sent.retain(|s| s.last >= k);
     }
 
     /// Sent requests that may land in window `k`.
     fn sent_in(&self, k: i128) -> u32 {
         self.sent
             .iter()
-            .filter(|(send, bound, _)| {
-                let (first, last) = self.span(*send, *bound);
-                first <= k && k <= last
-            })
+            .filter(|s| s.first <= k && k <= s.last)
             .count() as u32
     }
 
     /// The last window a sent request may land in.
     fn last(&self) -> Option<i128> {
-        self.sent.iter().map(|(s, b, _)| self.span(*s, *b).1).max()
+        self.sent.iter().map(|s| s.last).max()
     }
 
     pub fn available(&self, now: Instant) -> u64 {
@@ -141,13 +155,27 @@ impl Calendar {
         if reserved {
             self.pending = self.pending.saturating_sub(1);
         }
-        self.sent.push((now, now + self.margin, id));
+        let bound = now + self.margin;
+        let (first, last) = self.span(now, bound);
+        self.sent.push(Sent {
+            id,
+            at: now,
+            bound,
+            first,
+            last,
+        });
     }
 
     pub fn answered(&mut self, id: Id, now: Instant) {
-        if let Some(s) = self.sent.iter_mut().find(|s| s.2 == id) {
-            s.1 = s.1.min(now).max(s.0);
-        }
+        // Answers come soon after their sends: search from the latest.
+        let Some(i) = self.sent.iter().rposition(|s| s.id == id) else {
+            return;
+        };
+        let s = &self.sent[i];
+        let bound = s.bound.min(now).max(s.at);
+        let (first, last) = self.span(s.at, bound);
+        let s = &mut self.sent[i];
+        (s.bound, s.first, s.last) = (bound, first, last);
     }
 
     /// The earliest instant the `n`-th request from now could be admitted, a lower bound.

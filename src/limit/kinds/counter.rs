@@ -132,6 +132,29 @@ impl Counter {
     /// `extra` more that reach the provider at `extra_at` (or later).
     fn load(&self, t: Instant, extra: u64, extra_at: Instant) -> u128 {
         let w = self.window;
+        if let Edges::Clock {
+            origin,
+            slack: Duration::ZERO,
+        } = self.edges
+        {
+            // Edges known: what falls in the current window and in the previous one, by
+            // counting the bounds on either side of each edge.
+            let x = ns_between(origin, t).rem_euclid(w as i128);
+            let start = shifted(t, -x);
+            let before = shifted(start, -(w as i128));
+            let in_range = |lo: Option<Instant>, hi: Option<Instant>| {
+                let n = |b: Option<Instant>| b.map_or(0, |b| self.sent.before(b) as u64);
+                let at_hi = hi.map_or(self.sent.len() as u64, |h| n(Some(h)));
+                let mut k = at_hi - n(lo);
+                if lo.is_none_or(|l| extra_at >= l) && hi.is_none_or(|h| extra_at < h) {
+                    k += extra;
+                }
+                u128::from(k)
+            };
+            let cur = in_range(Some(start), None);
+            let prev = in_range(Some(before), Some(start));
+            return cur * w + prev * weight(x as u128, w);
+        }
         // How long before `t` each request arrived, with how many arrived then; the ones
         // still ahead count fully.
         let mut full = 0;
@@ -267,16 +290,26 @@ fn weighed(past: &[(u128, u128)], x: u128, w: u128) -> u128 {
 fn worst(past: &[(u128, u128)], w: u128, range: Option<(u128, u128)>) -> u128 {
     let (start, len) = range.filter(|r| r.1 < w).unwrap_or((0, w));
     let inside = |x: &u128| (x + w - start) % w <= len;
+    // Both kinds of candidates come in order from `past`, and are merged in order.
+    let split = past.partition_point(|p| p.0 < w);
+    let (near, far) = past.split_at(split);
+    let mut a = near.iter().map(|p| p.0).peekable();
+    let mut b = far.iter().map(|p| p.0 - w).peekable();
     let mut xs: Vec<u128> = Vec::with_capacity(past.len() + 2);
+    // Where the range starts, and the window's start when the range wraps past it.
     xs.push(start);
     if start + len >= w {
         xs.push(0);
     }
-    xs.extend(
-        past.iter()
-            .map(|p| if p.0 < w { p.0 } else { p.0 - w })
-            .filter(inside),
-    );
+    while let Some(x) = match (a.peek(), b.peek()) {
+        (Some(x), Some(y)) if x > y => b.next(),
+        (Some(_), _) => a.next(),
+        (None, _) => b.next(),
+    } {
+        if inside(&x) {
+            xs.push(x);
+        }
+    }
     xs.sort_unstable();
     xs.dedup();
     let (mut i, mut j) = (0, 0);
