@@ -3,7 +3,7 @@
 # django-ratelimit) at 10 requests per second, behind sluice set to each kind a user
 # might write at the same numbers; 429s and the share of the limit used per cell.
 # Loopback only. Installs what it drives when missing (as root).
-# Usage: bench/algorithms.sh [seconds per cell=30]
+# Usage: [ONLY=haproxy,nginx] bench/algorithms.sh [seconds per cell=30]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 missing=()
