@@ -97,6 +97,25 @@ impl Shape {
         let margin = Some(Margin::Duration(self.margin()));
         let scope = Scope::Local;
         let (permits, window) = (nz(self.permits), self.window());
+        let fixed = |align, offset| Limit::FixedWindow {
+            align,
+            offset,
+            permits,
+            window,
+            margin,
+            margin_max: None,
+            scope,
+        };
+        let counter = |align, rounding| Limit::SlidingCounter {
+            permits,
+            window,
+            align,
+            offset: None,
+            rounding,
+            margin,
+            margin_max: None,
+            scope,
+        };
         match self.kind {
             Kind::Sliding => Limit::SlidingWindow {
                 permits,
@@ -105,15 +124,7 @@ impl Shape {
                 margin_max: None,
                 scope,
             },
-            Kind::Fixed => Limit::FixedWindow {
-                align: Default::default(),
-                offset: None,
-                permits,
-                window,
-                margin,
-                margin_max: None,
-                scope,
-            },
+            Kind::Fixed => fixed(WindowAlign::First, None),
             Kind::Token { burst } => Limit::TokenBucket {
                 rate: permits,
                 per: window,
@@ -122,32 +133,19 @@ impl Shape {
                 margin_max: None,
                 scope,
             },
-            Kind::CounterAny | Kind::CounterClock { .. } => Limit::SlidingCounter {
-                permits,
-                window,
-                align: if self.kind == Kind::CounterAny {
-                    CounterAlign::Any
+            Kind::CounterAny => counter(CounterAlign::Any, Rounding::Down),
+            Kind::CounterClock { rounds_down } => counter(
+                CounterAlign::Clock,
+                if rounds_down {
+                    Rounding::Down
                 } else {
-                    CounterAlign::Clock
+                    Rounding::None
                 },
-                offset: None,
-                rounding: match self.kind {
-                    Kind::CounterClock { rounds_down: false } => Rounding::None,
-                    _ => Rounding::Down,
-                },
-                margin,
-                margin_max: None,
-                scope,
-            },
-            Kind::Calendar { offset_ms } => Limit::FixedWindow {
-                align: WindowAlign::Clock,
-                offset: Some(Duration::from_millis(offset_ms % self.window_ms)),
-                permits,
-                window,
-                margin,
-                margin_max: None,
-                scope,
-            },
+            ),
+            Kind::Calendar { offset_ms } => fixed(
+                WindowAlign::Clock,
+                Some(Duration::from_millis(offset_ms % self.window_ms)),
+            ),
             Kind::Leaky { burst, per_minute } => {
                 let (rate, per) = self.nginx_rate(per_minute);
                 Limit::LeakyBucket {
@@ -169,25 +167,8 @@ impl Shape {
                 margin_max: None,
                 scope,
             },
-            Kind::Announced { counter: false, .. } => Limit::FixedWindow {
-                align: WindowAlign::Clock,
-                offset: None,
-                permits,
-                window,
-                margin,
-                margin_max: None,
-                scope,
-            },
-            Kind::Announced { counter: true, .. } => Limit::SlidingCounter {
-                permits,
-                window,
-                align: CounterAlign::Clock,
-                offset: None,
-                rounding: Rounding::Down,
-                margin,
-                margin_max: None,
-                scope,
-            },
+            Kind::Announced { counter: false, .. } => fixed(WindowAlign::Clock, None),
+            Kind::Announced { counter: true, .. } => counter(CounterAlign::Clock, Rounding::Down),
         }
     }
 

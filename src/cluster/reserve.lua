@@ -193,12 +193,30 @@ local function weight(l, x)
   return l.b - math.min(l.b, math.max(0, x - GRAIN))
 end
 
+-- How many of the ascending `scores` are below x.
+local function below(scores, x)
+  local lo, hi = 0, #scores
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if scores[mid] < x then lo = mid else hi = mid - 1 end
+  end
+  return lo
+end
+
 -- A counter's estimate at t, times the window, from its entries' latest arrivals
 -- (ascending): an entry not yet past counts fully, one in the current window fully,
 -- one in the previous window by its weight. At any alignment, the largest estimate
 -- over every placement of the edges: it is at x = 0 or where an entry enters the
 -- current window (x = d) or the previous one (x = d - window).
 local function estimate(l, scores, t)
+  if l.off then
+    -- Edges known: count either side of them.
+    local x = (t - l.off) % l.b
+    local start = t - x
+    local cur = #scores - below(scores, start)
+    local prev = below(scores, start) - below(scores, start - l.b)
+    return cur * l.b + prev * weight(l, x)
+  end
   local full, ds = 0, {}
   for j = #scores, 1, -1 do
     local at = scores[j]
@@ -207,16 +225,6 @@ local function estimate(l, scores, t)
     elseif t - at < 2 * l.b then
       ds[#ds + 1] = t - at
     end
-  end
-  local function at_x(x)
-    local cur, prev = 0, 0
-    for _, d in ipairs(ds) do
-      if d <= x then cur = cur + 1 elseif d <= x + l.b then prev = prev + 1 else break end
-    end
-    return cur * l.b + prev * weight(l, x)
-  end
-  if l.off then
-    return full * l.b + at_x((t - l.off) % l.b)
   end
   local xs = {0}
   for _, d in ipairs(ds) do

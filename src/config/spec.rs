@@ -468,16 +468,21 @@ pub const DEFAULT_MARGIN: Margin = Margin::Fraction(200_000);
 pub const DEFAULT_MARGIN_CAP: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl LimitSpec {
-    /// The kind as written in the file.
-    pub fn kind_name(&self) -> &'static str {
+    /// A letter for the kind, one per state machine: a reload carries a limit's state,
+    /// and a shared limit keeps its Redis key, only while it stays the same.
+    pub fn kind_letter(&self) -> char {
         match self {
-            LimitSpec::TokenBucket { .. } => "token_bucket",
-            LimitSpec::SlidingWindow { .. } => "sliding_window",
-            LimitSpec::FixedWindow { .. } => "fixed_window",
-            LimitSpec::SlidingCounter { .. } => "sliding_counter",
-            LimitSpec::LeakyBucket { .. } => "leaky_bucket",
-            LimitSpec::Published { .. } => "published",
-            LimitSpec::Concurrency { .. } => "concurrency",
+            LimitSpec::TokenBucket { .. } => 't',
+            LimitSpec::SlidingWindow { .. } => 's',
+            LimitSpec::FixedWindow {
+                align: WindowAlign::Clock,
+                ..
+            } => 'k',
+            LimitSpec::FixedWindow { .. } => 'f',
+            LimitSpec::SlidingCounter { .. } => 'w',
+            LimitSpec::LeakyBucket { .. } => 'l',
+            LimitSpec::Published { .. } => 'p',
+            LimitSpec::Concurrency { .. } => 'c',
         }
     }
 

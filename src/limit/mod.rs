@@ -98,7 +98,7 @@ impl Plan {
             .limits
             .iter()
             .enumerate()
-            .filter_map(|(i, l)| GlobalLimit::new(format!("u{i}.{}", kind_letter(l)), l))
+            .filter_map(|(i, l)| GlobalLimit::new(format!("u{i}.{}", l.kind_letter()), l))
             .map(Arc::new)
             .collect();
         let mut global: Vec<Arc<[Arc<GlobalLimit>]>> = u
@@ -106,7 +106,7 @@ impl Plan {
             .iter()
             .map(|f| {
                 let own = f.limits.iter().enumerate().filter_map(|(i, l)| {
-                    GlobalLimit::new(format!("f.{}.{i}.{}", f.name, kind_letter(l)), l)
+                    GlobalLimit::new(format!("f.{}.{i}.{}", f.name, l.kind_letter()), l)
                 });
                 upstream_global
                     .iter()
@@ -1420,24 +1420,6 @@ fn limits_json(specs: &[Limit], states: &mut [LimitState], now: Instant) -> serd
             v
         })
         .collect()
-}
-
-/// A letter for a limit's kind in its shared key: a reload that changes the kind at the
-/// same place gets a new key rather than reading the old kind's state.
-fn kind_letter(l: &Limit) -> char {
-    match l {
-        Limit::TokenBucket { .. } => 't',
-        Limit::SlidingWindow { .. } => 's',
-        Limit::FixedWindow {
-            align: crate::config::WindowAlign::Clock,
-            ..
-        } => 'k',
-        Limit::FixedWindow { .. } => 'f',
-        Limit::SlidingCounter { .. } => 'w',
-        Limit::LeakyBucket { .. } => 'l',
-        Limit::Published { .. } => 'p',
-        Limit::Concurrency { .. } => 'c',
-    }
 }
 
 /// A waiter's place in a queue; leaving scope without a grant removes it.

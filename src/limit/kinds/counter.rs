@@ -137,22 +137,21 @@ impl Counter {
             slack: Duration::ZERO,
         } = self.edges
         {
-            // Edges known: what falls in the current window and in the previous one, by
-            // counting the bounds on either side of each edge.
+            // Edges known: count the bounds in the current window and in the previous
+            // one, either side of their edges.
             let x = ns_between(origin, t).rem_euclid(w as i128);
             let start = shifted(t, -x);
             let before = shifted(start, -(w as i128));
-            let in_range = |lo: Option<Instant>, hi: Option<Instant>| {
-                let n = |b: Option<Instant>| b.map_or(0, |b| self.sent.before(b) as u64);
-                let at_hi = hi.map_or(self.sent.len() as u64, |h| n(Some(h)));
-                let mut k = at_hi - n(lo);
-                if lo.is_none_or(|l| extra_at >= l) && hi.is_none_or(|h| extra_at < h) {
-                    k += extra;
+            let extra_in = |lo: Instant, hi: Option<Instant>| {
+                if extra_at >= lo && hi.is_none_or(|h| extra_at < h) {
+                    u128::from(extra)
+                } else {
+                    0
                 }
-                u128::from(k)
             };
-            let cur = in_range(Some(start), None);
-            let prev = in_range(Some(before), Some(start));
+            let cur = (self.sent.len() - self.sent.before(start)) as u128 + extra_in(start, None);
+            let prev = (self.sent.before(start) - self.sent.before(before)) as u128
+                + extra_in(before, Some(start));
             return cur * w + prev * weight(x as u128, w);
         }
         // How long before `t` each request arrived, with how many arrived then; the ones
@@ -178,19 +177,16 @@ impl Counter {
             past.insert(i, (d, u128::from(extra)));
         }
         let full = full as u128 * w;
-        match self.edges {
+        // Any placement of the edges, or (edges known to within a slack) any within it.
+        let range = match self.edges {
             Edges::Clock { origin, slack } => {
                 let x = ns_between(origin, t).rem_euclid(w as i128) as u128;
                 let s = slack.as_nanos();
-                if s == 0 {
-                    full + weighed(&past, x, w)
-                } else {
-                    // The edge anywhere within the slack of sluice's.
-                    full + worst(&past, w, Some(((x + w - s % w) % w, 2 * s)))
-                }
+                Some(((x + w - s % w) % w, 2 * s))
             }
-            Edges::Any => full + worst(&past, w, None),
-        }
+            Edges::Any => None,
+        };
+        full + worst(&past, w, range)
     }
 
     /// Whether an estimate of `load` (times the window) leaves room for one more.
@@ -237,10 +233,9 @@ impl Counter {
         if fits(floor) {
             return floor;
         }
-        // Every estimate falls with time and is empty two windows after the last bound.
-        let end = self.sent.latest().map_or(now, |l| l.max(now)).max(floor)
-            + self.window() * 2
-            + Duration::from_secs(2);
+        // Every estimate falls with time and is empty two windows after the last bound,
+        // wherever within the window its edge is.
+        let end = self.sent.latest().map_or(now, |l| l.max(now)).max(floor) + self.window() * 2;
         let (mut lo, mut hi) = (0i128, ns_between(floor, end));
         while hi - lo > 1 {
             let mid = lo + (hi - lo) / 2;
@@ -264,23 +259,6 @@ fn weight(x: u128, w: u128) -> u128 {
     w - x.saturating_sub(GRAIN).min(w)
 }
 
-/// The estimate at `x` into the current window, for arrivals `past` (how long ago,
-/// ascending, with their number): those of the current window count `w`, those of the
-/// previous one its weight.
-fn weighed(past: &[(u128, u128)], x: u128, w: u128) -> u128 {
-    let (mut cur, mut prev) = (0, 0);
-    for &(d, k) in past {
-        if d <= x {
-            cur += k;
-        } else if d <= x + w {
-            prev += k;
-        } else {
-            break;
-        }
-    }
-    cur * w + prev * weight(x, w)
-}
-
 /// The largest estimate over the placements of the window edges that put `x` (how far
 /// into the current window the estimate is made) in `range` (its start, and how far it
 /// runs on, wrapping at the window), or over every placement. Moving the current
@@ -296,11 +274,6 @@ fn worst(past: &[(u128, u128)], w: u128, range: Option<(u128, u128)>) -> u128 {
     let mut a = near.iter().map(|p| p.0).peekable();
     let mut b = far.iter().map(|p| p.0 - w).peekable();
     let mut xs: Vec<u128> = Vec::with_capacity(past.len() + 2);
-    // Where the range starts, and the window's start when the range wraps past it.
-    xs.push(start);
-    if start + len >= w {
-        xs.push(0);
-    }
     while let Some(x) = match (a.peek(), b.peek()) {
         (Some(x), Some(y)) if x > y => b.next(),
         (Some(_), _) => a.next(),
@@ -310,7 +283,12 @@ fn worst(past: &[(u128, u128)], w: u128, range: Option<(u128, u128)>) -> u128 {
             xs.push(x);
         }
     }
-    xs.sort_unstable();
+    // Where the range starts, and the window's start when the range wraps past it.
+    let mut seed = |x: u128| xs.insert(xs.partition_point(|c| *c < x), x);
+    seed(start);
+    if start + len >= w {
+        seed(0);
+    }
     xs.dedup();
     let (mut i, mut j) = (0, 0);
     let (mut cur, mut upto) = (0u128, 0u128);

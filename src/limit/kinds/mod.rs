@@ -40,9 +40,9 @@ pub struct LimitState {
     /// The slowest answer that came back later than the margin after its send: the
     /// provider may have counted that request that late (for the edge-429 hint).
     slowest: Duration,
-    /// The kind as written (`token_bucket`, `leaky_bucket`, ...): a reload carries state
-    /// only into the same one.
-    spec_kind: &'static str,
+    /// The kind as written (`LimitSpec::kind_letter`): a reload carries state only into
+    /// the same one.
+    letter: char,
     kind: Kind,
 }
 
@@ -143,7 +143,7 @@ impl LimitState {
         LimitState {
             since: epoch,
             slowest: Duration::ZERO,
-            spec_kind: spec.kind_name(),
+            letter: spec.kind_letter(),
             kind: Kind::of(spec, now, unix),
         }
     }
@@ -178,24 +178,14 @@ impl LimitState {
         LimitState {
             since: self.since,
             slowest: self.slowest,
-            spec_kind: self.spec_kind,
+            letter: self.letter,
             kind,
         }
     }
 
     /// Whether two limits are of the same kind, so one can carry into the other.
     pub fn same_kind(&self, spec: &Limit) -> bool {
-        let clock = |k: &Kind| matches!(k, Kind::Calendar(_));
-        self.spec_kind == spec.kind_name()
-            && (!matches!(spec, Limit::FixedWindow { .. })
-                || clock(&self.kind)
-                    == matches!(
-                        spec,
-                        Limit::FixedWindow {
-                            align: WindowAlign::Clock,
-                            ..
-                        }
-                    ))
+        self.letter == spec.kind_letter()
     }
 
     /// Forgets what time has made irrelevant (expired window entries, closed windows).
