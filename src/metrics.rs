@@ -58,7 +58,7 @@ pub struct Metrics {
     pub connections_refused: prometheus::IntCounter,
     /// `{op}`: Redis script calls (reserve, flush, absorb), from sending to the answer.
     pub cluster_calls: HistogramVec,
-    /// `{kind}`: failed Redis calls: timeout, connect, io, script, breaker_open.
+    /// `{kind}`: failed Redis calls, by `cluster::link::Fault` label.
     pub cluster_errors: IntCounterVec,
     /// `{mode}`: 1 for how global limits are decided now: redis, local, allow or deny.
     pub cluster_mode: IntGaugeVec,

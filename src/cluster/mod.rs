@@ -24,6 +24,7 @@
 //! what it admitted in the windows still running before it reserves again.
 
 mod breaker;
+pub mod link;
 pub mod partition;
 
 use parking_lot::Mutex;
@@ -31,13 +32,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
-use redis::aio::MultiplexedConnection;
 use tokio::time::Instant;
 
 use crate::config::{ClusterConfig, CounterAlign, Limit, OnRedisError, Rounding, WindowAlign};
 use crate::limit::kinds::Pace;
 use crate::metrics::Metrics;
 use breaker::Breaker;
+use link::{Conn, Fault, Link, Resolved};
 
 /// The script every call runs.
 pub const SCRIPT: &str = include_str!("reserve.lua");
@@ -45,22 +46,18 @@ pub const SCRIPT: &str = include_str!("reserve.lua");
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
     #[error("cluster: {0}")]
-    Url(String),
-    #[error("cluster: the Redis URL is not valid: {0}")]
-    Client(#[source] redis::RedisError),
+    Config(String),
 }
 
-/// A failed call, by what the metrics call it.
+/// A failed call.
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
     #[error("no answer within the cluster timeout")]
     Timeout,
-    #[error("cannot connect: {0}")]
-    Connect(#[source] redis::RedisError),
-    #[error("the connection failed: {0}")]
-    Io(#[source] redis::RedisError),
-    #[error("the script failed: {0}")]
-    Script(#[source] redis::RedisError),
+    #[error("cannot connect: {1}")]
+    Connect(Fault, #[source] redis::RedisError),
+    #[error("{1}")]
+    Redis(Fault, #[source] redis::RedisError),
     #[error("unexpected answer: {0}")]
     Reply(String),
     #[error("the breaker around Redis is open")]
@@ -68,13 +65,12 @@ pub enum CallError {
 }
 
 impl CallError {
-    fn kind(&self) -> &'static str {
+    fn fault(&self) -> Fault {
         match self {
-            CallError::Timeout => "timeout",
-            CallError::Connect(_) => "connect",
-            CallError::Io(_) => "io",
-            CallError::Script(_) | CallError::Reply(_) => "script",
-            CallError::BreakerOpen => "breaker_open",
+            CallError::Timeout => Fault::Timeout,
+            CallError::Connect(f, _) | CallError::Redis(f, _) => *f,
+            CallError::Reply(_) => Fault::Reply,
+            CallError::BreakerOpen => Fault::BreakerOpen,
         }
     }
 }
@@ -307,11 +303,12 @@ impl Reply {
 /// The Redis side of shared limits: the connection, the script, the breaker, the mode.
 pub struct Cluster {
     config: ClusterConfig,
-    /// The URL it was built with, to tell whether a reload changes it.
-    url: String,
-    client: redis::Client,
-    /// One multiplexed connection for every worker, made again after a failure.
-    conn: tokio::sync::Mutex<Option<MultiplexedConnection>>,
+    /// The settings with their secrets read, to tell whether a reload changes them.
+    resolved: Resolved,
+    link: Link,
+    /// One multiplexed connection for every worker, made again after a failure that
+    /// may have left it broken or pointed at a node that is no longer the primary.
+    conn: tokio::sync::Mutex<Option<Conn>>,
     script: redis::Script,
     breaker: Mutex<Breaker>,
     metrics: Metrics,
@@ -320,9 +317,12 @@ pub struct Cluster {
     seq: AtomicU64,
     /// The mode last shown in `sluice_cluster_mode`.
     shown: AtomicU8,
-    /// A failed call is being confirmed (see `confirm`).
-    confirming: std::sync::atomic::AtomicBool,
+    /// When each kind of failure was last logged, and how many since went unlogged.
+    warned: Mutex<std::collections::HashMap<Fault, (Instant, u64)>>,
 }
+
+/// A kind of failure is logged at most this often; the line says how many it stands for.
+const WARN_EVERY: Duration = Duration::from_secs(10);
 
 impl std::fmt::Debug for Cluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -334,30 +334,15 @@ impl std::fmt::Debug for Cluster {
 
 impl Cluster {
     pub fn new(config: &ClusterConfig, metrics: &Metrics) -> Result<Arc<Cluster>, ClusterError> {
-        let url = config.redis.url().map_err(ClusterError::Url)?;
+        let resolved = Resolved::of(config).map_err(ClusterError::Config)?;
         // redis-rs builds its TLS config from the process's default provider: the same
         // ring that every other TLS connection of sluice uses.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let client = match &config.ca {
-            Some(ca) => {
-                let pem = std::fs::read(ca).map_err(|e| {
-                    ClusterError::Url(format!("cannot read cluster.ca {}: {e}", ca.display()))
-                })?;
-                redis::Client::build_with_tls(
-                    url.as_str(),
-                    redis::TlsCertificates {
-                        client_tls: None,
-                        root_cert: Some(pem),
-                    },
-                )
-            }
-            None => redis::Client::open(url.as_str()),
-        }
-        .map_err(ClusterError::Client)?;
+        let link = Link::new(config, &resolved).map_err(ClusterError::Config)?;
         let c = Cluster {
             config: config.clone(),
-            url,
-            client,
+            resolved,
+            link,
             conn: tokio::sync::Mutex::new(None),
             script: redis::Script::new(SCRIPT),
             breaker: Mutex::new(Breaker::new(config.failures, config.open_for)),
@@ -365,7 +350,7 @@ impl Cluster {
             replica: format!("{:08x}", rand::random::<u32>()),
             seq: AtomicU64::new(0),
             shown: AtomicU8::new(u8::MAX),
-            confirming: std::sync::atomic::AtomicBool::new(false),
+            warned: Mutex::default(),
         };
         c.show(Mode::Redis);
         Ok(Arc::new(c))
@@ -375,10 +360,10 @@ impl Cluster {
         &self.config
     }
 
-    /// Whether `config` describes this very cluster (the same settings, and the same URL
-    /// where it is read from a variable or a file).
+    /// Whether `config` describes this very cluster (the same settings, and the same URLs
+    /// and passwords where they are read from a variable or a file).
     pub fn same(&self, config: &ClusterConfig) -> bool {
-        self.config == *config && config.redis.url().is_ok_and(|u| u == self.url)
+        self.config == *config && Resolved::of(config).is_ok_and(|r| r == self.resolved)
     }
 
     /// A reservation id unique to this process.
@@ -442,7 +427,10 @@ impl Cluster {
         self.breaker().open_until()
     }
 
-    /// Runs one script call, bounded by `timeout`, through the breaker.
+    /// Runs one script call, bounded by `timeout`, through the breaker. A failure is
+    /// never retried here: the caller decides, within its own bound (see
+    /// `partition::OWN_FAILURES`), so that whatever Redis answers, a request costs a
+    /// few calls at most and the breaker, not a loop, decides when to stop asking.
     async fn run(
         self: &Arc<Self>,
         op: &'static str,
@@ -451,20 +439,17 @@ impl Cluster {
         if !self.breaker().allow(Instant::now()) {
             self.metrics
                 .cluster_errors
-                .with_label_values(&["breaker_open"])
+                .with_label_values(&[Fault::BreakerOpen.label()])
                 .inc();
             return Err(CallError::BreakerOpen);
         }
         let start = Instant::now();
         let result = tokio::time::timeout(self.config.timeout, async {
             let mut conn = self.connection().await?;
-            let v: redis::Value = inv.invoke_async(&mut conn).await.map_err(|e| {
-                if e.is_io_error() || e.is_connection_dropped() || e.is_timeout() {
-                    CallError::Io(e)
-                } else {
-                    CallError::Script(e)
-                }
-            })?;
+            let v: redis::Value = inv
+                .invoke_async(&mut conn)
+                .await
+                .map_err(|e| CallError::Redis(Fault::of(&e), e))?;
             Reply::parse(v, op)
         })
         .await
@@ -476,97 +461,73 @@ impl Cluster {
         match &result {
             Ok(_) => self.breaker().success(Instant::now()),
             Err(e) => {
+                let fault = e.fault();
                 self.metrics
                     .cluster_errors
-                    .with_label_values(&[e.kind()])
+                    .with_label_values(&[fault.label()])
                     .inc();
                 // A connection that failed or hung is not used again: its pipeline may
-                // hold answers to calls that gave up.
-                if !matches!(e, CallError::Script(_) | CallError::Reply(_))
+                // hold answers to calls that gave up. One that leads to a replica is
+                // made again to find the primary.
+                if fault.reconnects()
                     && let Ok(mut conn) = self.conn.try_lock()
                 {
                     *conn = None;
                 }
                 self.failed(e);
-                self.confirm();
             }
         }
         result
     }
 
-    /// Counts a failure; the one that opens the breaker is logged.
+    /// Counts a failure; the one that opens the breaker is logged, and each kind of
+    /// failure at most every [`WARN_EVERY`].
     fn failed(&self, e: &CallError) {
-        if self.breaker().failure(Instant::now()) {
+        let now = Instant::now();
+        if self.breaker().failure(now) {
             tracing::warn!(
-                redis = %self.config.redis, error = %e,
+                redis = %self.config.redis, kind = e.fault().label(), error = %e,
                 fallback = self.fallback_mode().as_str(),
                 retry_in = %crate::config::units::fmt_duration(self.config.open_for),
                 "Redis failed {} times in a row: shared limits fall back", self.config.failures
             );
-        } else {
-            tracing::debug!(error = %e, "a Redis call failed");
-        }
-    }
-
-    /// After a failed call, asks Redis again at once (PING) until it answers or the
-    /// breaker opens. Calls come at the pace of requests that need Redis, which may be
-    /// slow while replicas sleep on reservations; this keeps a dead Redis from being
-    /// noticed late: within `timeout × failures` of the first failure.
-    fn confirm(self: &Arc<Self>) {
-        if self.confirming.swap(true, Ordering::AcqRel) {
             return;
         }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            self.confirming.store(false, Ordering::Release);
-            return;
-        };
-        let me = self.clone();
-        rt.spawn(async move {
-            while me.breaker().state(Instant::now()) == breaker::State::Closed {
-                let ping = tokio::time::timeout(me.config.timeout, async {
-                    let mut conn = me.connection().await?;
-                    redis::cmd("PING")
-                        .query_async::<String>(&mut conn)
-                        .await
-                        .map_err(CallError::Io)
-                })
-                .await
-                .unwrap_or(Err(CallError::Timeout));
-                match ping {
-                    Ok(_) => {
-                        me.breaker().success(Instant::now());
-                        break;
-                    }
-                    Err(e) => {
-                        me.metrics
-                            .cluster_errors
-                            .with_label_values(&[e.kind()])
-                            .inc();
-                        if let Ok(mut conn) = me.conn.try_lock() {
-                            *conn = None;
-                        }
-                        me.failed(&e);
-                    }
+        let unlogged = {
+            let mut warned = self.warned.lock();
+            match warned.get_mut(&e.fault()) {
+                Some((at, n)) if now < *at + WARN_EVERY => {
+                    *n += 1;
+                    None
+                }
+                Some((at, n)) => {
+                    *at = now;
+                    Some(std::mem::take(n))
+                }
+                None => {
+                    warned.insert(e.fault(), (now, 0));
+                    Some(0)
                 }
             }
-            me.mode(Instant::now());
-            me.confirming.store(false, Ordering::Release);
-        });
+        };
+        if let Some(unlogged) = unlogged {
+            tracing::warn!(
+                redis = %self.config.redis, kind = e.fault().label(), error = %e, unlogged,
+                "a Redis call failed"
+            );
+        }
     }
 
-    async fn connection(&self) -> Result<MultiplexedConnection, CallError> {
+    async fn connection(&self) -> Result<Conn, CallError> {
         let mut slot = self.conn.lock().await;
         if let Some(c) = &*slot {
             return Ok(c.clone());
         }
-        let config = redis::AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(self.config.timeout))
-            .set_response_timeout(Some(self.config.timeout));
         let conn = self
-            .client
-            .get_multiplexed_async_connection_with_config(&config)
+            .link
+            .connect(self.config.timeout)
             .await
-            .map_err(CallError::Connect)?;
+            .map_err(|e| CallError::Connect(Fault::of_connect(&e), e))?;
         *slot = Some(conn.clone());
         Ok(conn)
     }

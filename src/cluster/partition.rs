@@ -27,6 +27,12 @@ const NOISE_US: f64 = 1000.0;
 const URGENT: Duration = Duration::from_millis(5);
 const LAZY_MAX: Duration = Duration::from_millis(250);
 
+/// Failed calls after which a request stops asking Redis and is served as
+/// `on_redis_error` says, even while the breaker is still closed (other calls succeed:
+/// one node of a Redis Cluster is failing, say). With the breaker, this bounds a
+/// replica's calls to about twice its request rate whatever Redis answers.
+pub const OWN_FAILURES: u32 = 2;
+
 pub struct Shared {
     /// `{sluice:<upstream>:<partition>}`: every key of the partition carries this hash
     /// tag, so one call's keys share a Redis Cluster slot. The partition is the hash of
@@ -163,6 +169,8 @@ impl Shared {
                 .with_label_values(&[result])
                 .inc()
         };
+        let own_failures = OWN_FAILURES.min(cluster.config.failures).max(1);
+        let mut failed = 0;
         loop {
             let now = Instant::now();
             if let Some(r) = turn.handed.take() {
@@ -174,12 +182,25 @@ impl Shared {
                 self.unused(cluster, &r);
             }
             let left = deadline.saturating_duration_since(now);
-            match cluster.mode(now) {
+            let mode = match cluster.mode(now) {
+                Mode::Redis if failed >= own_failures => {
+                    // As after the breaker opens: what this replica admits without Redis
+                    // is written back, with the windows filled, before it reserves again.
+                    let fallback = cluster.fallback_mode();
+                    if fallback != Mode::Deny {
+                        self.state().absorb = true;
+                    }
+                    fallback
+                }
+                m => m,
+            };
+            match mode {
                 Mode::Redis => {
                     if self.must_absorb(cluster, limits, now)
                         && let Err(e) = self.absorb(cluster, limits).await
                     {
                         tracing::debug!(error = %e, "writing back to Redis failed");
+                        failed += 1;
                         continue;
                     }
                     match self.reserve(cluster, limits, horizon.min(left), left).await {
@@ -200,7 +221,7 @@ impl Shared {
                             });
                         }
                         // The breaker counts it; the next round may fall back.
-                        Err(Asked::Failed) => {}
+                        Err(Asked::Failed) => failed += 1,
                     }
                 }
                 Mode::Local => match self.fallback_take(cluster, limits, now) {
@@ -209,8 +230,13 @@ impl Shared {
                         return Ok(Admission::Held(hold));
                     }
                     Err(next) => {
-                        // Until the local limits allow it, or Redis may be back.
-                        let probe = cluster.reopens_at().unwrap_or(now);
+                        // Until the local limits allow it, or Redis may be back. A
+                        // request that gave up on Redis itself does not ask it again.
+                        let probe = match cluster.reopens_at() {
+                            Some(t) => t,
+                            None if failed >= own_failures => now + cluster.config.open_for,
+                            None => now,
+                        };
                         let wake = next.map_or(probe, |n| n.min(probe.max(now)));
                         if wake >= deadline {
                             metric("too_late");
@@ -654,8 +680,8 @@ impl Shared {
 
     /// Admits through this replica's share of each limit while Redis is away. The shares
     /// start drained: whatever Redis admitted just before it went away is still inside
-    /// its windows. `Err(Some(t))`: not before `t`; `Err(None)`: a limit too small to
-    /// share between the replicas admits nothing without Redis.
+    /// its windows. `Err(Some(t))`: not before `t`; `Err(None)`: a limit without a rate
+    /// to share (never global).
     fn fallback_take(
         self: &Arc<Self>,
         cluster: &Arc<Cluster>,
@@ -814,14 +840,26 @@ fn remember(
     }
 }
 
-/// One replica's share of a global limit while Redis is away, or `None` when the limit
-/// is too small to split. A fixed window from the first request becomes a sliding one:
-/// replicas' own windows would not line up with the provider's, and any window of its
-/// length must hold; windows on the clock line up by themselves. A counter's share is
-/// compared unrounded: each replica's rounding slack would add up. A GCRA's share keeps
-/// its pace `replicas` times slower, with its burst split.
-fn share(spec: &Limit, replicas: u32) -> Option<Limit> {
-    let part = |n: u32| std::num::NonZeroU32::new(n / replicas);
+/// One replica's share of a global limit while Redis is away: its long-run share of the
+/// rate. A fixed window from the first request becomes a sliding one: replicas' own
+/// windows would not line up with the provider's, and any window of its length must
+/// hold; windows on the clock line up by themselves. A counter's share is compared
+/// unrounded: each replica's rounding slack would add up. A GCRA's share keeps its pace
+/// `replicas` times slower, with its burst split.
+///
+/// A limit smaller than the replica count gives each replica one request per
+/// `ceil(replicas / permits)` windows (a bucket: a burst of one), so that every replica
+/// keeps serving; the provider may then see up to `replicas` requests in one window, which
+/// `sluice check` and the startup log say. `None` only for what has no rate (concurrency).
+pub fn share(spec: &Limit, replicas: u32) -> Option<Limit> {
+    let replicas = replicas.max(1);
+    // Permits per window, and how many windows that many take.
+    let split = |n: u32| match std::num::NonZeroU32::new(n / replicas) {
+        Some(p) => (p, 1),
+        None => (std::num::NonZeroU32::MIN, replicas.div_ceil(n.max(1))),
+    };
+    let burst =
+        |b: u32| std::num::NonZeroU32::new(b / replicas).unwrap_or(std::num::NonZeroU32::MIN);
     let (margin, scope) = (spec.margin_spec(), spec.scope());
     Some(match *spec {
         Limit::SlidingWindow {
@@ -832,50 +870,62 @@ fn share(spec: &Limit, replicas: u32) -> Option<Limit> {
             window,
             align: WindowAlign::First,
             ..
-        } => Limit::SlidingWindow {
-            permits: part(permits.get())?,
-            window,
-            margin,
-            margin_max: None,
-            scope,
-        },
+        } => {
+            let (permits, k) = split(permits.get());
+            Limit::SlidingWindow {
+                permits,
+                window: window.checked_mul(k)?,
+                margin,
+                margin_max: None,
+                scope,
+            }
+        }
         Limit::FixedWindow {
             permits,
             window,
             align,
             offset,
             ..
-        } => Limit::FixedWindow {
-            permits: part(permits.get())?,
-            window,
-            align,
-            offset,
-            margin,
-            margin_max: None,
-            scope,
-        },
+        } => {
+            let (permits, k) = split(permits.get());
+            Limit::FixedWindow {
+                permits,
+                window: window.checked_mul(k)?,
+                align,
+                offset,
+                margin,
+                margin_max: None,
+                scope,
+            }
+        }
         Limit::SlidingCounter {
             permits,
             window,
             align,
             offset,
             ..
-        } => Limit::SlidingCounter {
-            permits: part(permits.get())?,
-            window,
-            align,
-            offset,
-            rounding: Rounding::None,
-            margin,
-            margin_max: None,
-            scope,
-        },
+        } => {
+            let (permits, k) = split(permits.get());
+            Limit::SlidingCounter {
+                permits,
+                window: window.checked_mul(k)?,
+                align,
+                offset,
+                rounding: Rounding::None,
+                margin,
+                margin_max: None,
+                scope,
+            }
+        }
         Limit::TokenBucket {
-            rate, per, burst, ..
+            rate,
+            per,
+            burst: b,
+            ..
         } => Limit::TokenBucket {
             rate,
             per: per.checked_mul(replicas)?,
-            burst: part(burst.get())?,
+            burst: burst(b.get()),
             margin,
             margin_max: None,
             scope,
@@ -887,7 +937,7 @@ fn share(spec: &Limit, replicas: u32) -> Option<Limit> {
             Limit::TokenBucket {
                 rate: std::num::NonZeroU32::MIN,
                 per: interval.checked_mul(replicas)?,
-                burst: part(u32::try_from(pace.burst()).ok()?)?,
+                burst: burst(u32::try_from(pace.burst()).unwrap_or(u32::MAX)),
                 margin: margin.or(Some(crate::config::Margin::Duration(spec.margin()?))),
                 margin_max: None,
                 scope,

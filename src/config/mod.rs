@@ -329,7 +329,11 @@ impl Serialize for PortRange {
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ClusterConfig {
-    pub redis: RedisSource,
+    pub redis: RedisTarget,
+    /// The data nodes' password (`cluster_nodes`, `sentinels`).
+    pub password: Option<Secret>,
+    /// The Sentinels' own password.
+    pub sentinel_password: Option<Secret>,
     /// Extra CA for `rediss://`, besides the public roots.
     pub ca: Option<PathBuf>,
     pub on_redis_error: OnRedisError,
@@ -372,6 +376,96 @@ impl RedisSource {
             return Err(format!("{self} does not hold a redis:// or rediss:// URL"));
         }
         Ok(url)
+    }
+}
+
+/// The Redis topology shared limits live on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RedisTarget {
+    /// One primary, or a managed endpoint whose name follows the primary across failovers.
+    Primary(RedisSource),
+    /// A Redis Cluster, found from these seed nodes.
+    Cluster(Vec<String>),
+    /// The primary that Sentinels name `master`.
+    Sentinel {
+        sentinels: Vec<String>,
+        master: String,
+    },
+}
+
+impl fmt::Display for RedisTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let list = |urls: &[String]| {
+            urls.iter()
+                .map(|u| redact_url(u))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        match self {
+            RedisTarget::Primary(source) => source.fmt(f),
+            RedisTarget::Cluster(nodes) => write!(f, "cluster:{}", list(nodes)),
+            RedisTarget::Sentinel { sentinels, master } => {
+                write!(f, "sentinel:{master}@{}", list(sentinels))
+            }
+        }
+    }
+}
+
+impl Serialize for RedisTarget {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// A secret kept out of the config file: the variable or the file that holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Secret {
+    Env(String),
+    File(PathBuf),
+}
+
+impl Secret {
+    fn of(
+        env: Option<String>,
+        file: Option<String>,
+        what: &str,
+        span: Range<usize>,
+    ) -> Result<Option<Secret>> {
+        match (env, file) {
+            (None, None) => Ok(None),
+            (Some(e), None) => Ok(Some(Secret::Env(e))),
+            (None, Some(f)) => Ok(Some(Secret::File(PathBuf::from(f)))),
+            (Some(_), Some(_)) => Err(invalid(
+                span,
+                format!("[cluster] takes one of {what}_env and {what}_file"),
+            )),
+        }
+    }
+
+    /// The secret, read from where it lives (a file again at each reload).
+    pub fn read(&self) -> std::result::Result<String, String> {
+        match self {
+            Secret::Env(name) => std::env::var(name)
+                .map_err(|_| format!("the environment variable {name} is not set")),
+            Secret::File(path) => read_capped(path, 64 << 10)
+                .map(|s| s.trim().to_string())
+                .map_err(|e| format!("cannot read {}: {e}", path.display())),
+        }
+    }
+}
+
+impl fmt::Display for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Secret::Env(name) => write!(f, "env:{name}"),
+            Secret::File(path) => write!(f, "file:{}", path.display()),
+        }
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
     }
 }
 
@@ -543,9 +637,26 @@ impl Config {
                 }
                 let count = l.burst().unwrap_or(0);
                 if count < n {
+                    let window = l
+                        .window_limit()
+                        .filter(|_| !matches!(l, Limit::Published { .. }));
+                    let what = match window {
+                        Some((p, w)) => format!(
+                            "each replica holds 1 request per {} (its long-run share), and \
+                             the provider may see up to {n} requests in one {} window \
+                             (limit {p})",
+                            units::fmt_duration(w * n.div_ceil(p.max(1))),
+                            units::fmt_duration(w),
+                        ),
+                        None => format!(
+                            "each replica holds a burst of 1 at 1/{n} of the rate, and the \
+                             provider may see up to {n} requests at once (burst {count})"
+                        ),
+                    };
                     out.push(format!(
-                        "upstream {:?}: {l} cannot be split between {n} replicas: while Redis is \
-                         away it admits nothing (on_redis_error = \"local\")",
+                        "upstream {:?}: {l} is smaller than its {n} replicas: while Redis is \
+                         away (on_redis_error = \"local\") {what}; a smaller replicas \
+                         split or on_redis_error = \"deny\" avoids that (docs/cluster.md)",
                         u.name
                     ));
                 }
@@ -1229,27 +1340,92 @@ fn check_edges(l: &toml::Spanned<Limit>) -> Result<()> {
 fn check_cluster(c: toml::Spanned<spec::ClusterSpec>) -> Result<ClusterConfig> {
     let span = c.span();
     let c = c.into_inner();
-    let sources = [&c.redis, &c.redis_env, &c.redis_file];
-    let redis = match sources {
-        [Some(url), None, None] => {
-            if !is_redis_url(url.get_ref()) {
-                return Err(invalid(
-                    url.span(),
-                    "cluster.redis must be a redis:// or rediss:// URL",
-                ));
-            }
-            RedisSource::Url(url.get_ref().clone())
+    let urls = |list: &toml::Spanned<Vec<String>>, key: &str| -> Result<Vec<String>> {
+        if list.get_ref().is_empty() {
+            return Err(invalid(list.span(), format!("cluster.{key} names no node")));
         }
-        [None, Some(name), None] => RedisSource::Env(name.get_ref().clone()),
-        [None, None, Some(path)] => RedisSource::File(PathBuf::from(path.get_ref())),
-        _ => {
-            return Err(invalid(
-                span,
-                "[cluster] needs exactly one of redis (the URL), redis_env (a variable holding \
-                 it) or redis_file (a file holding it)",
-            ));
+        match list.get_ref().iter().find(|u| !is_redis_url(u)) {
+            Some(bad) => Err(invalid(
+                list.span(),
+                format!(
+                    "cluster.{key}: {} is not a redis:// or rediss:// URL",
+                    redact_url(bad)
+                ),
+            )),
+            None => Ok(list.get_ref().clone()),
         }
     };
+    let named = [
+        c.redis.is_some() || c.redis_env.is_some() || c.redis_file.is_some(),
+        c.cluster_nodes.is_some(),
+        c.sentinels.is_some(),
+    ];
+    if named.iter().filter(|n| **n).count() != 1 {
+        return Err(invalid(
+            span,
+            "[cluster] needs exactly one of redis (one primary: the URL, or redis_env / \
+             redis_file holding it), cluster_nodes (a Redis Cluster's seed nodes) or sentinels \
+             (with sentinel_master)",
+        ));
+    }
+    if c.sentinel_master.is_some() != c.sentinels.is_some() {
+        return Err(invalid(
+            c.sentinel_master
+                .as_ref()
+                .map_or(span.clone(), |m| m.span()),
+            "sentinels and sentinel_master go together: the Sentinels' URLs and the name of \
+             the primary they watch",
+        ));
+    }
+    let redis = if let Some(nodes) = &c.cluster_nodes {
+        RedisTarget::Cluster(urls(nodes, "cluster_nodes")?)
+    } else if let (Some(sentinels), Some(master)) = (&c.sentinels, &c.sentinel_master) {
+        RedisTarget::Sentinel {
+            sentinels: urls(sentinels, "sentinels")?,
+            master: master.get_ref().clone(),
+        }
+    } else {
+        RedisTarget::Primary(match [&c.redis, &c.redis_env, &c.redis_file] {
+            [Some(url), None, None] => {
+                if !is_redis_url(url.get_ref()) {
+                    return Err(invalid(
+                        url.span(),
+                        "cluster.redis must be a redis:// or rediss:// URL",
+                    ));
+                }
+                RedisSource::Url(url.get_ref().clone())
+            }
+            [None, Some(name), None] => RedisSource::Env(name.get_ref().clone()),
+            [None, None, Some(path)] => RedisSource::File(PathBuf::from(path.get_ref())),
+            _ => {
+                return Err(invalid(
+                    span,
+                    "[cluster] needs exactly one of redis (the URL), redis_env (a variable \
+                     holding it) or redis_file (a file holding it)",
+                ));
+            }
+        })
+    };
+    let password = Secret::of(c.password_env, c.password_file, "password", span.clone())?;
+    let sentinel_password = Secret::of(
+        c.sentinel_password_env,
+        c.sentinel_password_file,
+        "sentinel_password",
+        span.clone(),
+    )?;
+    if password.is_some() && matches!(redis, RedisTarget::Primary(_)) {
+        return Err(invalid(
+            span,
+            "password_env / password_file are for cluster_nodes and sentinels; with redis, \
+             the URL carries the password (keep it in redis_env or redis_file)",
+        ));
+    }
+    if sentinel_password.is_some() && !matches!(redis, RedisTarget::Sentinel { .. }) {
+        return Err(invalid(
+            span,
+            "sentinel_password_env / sentinel_password_file need sentinels",
+        ));
+    }
     if c.on_redis_error == OnRedisError::Local && c.replicas.is_none() {
         return Err(invalid(
             span,
@@ -1259,6 +1435,8 @@ fn check_cluster(c: toml::Spanned<spec::ClusterSpec>) -> Result<ClusterConfig> {
     }
     Ok(ClusterConfig {
         redis,
+        password,
+        sentinel_password,
         ca: c.ca.map(PathBuf::from),
         on_redis_error: c.on_redis_error,
         replicas: c.replicas.map(|r| r.get()),

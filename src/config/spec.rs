@@ -671,6 +671,18 @@ pub struct ClusterSpec {
     pub redis: Option<Spanned<String>>,
     pub redis_env: Option<Spanned<String>>,
     pub redis_file: Option<Spanned<String>>,
+    /// A Redis Cluster: seed nodes, `redis://host:port` each.
+    pub cluster_nodes: Option<Spanned<Vec<String>>>,
+    /// Sentinel: the Sentinels' URLs, and the name of the primary they watch.
+    pub sentinels: Option<Spanned<Vec<String>>>,
+    pub sentinel_master: Option<Spanned<String>>,
+    /// The data nodes' password for `cluster_nodes` and `sentinels`, from a variable or
+    /// a file, so that it stays out of the config.
+    pub password_env: Option<String>,
+    pub password_file: Option<String>,
+    /// The Sentinels' own password, if they require one.
+    pub sentinel_password_env: Option<String>,
+    pub sentinel_password_file: Option<String>,
     /// A PEM file of the CA that signs a `rediss://` server's certificate, when it is not
     /// one of the public roots.
     pub ca: Option<String>,

@@ -320,13 +320,10 @@ fn redis_password_is_redacted() {
         "{json}"
     );
     let cluster = c.cluster.unwrap();
-    assert!(
-        cluster
-            .redis
-            .url()
-            .unwrap_err()
-            .contains("SLUICE_TEST_REDIS")
-    );
+    let RedisTarget::Primary(source) = &cluster.redis else {
+        panic!("one primary: {:?}", cluster.redis);
+    };
+    assert!(source.url().unwrap_err().contains("SLUICE_TEST_REDIS"));
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("url");
     std::fs::write(&file, "rediss://:pw@redis.internal:6380/1\n").unwrap();
@@ -364,11 +361,18 @@ fn global_limits_need_a_cluster_and_a_rate() {
     let small =
         up("{ kind = \"sliding_window\", permits = 2, window = \"1s\", scope = \"global\" }");
     let c = Config::parse(&format!("{small}{cluster}"), "s.toml").unwrap();
+    let w = c.warnings().join("\n");
     assert!(
-        c.warnings()
-            .iter()
-            .any(|w| w.contains("cannot be split between 3 replicas"))
+        w.contains("smaller than its 3 replicas")
+            && w.contains("1 request per 2s")
+            && w.contains("up to 3 requests in one 1s window (limit 2)"),
+        "the worst case as a number: {w}"
     );
+    let bucket =
+        up("{ kind = \"token_bucket\", rate = 10, per = \"1s\", burst = 1, scope = \"global\" }");
+    let c = Config::parse(&format!("{bucket}{cluster}"), "s.toml").unwrap();
+    let w = c.warnings().join("\n");
+    assert!(w.contains("up to 3 requests at once (burst 1)"), "{w}");
     let c = Config::parse(&format!("{}{cluster}", up("")), "s.toml").unwrap();
     assert!(c.warnings().iter().any(|w| w.contains("nothing is shared")));
     let e = err(&format!(
@@ -541,5 +545,64 @@ fn learn_and_adaptive_parse_inherit_and_are_checked() {
             e.contains(needle) && e.starts_with("s.toml:"),
             "{needle}: {e}"
         );
+    }
+}
+
+#[test]
+fn one_redis_topology_named_exactly_once() {
+    let c = Config::parse(
+        "[cluster]\ncluster_nodes = [\"redis://:pw@10.0.0.1:6379\", \"redis://10.0.0.2:6379\"]\n\
+         password_env = \"REDIS_PASSWORD\"\non_redis_error = \"deny\"\n",
+        "s.toml",
+    )
+    .unwrap();
+    let cluster = c.cluster.as_ref().unwrap();
+    assert_eq!(
+        cluster.redis,
+        RedisTarget::Cluster(vec![
+            "redis://:pw@10.0.0.1:6379".into(),
+            "redis://10.0.0.2:6379".into()
+        ])
+    );
+    assert_eq!(cluster.password, Some(Secret::Env("REDIS_PASSWORD".into())));
+    let json = c.to_redacted_json().to_string();
+    assert!(!json.contains("pw@"), "{json}");
+    assert!(json.contains("env:REDIS_PASSWORD"), "{json}");
+
+    let c = Config::parse(
+        "[cluster]\nsentinels = [\"redis://127.0.0.1:26379\"]\nsentinel_master = \"mymaster\"\n\
+         on_redis_error = \"deny\"\n",
+        "s.toml",
+    )
+    .unwrap();
+    assert_eq!(
+        c.cluster.unwrap().redis.to_string(),
+        "sentinel:mymaster@redis://127.0.0.1:26379"
+    );
+
+    for (toml, says) in [
+        (
+            "redis = \"redis://a:6379\"\ncluster_nodes = [\"redis://b:6379\"]\n",
+            "exactly one of redis",
+        ),
+        (
+            "redis_env = \"U\"\nsentinels = [\"redis://s:26379\"]\nsentinel_master = \"m\"\n",
+            "exactly one of redis",
+        ),
+        ("", "exactly one of redis"),
+        ("sentinels = [\"redis://s:26379\"]\n", "go together"),
+        ("cluster_nodes = []\n", "names no node"),
+        ("cluster_nodes = [\"http://b:6379\"]\n", "is not a redis://"),
+        (
+            "redis = \"redis://a:6379\"\npassword_env = \"P\"\n",
+            "the URL carries the password",
+        ),
+        (
+            "cluster_nodes = [\"redis://b:6379\"]\npassword_env = \"P\"\npassword_file = \"/p\"\n",
+            "one of password_env and password_file",
+        ),
+    ] {
+        let e = err(&format!("[cluster]\n{toml}on_redis_error = \"deny\"\n"));
+        assert!(e.contains(says), "{toml:?}: {e}");
     }
 }

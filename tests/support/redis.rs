@@ -16,6 +16,9 @@ pub struct Redis {
     /// Started through a shell that stops it when this process ends: `child` is the
     /// shell, so it cannot be signalled.
     for_process: bool,
+    /// More arguments for `redis-server` (a role, a memory cap), the first may be a
+    /// config file.
+    extra: Vec<String>,
 }
 
 impl Redis {
@@ -39,15 +42,82 @@ impl Redis {
         Redis::launch(Some(tls), false)
     }
 
+    /// With more `redis-server` arguments (`--maxmemory 1mb`, say).
+    pub fn start_with(extra: &[&str]) -> Redis {
+        Redis::launch_on(super::free_port(), None, false, extra)
+    }
+
+    /// A Redis Cluster node, on a port whose cluster bus port (+10000) is free too, with
+    /// its nodes file in `dir`. Not yet in a cluster: see `create_cluster`.
+    pub fn start_cluster_node(dir: &std::path::Path) -> Redis {
+        let port = loop {
+            let p = super::free_port();
+            if std::net::TcpListener::bind(("127.0.0.1", p + 10000)).is_ok() {
+                break p;
+            }
+        };
+        let nodes = dir.join(format!("nodes-{port}.conf"));
+        Redis::launch_on(
+            port,
+            None,
+            false,
+            &[
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                nodes.to_str().unwrap(),
+                "--cluster-node-timeout",
+                "2000",
+                "--dir",
+                dir.to_str().unwrap(),
+            ],
+        )
+    }
+
+    /// A Sentinel watching `primary` as `mymaster` (a quorum of one, down after 1 s),
+    /// its config file in `dir` (Sentinel rewrites it).
+    pub fn start_sentinel(dir: &std::path::Path, primary: &Redis) -> Redis {
+        let port = super::free_port();
+        let conf = dir.join(format!("sentinel-{port}.conf"));
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {}\n\
+                 sentinel monitor mymaster 127.0.0.1 {} 1\n\
+                 sentinel down-after-milliseconds mymaster 1000\n\
+                 sentinel failover-timeout mymaster 4000\n\
+                 sentinel parallel-syncs mymaster 1\n",
+                dir.display(),
+                primary.port
+            ),
+        )
+        .unwrap();
+        Redis::launch_on(port, None, false, &[conf.to_str().unwrap(), "--sentinel"])
+    }
+
     fn launch(tls: Option<(String, String)>, for_process: bool) -> Redis {
+        Redis::launch_on(super::free_port(), tls, for_process, &[])
+    }
+
+    fn launch_on(
+        port: u16,
+        tls: Option<(String, String)>,
+        for_process: bool,
+        extra: &[&str],
+    ) -> Redis {
         let r = Redis {
-            port: super::free_port(),
+            port,
             child: Mutex::new(None),
             tls,
             for_process,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
         };
         r.spawn();
         r
+    }
+
+    fn sentinel(&self) -> bool {
+        self.extra.iter().any(|a| a == "--sentinel")
     }
 
     fn spawn(&self) {
@@ -64,6 +134,10 @@ impl Redis {
         } else {
             Command::new("redis-server")
         };
+        // A config file comes first.
+        if self.sentinel() {
+            cmd.args(&self.extra);
+        }
         match &self.tls {
             None => cmd.args(["--port", &self.port.to_string()]),
             Some((cert, key)) => cmd.args([
@@ -79,8 +153,11 @@ impl Redis {
                 "no",
             ]),
         };
+        if !self.sentinel() {
+            cmd.args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .args(&self.extra);
+        }
         let child = cmd
-            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -161,11 +238,24 @@ impl Redis {
 
     /// How many times a command ran, from `INFO commandstats` (`evalsha`, `eval`).
     pub fn calls(&self, command: &str) -> u64 {
+        self.stat(command, "calls")
+    }
+
+    /// How many times a command reached this server at all: run (failed or not), or
+    /// rejected before it ran (`READONLY`, `OOM`, ...).
+    pub fn attempts(&self, command: &str) -> u64 {
+        self.stat(command, "calls") + self.stat(command, "rejected_calls")
+    }
+
+    fn stat(&self, command: &str, field: &str) -> u64 {
         let info = self.cmd(&["INFO", "commandstats"]);
-        let prefix = format!("cmdstat_{command}:calls=");
-        info.lines()
-            .find_map(|l| l.strip_prefix(&prefix))
-            .and_then(|rest| rest.split(',').next())
+        let prefix = format!("cmdstat_{command}:");
+        let Some(fields) = info.lines().find_map(|l| l.trim().strip_prefix(&prefix)) else {
+            return 0;
+        };
+        fields
+            .split(',')
+            .find_map(|kv| kv.strip_prefix(&format!("{field}=")))
             .and_then(|n| n.parse().ok())
             .unwrap_or(0)
     }

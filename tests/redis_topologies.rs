@@ -1,0 +1,545 @@
+//! Shared limits on the Redis topologies users run, each started here on loopback: a
+//! primary demoted under load (what a failover looks like to a client still on the old
+//! primary), Redis answering errors (`OOM`, `WRONGTYPE`), a three-master Redis Cluster
+//! resharded under traffic, and Sentinel failing over. The provider's arrival log must
+//! stay within the limit, Redis must never be hammered, and every request is answered as
+//! `on_redis_error` says.
+
+mod support;
+
+use std::time::Duration;
+
+use support::provider::Counter;
+use support::redis::Redis;
+use tokio::time::Instant;
+
+/// sluice processes sharing limits through one `[cluster]`, in front of one upstream that
+/// logs each arrival with the replica and the key it came with.
+struct Fleet {
+    upstream: support::Upstream,
+    replicas: Vec<(support::Sluice, u16, u16)>,
+    _dir: tempfile::TempDir,
+}
+
+impl Fleet {
+    /// `n` replicas; `limits` for the upstream (keyed by `x-key`), `cluster` the whole
+    /// `[cluster]` body.
+    async fn start(n: usize, limits: &str, cluster: &str) -> Fleet {
+        let upstream = support::Upstream::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let mut replicas = Vec::new();
+        for i in 0..n {
+            let path = dir.path().join(format!("sluice-{i}.toml"));
+            std::fs::write(
+                &path,
+                format!(
+                    "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n\
+                     [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1\"]\n\
+                     key = \"header:x-key\"\nlimits = [{limits}]\n\
+                     [upstream.retry]\nmax_attempts = 1\n[cluster]\n{cluster}"
+                ),
+            )
+            .unwrap();
+            let mut s =
+                support::Sluice::spawn(&["run", "--workers", "1", "-c", path.to_str().unwrap()]);
+            let (port, admin) = s.listening().await;
+            assert!(s.ready(admin).await, "replica {i} became ready");
+            replicas.push((s, port, admin));
+        }
+        Fleet {
+            upstream,
+            replicas,
+            _dir: dir,
+        }
+    }
+
+    /// One closed-loop client per replica and key until `until`: each answer's status,
+    /// how long it took and when it started.
+    async fn load(&self, keys: &[String], until: Instant) -> Vec<(u16, Duration, Instant)> {
+        let mut tasks = Vec::new();
+        for (i, (_, port, _)) in self.replicas.iter().enumerate() {
+            for key in keys {
+                let client = client_via(*port);
+                let url = self.upstream.url("/v1/items");
+                let key = key.clone();
+                tasks.push(tokio::spawn(async move {
+                    let mut out = Vec::new();
+                    while Instant::now() < until {
+                        let t = Instant::now();
+                        let r = client
+                            .get(&url)
+                            .header("x-replica", i.to_string())
+                            .header("x-key", &key)
+                            .send()
+                            .await;
+                        let status = match r {
+                            Ok(r) => {
+                                let s = r.status().as_u16();
+                                let _ = r.bytes().await;
+                                s
+                            }
+                            Err(_) => 0,
+                        };
+                        out.push((status, t.elapsed(), t));
+                        if status != 200 {
+                            // A refusal comes at once: do not spin on it.
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                    }
+                    out
+                }));
+            }
+        }
+        let mut all = Vec::new();
+        for t in tasks {
+            all.extend(t.await.unwrap());
+        }
+        all
+    }
+
+    /// Arrivals since `from` of each key, in order.
+    fn arrivals(&self, from: Instant) -> std::collections::BTreeMap<String, Vec<Instant>> {
+        let mut by = std::collections::BTreeMap::<String, Vec<Instant>>::new();
+        for s in self.upstream.seen().iter().filter(|s| s.at >= from) {
+            let key = s.header("x-key").unwrap_or("-").to_string();
+            by.entry(key).or_default().push(s.at);
+        }
+        for v in by.values_mut() {
+            v.sort();
+        }
+        by
+    }
+
+    async fn metrics(&self, i: usize) -> String {
+        reqwest::get(format!("http://127.0.0.1:{}/metrics", self.replicas[i].2))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+}
+
+fn client_via(port: u16) -> reqwest::Client {
+    reqwest::Client::builder()
+        .proxy(reqwest::Proxy::all(format!("http://127.0.0.1:{port}")).unwrap())
+        .timeout(Duration::from_secs(40))
+        .build()
+        .unwrap()
+}
+
+/// Arrivals over a sliding window's limit, as the provider would refuse them.
+fn over(permits: u32, window: Duration, arrivals: &[Instant]) -> usize {
+    let mut provider = Counter::sliding(permits, window);
+    arrivals.iter().filter(|a| !provider.arrive(**a)).count()
+}
+
+fn keys(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("key-{i}")).collect()
+}
+
+/// The primary sluice uses is demoted (`REPLICAOF`, as a failover leaves a client on the
+/// old primary) under load, then promoted again. Every reservation answers `READONLY`
+/// meanwhile: the calls stay bounded, the fallback engages, and sluice is back on Redis
+/// without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_demoted_primary_is_fallen_back_from_and_followed_back() {
+    support::crypto();
+    let primary = Redis::start();
+    let other = Redis::start();
+    let fleet = Fleet::start(
+        2,
+        "{ kind = \"sliding_window\", permits = 12, window = \"1s\", scope = \"global\" }",
+        &format!(
+            "redis = \"{}\"\nreplicas = 2\nopen_for = \"1s\"\n",
+            primary.url()
+        ),
+    )
+    .await;
+    let t0 = Instant::now();
+    let three = keys(3);
+    let load = fleet.load(&three, t0 + Duration::from_secs(10));
+    let chaos = async {
+        tokio::time::sleep_until(t0 + Duration::from_secs(2)).await;
+        let before = primary.attempts("evalsha");
+        primary.cmd(&["REPLICAOF", "127.0.0.1", &other.port.to_string()]);
+        let demoted = Instant::now();
+        tokio::time::sleep_until(t0 + Duration::from_secs(6)).await;
+        let during = primary.attempts("evalsha") - before;
+        primary.cmd(&["REPLICAOF", "NO", "ONE"]);
+        (during, Instant::now() - demoted)
+    };
+    let (answers, (during, demoted_for)) = tokio::join!(load, chaos);
+    // Each replica: a few failed calls, then one probe per `open_for` and the calls of
+    // requests that gave up on Redis themselves: far below 2 × its request rate + 10/s.
+    let requests = answers
+        .iter()
+        .filter(|a| a.2 >= t0 + Duration::from_secs(2) && a.2 < t0 + Duration::from_secs(6))
+        .count() as u64;
+    let bound = 2 * requests + 10 * 2 * demoted_for.as_secs();
+    eprintln!(
+        "demoted for {demoted_for:?}: {during} script calls reached it for {requests} requests"
+    );
+    assert!(
+        during <= bound,
+        "{during} calls in {demoted_for:?} for {requests} requests"
+    );
+    for (key, a) in fleet.arrivals(t0) {
+        assert_eq!(
+            over(12, Duration::from_secs(1), &a),
+            0,
+            "key {key}: over the limit"
+        );
+    }
+    assert!(
+        answers.iter().all(|a| a.0 == 200 || a.0 == 429),
+        "every request answered"
+    );
+    let slowest = answers.iter().map(|a| a.1).max().unwrap_or_default();
+    assert!(slowest < Duration::from_secs(5), "one waited {slowest:?}");
+    // Back on Redis and sharing in the last seconds.
+    let late: usize = fleet
+        .arrivals(t0 + Duration::from_secs(8))
+        .values()
+        .map(Vec::len)
+        .sum();
+    assert!(late >= 3 * 12, "about the limit again: {late} in 2 s");
+    for i in 0..2 {
+        let m = fleet.metrics(i).await;
+        assert_eq!(
+            support::metric(&m, r#"sluice_cluster_mode{mode="redis"}"#),
+            Some(1.0),
+            "replica {i} back on Redis"
+        );
+        assert!(
+            support::metric(&m, r#"sluice_cluster_reservations_total{result="local"}"#)
+                .is_some_and(|n| n > 0.0),
+            "replica {i} fell back"
+        );
+        assert!(
+            support::metric(&m, r#"sluice_cluster_errors_total{kind="readonly"}"#)
+                .is_some_and(|n| n > 0.0),
+            "replica {i} named the error: {m}"
+        );
+        let warned = fleet.replicas[i].0.log_lines("readonly");
+        assert!(
+            !warned.is_empty() && warned.len() < 20,
+            "a few warnings naming it: {warned:?}"
+        );
+    }
+}
+
+/// What a test does to Redis to make it answer errors.
+type Breaks<'a> = &'a dyn Fn(&Redis);
+
+/// Redis answering an error that no retry cures, under `deny`: each request gets 503
+/// `cluster_unavailable` within `timeout × failures` of asking, never after `max_wait`,
+/// and Redis sees a bounded number of calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_redis_answers_open_the_breaker_without_a_storm() {
+    support::crypto();
+    let filler = vec![b'x'; 64 << 10];
+    let cases: [(&str, Redis, Breaks); 3] = [
+        ("readonly", Redis::start(), &|r: &Redis| {
+            r.cmd(&["REPLICAOF", "127.0.0.1", "1"]);
+        }),
+        (
+            "oom",
+            Redis::start_with(&["--maxmemory", "1mb", "--maxmemory-policy", "noeviction"]),
+            &|r: &Redis| {
+                let mut c = redis::Client::open(r.url())
+                    .unwrap()
+                    .get_connection()
+                    .unwrap();
+                // Emptied, then filled until writes are refused. (A script that has
+                // already written may write on past `maxmemory`, by Redis's rule for
+                // scripts without flags: a partition whose keys exist keeps working.)
+                let _: () = redis::cmd("FLUSHALL").query(&mut c).unwrap();
+                for i in 0.. {
+                    let r: redis::RedisResult<()> = redis::cmd("SET")
+                        .arg(format!("filler-{i}"))
+                        .arg(&filler)
+                        .query(&mut c);
+                    if let Err(e) = r {
+                        assert_eq!(e.code(), Some("OOM"), "{e}");
+                        break;
+                    }
+                }
+            },
+        ),
+        ("wrongtype", Redis::start(), &|r: &Redis| {
+            // Something else wrote the partition's epoch key as a list.
+            r.cmd(&["DEL", "{sluice:api:-}:epoch"]);
+            assert_eq!(r.cmd(&["RPUSH", "{sluice:api:-}:epoch", "x"]).trim(), "1");
+        }),
+    ];
+    for (kind, redis, break_it) in cases {
+        let up = support::Upstream::start().await;
+        let proxy = support::Proxy::start(&format!(
+            "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1\"]\n\
+             limits = [{{ kind = \"sliding_window\", permits = 100, window = \"1s\", scope = \"global\" }}]\n\
+             [upstream.retry]\nmax_attempts = 1\n\
+             [cluster]\nredis = \"{}\"\non_redis_error = \"deny\"\nopen_for = \"1s\"\n",
+            redis.url()
+        ))
+        .await;
+        let client = proxy.client();
+        let r = client.get(up.url("/before")).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{kind}: fine before");
+        break_it(&redis);
+        let before = redis.attempts("evalsha");
+        let t0 = Instant::now();
+        let mut n = 0;
+        while t0.elapsed() < Duration::from_secs(3) {
+            let t = Instant::now();
+            let r = client.get(up.url("/during")).send().await.unwrap();
+            let took = t.elapsed();
+            assert_eq!(r.status(), 503, "{kind}");
+            assert_eq!(
+                r.headers()["sluice-reason"],
+                "cluster_unavailable",
+                "{kind}"
+            );
+            // timeout × failures is 150 ms; a wide margin for a loaded machine.
+            assert!(
+                took < Duration::from_secs(2),
+                "{kind}: answered in {took:?}"
+            );
+            n += 1;
+        }
+        let calls = redis.attempts("evalsha") - before;
+        eprintln!("{kind}: {calls} script calls for {n} requests in 3 s");
+        assert!(
+            calls <= 10 + 2 * 3,
+            "{kind}: {calls} calls for {n} requests: the breaker, not a loop, decides"
+        );
+        let m = reqwest::get(format!("http://{}/metrics", proxy.admin))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            support::metric(
+                &m,
+                &format!("sluice_cluster_errors_total{{kind=\"{kind}\"}}")
+            )
+            .is_some_and(|n| n > 0.0),
+            "{kind} counted by its name: {m}"
+        );
+    }
+}
+
+/// A Redis Cluster of three masters, two sluice processes given one seed node each, keys
+/// spread over the slots of every master, and a reshard moving slots in the middle of the
+/// traffic: no key over its limit, every request answered, every key served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_resharded_under_traffic() {
+    support::crypto();
+    let dir = tempfile::tempdir().unwrap();
+    let nodes: Vec<Redis> = (0..3)
+        .map(|_| Redis::start_cluster_node(dir.path()))
+        .collect();
+    let addrs: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port))
+        .collect();
+    let out = std::process::Command::new("redis-cli")
+        .args(["--cluster", "create"])
+        .args(&addrs)
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(
+        support::eventually(Duration::from_secs(10), || {
+            let ok = nodes
+                .iter()
+                .all(|n| n.cmd(&["CLUSTER", "INFO"]).contains("cluster_state:ok"));
+            async move { ok }
+        })
+        .await,
+        "the cluster formed"
+    );
+    let fleet = Fleet::start(
+        2,
+        "{ kind = \"sliding_window\", permits = 3, window = \"1s\", scope = \"global\" }",
+        &format!(
+            "cluster_nodes = [\"redis://{}\", \"redis://{}\"]\nreplicas = 2\nopen_for = \"1s\"\n",
+            addrs[0], addrs[1]
+        ),
+    )
+    .await;
+    let keys = keys(24);
+    let t0 = Instant::now();
+    let load = fleet.load(&keys, t0 + Duration::from_secs(10));
+    let reshard = async {
+        tokio::time::sleep_until(t0 + Duration::from_secs(3)).await;
+        // Every master holds some partition's keys before the reshard.
+        let held: Vec<u64> = nodes
+            .iter()
+            .map(|n| n.cmd(&["DBSIZE"]).trim().parse().unwrap_or(0))
+            .collect();
+        let id = |n: &Redis| n.cmd(&["CLUSTER", "MYID"]).trim().to_string();
+        let out = tokio::process::Command::new("redis-cli")
+            .args(["--cluster", "reshard", &addrs[0]])
+            .args([
+                "--cluster-from",
+                &id(&nodes[0]),
+                "--cluster-to",
+                &id(&nodes[1]),
+            ])
+            .args(["--cluster-slots", "3000", "--cluster-yes"])
+            .output()
+            .await
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        held
+    };
+    let (answers, held) = tokio::join!(load, reshard);
+    assert!(
+        held.iter().all(|n| *n > 0),
+        "keys on every master: {held:?}"
+    );
+    assert!(
+        answers.iter().all(|a| a.0 == 200 || a.0 == 429),
+        "every request answered: {:?}",
+        answers
+            .iter()
+            .filter(|a| a.0 != 200 && a.0 != 429)
+            .take(5)
+            .collect::<Vec<_>>()
+    );
+    let arrivals = fleet.arrivals(t0);
+    assert_eq!(arrivals.len(), keys.len(), "every key served");
+    for (key, a) in &arrivals {
+        assert_eq!(
+            over(3, Duration::from_secs(1), a),
+            0,
+            "key {key} over its limit"
+        );
+        // 3 a second for 10 s, less the margins; far more than any fallback would give.
+        assert!(a.len() >= 15, "key {key}: {} in 10 s", a.len());
+    }
+    for i in 0..2 {
+        let m = fleet.metrics(i).await;
+        assert_eq!(
+            support::metric(&m, r#"sluice_cluster_reservations_total{result="local"}"#),
+            None,
+            "replica {i} never fell back: {m}"
+        );
+    }
+}
+
+/// Sentinel with a primary and a replica: the primary is killed under load, Sentinel
+/// promotes the replica, and sluice finds it through Sentinel and goes back to Redis
+/// within `open_for` and a couple of seconds. What the failover cost is printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_fails_over_and_sluice_follows() {
+    support::crypto();
+    let dir = tempfile::tempdir().unwrap();
+    let primary = Redis::start();
+    let replica = Redis::start();
+    replica.cmd(&["REPLICAOF", "127.0.0.1", &primary.port.to_string()]);
+    assert!(
+        support::eventually(Duration::from_secs(10), || {
+            let up = replica
+                .cmd(&["INFO", "replication"])
+                .contains("master_link_status:up");
+            async move { up }
+        })
+        .await,
+        "the replica follows the primary"
+    );
+    let sentinel = Redis::start_sentinel(dir.path(), &primary);
+    let fleet = Fleet::start(
+        2,
+        "{ kind = \"sliding_window\", permits = 12, window = \"1s\", scope = \"global\" }",
+        &format!(
+            "sentinels = [\"redis://127.0.0.1:{}\"]\nsentinel_master = \"mymaster\"\n\
+             replicas = 2\nopen_for = \"1s\"\n",
+            sentinel.port
+        ),
+    )
+    .await;
+    let t0 = Instant::now();
+    let two = keys(2);
+    let load = fleet.load(&two, t0 + Duration::from_secs(14));
+    let failover = async {
+        tokio::time::sleep_until(t0 + Duration::from_secs(2)).await;
+        primary.kill();
+        let killed = Instant::now();
+        let promoted = loop {
+            let addr = sentinel.cmd(&["SENTINEL", "get-master-addr-by-name", "mymaster"]);
+            if addr.contains(&replica.port.to_string()) {
+                break Instant::now();
+            }
+            assert!(
+                killed.elapsed() < Duration::from_secs(10),
+                "Sentinel promoted"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        // Back on Redis: every replica's mode says so, and it reserves again.
+        let mut back = Vec::new();
+        for i in 0..2 {
+            loop {
+                let m = fleet.metrics(i).await;
+                if support::metric(&m, r#"sluice_cluster_mode{mode="redis"}"#) == Some(1.0)
+                    && replica.attempts("evalsha") > 0
+                {
+                    back.push(Instant::now());
+                    break;
+                }
+                assert!(
+                    killed.elapsed() < Duration::from_secs(12),
+                    "replica {i} came back"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        (killed, promoted, back)
+    };
+    let (answers, (killed, promoted, back)) = tokio::join!(load, failover);
+    let arrivals = fleet.arrivals(t0);
+    let over_limit: usize = arrivals
+        .values()
+        .map(|a| over(12, Duration::from_secs(1), a))
+        .sum();
+    let last_back = back.iter().max().copied().unwrap_or(promoted);
+    eprintln!(
+        "Sentinel promoted {:?} after the kill; sluice back on Redis {:?} after that; \
+         {over_limit} arrivals over the limit",
+        promoted - killed,
+        last_back.saturating_duration_since(promoted)
+    );
+    assert!(
+        last_back.saturating_duration_since(promoted)
+            < Duration::from_secs(1) + Duration::from_secs(2),
+        "followed within open_for + 2 s"
+    );
+    // Replication is asynchronous: reservations of the last moments may be lost with
+    // the primary. At most a few; none here in practice.
+    assert!(over_limit <= 2, "{over_limit} over the limit");
+    assert!(
+        answers.iter().all(|a| a.0 == 200 || a.0 == 429),
+        "every request answered"
+    );
+    let late: usize = fleet
+        .arrivals(t0 + Duration::from_secs(11))
+        .values()
+        .map(Vec::len)
+        .sum();
+    assert!(
+        late >= 2 * 12 * 2,
+        "about the limit on the new primary: {late} in 3 s"
+    );
+}
