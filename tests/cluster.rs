@@ -162,7 +162,9 @@ impl Keys<'_> {
         member: &str,
         corrections: &[(String, String)],
     ) -> Vec<redis::Value> {
-        call(con, self, "reserve", now, member, corrections)
+        // "settle": the reserve that never answers provisional, whose instants the
+        // local model predicts.
+        call(con, self, "settle", now, member, corrections)
     }
 }
 

@@ -256,6 +256,9 @@ pub enum Reply {
     TooLate { wait: Duration, epoch: String },
     /// Redis holds another epoch than the caller knew: it lost its data. Nothing done.
     EpochChanged { epoch: String },
+    /// Not reserved: it waits on reservations not yet answered, which would let it go
+    /// `wait` from now if answered at once. Settle then.
+    Provisional { wait: Duration, epoch: String },
     /// A flush or a write-back went through.
     Done { now: f64, epoch: String },
 }
@@ -282,7 +285,7 @@ impl Reply {
             .parse()
             .map_err(|_| bad("now is not a number"))?;
         Ok(match (op, status) {
-            ("reserve", 0) => Reply::Reserved {
+            ("reserve" | "settle", 0) => Reply::Reserved {
                 wait,
                 now,
                 epoch,
@@ -295,6 +298,7 @@ impl Reply {
             (_, 1) => Reply::Later { wait, epoch },
             (_, 2) => Reply::TooLate { wait, epoch },
             (_, 3) => Reply::EpochChanged { epoch },
+            (_, 4) => Reply::Provisional { wait, epoch },
             _ => return Err(bad("unknown status")),
         })
     }

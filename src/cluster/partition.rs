@@ -33,6 +33,10 @@ const LAZY_MAX: Duration = Duration::from_millis(250);
 /// replica's calls to about twice its request rate whatever Redis answers.
 pub const OWN_FAILURES: u32 = 2;
 
+/// Provisional answers a request takes before it settles for a reservation that pays
+/// the margins of those ahead (see `reserve.lua`).
+const MAX_PROVISIONAL: u32 = 8;
+
 pub struct Shared {
     /// `{sluice:<upstream>:<partition>}`: every key of the partition carries this hash
     /// tag, so one call's keys share a Redis Cluster slot. The partition is the hash of
@@ -57,6 +61,8 @@ struct Reserved {
     /// The call's round trip: the local instant may be off from Redis's by this much.
     slack_us: f64,
     limits: Arc<[Arc<GlobalLimit>]>,
+    /// It had to wait: others wait on it too, so its corrections go to Redis at once.
+    contended: bool,
 }
 
 #[derive(Default)]
@@ -171,6 +177,12 @@ impl Shared {
         };
         let own_failures = OWN_FAILURES.min(cluster.config.failures).max(1);
         let mut failed = 0;
+        // Told to come back when the reservations ahead are answered: so many times at
+        // most (replicas asking for the same instant take turns), then it settles for
+        // what Redis gives.
+        let mut provisional = 0;
+        // One id for all of this request's calls: its claim to come back is known by it.
+        let member = cluster.member();
         loop {
             let now = Instant::now();
             if let Some(r) = turn.handed.take() {
@@ -203,7 +215,18 @@ impl Shared {
                         failed += 1;
                         continue;
                     }
-                    match self.reserve(cluster, limits, horizon.min(left), left).await {
+                    match self
+                        .reserve(
+                            cluster,
+                            &member,
+                            limits,
+                            horizon.min(left),
+                            left,
+                            provisional >= MAX_PROVISIONAL,
+                            provisional > 0,
+                        )
+                        .await
+                    {
                         Ok(Some(r)) => {
                             metric("reserved");
                             return Ok(Admission::Held(self.wait_for(cluster, turn, r).await));
@@ -219,6 +242,16 @@ impl Shared {
                             return Err(LimitError::QueueTimeout {
                                 retry_after: crate::limit::bucket::retry_after(wait),
                             });
+                        }
+                        Err(Asked::Provisional(wait)) => {
+                            metric("provisional");
+                            provisional += 1;
+                            // Replicas told the same instant ask again a little before it,
+                            // those that waited longest first: FIFO across replicas, more
+                            // or less, and nobody loses every turn.
+                            let lead = Duration::from_millis(u64::from(provisional));
+                            let again = Instant::now() + wait.saturating_sub(lead);
+                            tokio::time::sleep_until(again.min(deadline)).await;
                         }
                         // The breaker counts it; the next round may fall back.
                         Err(Asked::Failed) => failed += 1,
@@ -313,14 +346,21 @@ impl Shared {
     /// One reserve call, carrying the corrections waiting. `Ok(None)`: Redis has lost its
     /// data (found now, or by the flush task meanwhile) and a write-back is due; ask
     /// again, and the caller writes back first.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the request's side of one call, each named at the call"
+    )]
     async fn reserve(
         self: &Arc<Self>,
         cluster: &Arc<Cluster>,
+        member: &str,
         limits: &Arc<[Arc<GlobalLimit>]>,
         horizon: Duration,
         max_wait: Duration,
+        settle: bool,
+        waited: bool,
     ) -> Result<Option<Reserved>, Asked> {
-        let member = cluster.member();
+        let op = if settle { "settle" } else { "reserve" };
         let (known, pending) = {
             let mut st = self.state();
             // Marked for a write-back since the caller looked (the flush task found the
@@ -343,12 +383,11 @@ impl Shared {
             }
         }
         let mut inv = cluster.script.prepare_invoke();
-        self.head(
-            &mut inv, "reserve", &known, &member, horizon, max_wait, &all,
-        );
+        self.head(&mut inv, op, &known, member, horizon, max_wait, &all);
+        inv.key(format!("{}:claims", self.tag));
         self.corrections(&mut inv, &all, &pending);
         let sent = Instant::now();
-        let reply = cluster.run("reserve", inv).await;
+        let reply = cluster.run(op, inv).await;
         let received = Instant::now();
         let reply = match reply {
             Ok(r) => r,
@@ -374,15 +413,16 @@ impl Shared {
                 let slack_us = micros(received - sent);
                 for ((l, pays), opening) in all.iter().zip(openings) {
                     if *pays {
-                        remember(&mut st, l, &member, at_us, Some(opening));
+                        remember(&mut st, l, member, at_us, Some(opening));
                     }
                 }
                 Ok(Some(Reserved {
-                    member,
+                    member: member.to_string(),
                     at_us,
                     at_local: received + wait,
                     slack_us,
                     limits: limits.clone(),
+                    contended: waited || !wait.is_zero(),
                 }))
             }
             Reply::Later { wait, epoch } => {
@@ -392,6 +432,10 @@ impl Shared {
             Reply::TooLate { wait, epoch } => {
                 st.epoch = Some(epoch);
                 Err(Asked::TooLate(wait))
+            }
+            Reply::Provisional { wait, epoch } => {
+                st.epoch = Some(epoch);
+                Err(Asked::Provisional(wait))
             }
             Reply::EpochChanged { epoch } => {
                 tracing::warn!(partition = %self.tag, "Redis lost the shared limits' state (restart or flush): writing back this replica's admissions");
@@ -650,7 +694,7 @@ impl Shared {
 
     /// A reservation nobody used before its instant: it never went out.
     fn unused(self: &Arc<Self>, cluster: &Arc<Cluster>, r: &Reserved) {
-        for l in r.limits.iter().filter(|l| l.is_window()) {
+        for l in r.limits.iter() {
             self.forget(&l.id, &r.member);
             self.correct(
                 cluster,
@@ -744,6 +788,7 @@ impl Shared {
                 at_local: now,
                 slack_us: 0.0,
                 limits: limits.clone(),
+                contended: false,
             },
             fallback: Some(id),
         })
@@ -775,6 +820,8 @@ impl Shared {
 enum Asked {
     Later(Duration),
     TooLate(Duration),
+    /// Ask again this much later, to settle.
+    Provisional(Duration),
     Failed,
 }
 
@@ -987,7 +1034,7 @@ impl Hold {
         // How late on Redis's clock at most: the local delay plus the reservation call's
         // round trip, by which the local instant may trail the reserved one.
         let late = self.us(at) - self.r.at_us;
-        for l in self.r.limits.iter().filter(|l| l.is_window()) {
+        for l in self.r.limits.iter() {
             // The margin covers a send a little after its instant (scheduling); one later
             // than a quarter of it (a slow connect) holds the permit longer.
             if late > NOISE_US.max(micros(l.margin) / 4.0) {
@@ -1001,11 +1048,12 @@ impl Hold {
         if let Some(id) = self.fallback {
             self.fallback_event(|s| s.answered(id, at, took));
         }
-        for l in self.r.limits.iter().filter(|l| l.is_window()) {
+        for l in self.r.limits.iter() {
             let held = self.r.at_us.max(self.us(sent)) + micros(l.margin);
             let latest = self.us(at).min(self.us(sent) + micros(l.margin));
             if latest + NOISE_US < held {
-                self.report(l, Some(latest), false);
+                // Others may be waiting to settle on this answer.
+                self.report(l, Some(latest), self.r.contended);
             }
         }
     }
@@ -1015,9 +1063,9 @@ impl Hold {
         if self.fallback.is_some() {
             self.fallback_event(|s| s.unsent(0));
         }
-        for l in self.r.limits.iter().filter(|l| l.is_window()) {
+        for l in self.r.limits.iter() {
             // A fixed window's opening may move later: soon.
-            self.report(l, None, l.kind == Kind::Fixed);
+            self.report(l, None, l.kind == Kind::Fixed || self.r.contended);
         }
     }
 
