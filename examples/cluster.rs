@@ -236,7 +236,7 @@ async fn saturation(sluice: &str, dir: &std::path::Path, seconds: u64) {
     );
     println!("| --- | --- | --- | --- | --- | --- |");
     let second = Duration::from_secs(1);
-    let kinds: [(&str, Counter, Allowed); 3] = [
+    let kinds: [(&str, Counter, Allowed); 5] = [
         (
             "{ kind = \"sliding_window\", permits = 50, window = \"1s\", scope = \"global\" }",
             Counter::sliding(50, second),
@@ -251,6 +251,17 @@ async fn saturation(sluice: &str, dir: &std::path::Path, seconds: u64) {
             "{ kind = \"token_bucket\", rate = 50, per = \"1s\", burst = 10, scope = \"global\" }",
             Counter::token(50, second, 10),
             Box::new(|span: Duration| 10.0 + 50.0 * span.as_secs_f64()),
+        ),
+        // Small limits, where each reservation's margin would cost most.
+        (
+            "{ kind = \"token_bucket\", rate = 10, per = \"1s\", burst = 1, scope = \"global\" }",
+            Counter::token(10, second, 1),
+            Box::new(|span: Duration| 1.0 + 10.0 * span.as_secs_f64()),
+        ),
+        (
+            "{ kind = \"sliding_window\", permits = 2, window = \"1s\", scope = \"global\" }",
+            Counter::sliding(2, second),
+            Box::new(|span: Duration| 2.0 * (span.as_secs_f64() + 1.0)),
         ),
     ];
     for (limit, mut counter, allowed) in kinds {

@@ -205,6 +205,11 @@ async fn through(limiter: &Limiter, limit: &str) -> Outcome {
     }
 }
 
+/// One test's limiters at a time: each test runs two or three real limiters and their
+/// clients at once, and all of them together on two cores would stall the limiters'
+/// own clocks (a Python server reading its clock late counts an arrival late).
+static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// No 429 from `limiter` behind `limit`, and at least `least` of the limit used: the
 /// requests accepted over the time they took, against `RATE` a second plus `burst` at
 /// the start.
@@ -239,6 +244,7 @@ async fn holds(limiter: Limiter, limit: &str, burst: u32, least: f64) {
 /// request, and `limits`', on the clock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sliding_counters_never_refuse() {
+    let _turn = TURN.lock().await;
     let (h, l) = tokio::join!(haproxy(), python_limits("sliding-window-counter"));
     tokio::join!(
         holds(
@@ -260,6 +266,7 @@ async fn sliding_counters_never_refuse() {
 /// and its moving window (an exact log).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn windows_never_refuse() {
+    let _turn = TURN.lock().await;
     let (f, m) = tokio::join!(
         python_limits("fixed-window"),
         python_limits("moving-window")
@@ -285,6 +292,7 @@ async fn windows_never_refuse() {
 /// requests either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nginx_limit_req_never_refuses() {
+    let _turn = TURN.lock().await;
     let (none, nodelay, delayed) = tokio::join!(nginx(0, false), nginx(5, true), nginx(5, false));
     tokio::join!(
         holds(
@@ -311,6 +319,7 @@ async fn nginx_limit_req_never_refuses() {
 /// The choice for an unknown algorithm, against every limiter above at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn published_never_refuses_anywhere() {
+    let _turn = TURN.lock().await;
     let (h, c, f, m, n) = tokio::join!(
         haproxy(),
         python_limits("sliding-window-counter"),
@@ -334,6 +343,7 @@ async fn published_never_refuses_anywhere() {
 /// refusals.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sliding_log_in_front_of_haproxy_is_refused() {
+    let _turn = TURN.lock().await;
     let h = haproxy().await;
     let o = through(
         &h,

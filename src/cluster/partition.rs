@@ -1101,3 +1101,64 @@ impl Hold {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limit(toml: &str) -> Limit {
+        toml::from_str(toml).expect("a limit")
+    }
+
+    fn window(l: &Limit) -> (u32, Duration) {
+        l.window_limit().expect("a window")
+    }
+
+    /// Each replica's share while Redis is away is its long-run share of the limit, never
+    /// nothing: one request per `ceil(replicas / permits)` windows for a limit smaller
+    /// than the replica count, a burst of at least 1.
+    #[test]
+    fn every_limit_keeps_a_share_for_every_replica() {
+        let s = Duration::from_secs(1);
+        let sliding = limit("kind = \"sliding_window\"\npermits = 12\nwindow = \"1s\"");
+        assert_eq!(window(&share(&sliding, 3).unwrap()), (4, s));
+        assert_eq!(window(&share(&sliding, 5).unwrap()), (2, s), "rounded down");
+        let small = limit("kind = \"sliding_window\"\npermits = 2\nwindow = \"1s\"");
+        assert_eq!(window(&share(&small, 3).unwrap()), (1, 2 * s));
+        assert_eq!(window(&share(&small, 5).unwrap()), (1, 3 * s));
+        let one = limit("kind = \"fixed_window\"\npermits = 1\nwindow = \"1m\"");
+        let shared = share(&one, 2).unwrap();
+        assert!(matches!(shared, Limit::SlidingWindow { .. }), "{shared:?}");
+        assert_eq!(window(&shared), (1, Duration::from_secs(120)));
+        let clock =
+            limit("kind = \"fixed_window\"\npermits = 1\nwindow = \"1m\"\nalign = \"clock\"");
+        let shared = share(&clock, 2).unwrap();
+        assert!(
+            matches!(
+                shared,
+                Limit::FixedWindow {
+                    align: WindowAlign::Clock,
+                    ..
+                }
+            ),
+            "{shared:?}"
+        );
+        assert_eq!(window(&shared), (1, Duration::from_secs(120)));
+
+        let bucket = limit("kind = \"token_bucket\"\nrate = 10\nper = \"1s\"\nburst = 1");
+        let Limit::TokenBucket {
+            rate, per, burst, ..
+        } = share(&bucket, 2).unwrap()
+        else {
+            panic!("a bucket");
+        };
+        assert_eq!((rate.get(), per, burst.get()), (10, 2 * s, 1));
+        let published = limit("kind = \"published\"\npermits = 10\nwindow = \"1s\"");
+        let Limit::TokenBucket { burst, .. } = share(&published, 3).unwrap() else {
+            panic!("published runs on a bucket");
+        };
+        assert_eq!(burst.get(), 1, "a burst of one, not nothing");
+        let concurrency = limit("kind = \"concurrency\"\nmax = 4");
+        assert!(share(&concurrency, 2).is_none());
+    }
+}
