@@ -63,6 +63,17 @@ struct Reserved {
     limits: Arc<[Arc<GlobalLimit>]>,
     /// It had to wait: others wait on it too, so its corrections go to Redis at once.
     contended: bool,
+    /// Bit i: `limits[i]`, a token bucket, took its instant from this reservation (its
+    /// tolerance did not cover the margin), so an answer sooner frees the next one
+    /// sooner. Other buckets take no corrections: none would change their next instant.
+    folds: u64,
+}
+
+impl Reserved {
+    /// Whether corrections of this reservation matter to `limits[i]`.
+    fn corrects(&self, i: usize) -> bool {
+        self.limits[i].is_window() || (i < 64 && self.folds & (1 << i) != 0)
+    }
 }
 
 #[derive(Default)]
@@ -411,9 +422,15 @@ impl Shared {
                 st.clock_rtt_us = micros(received - sent);
                 let at_us = now + micros(wait);
                 let slack_us = micros(received - sent);
-                for ((l, pays), opening) in all.iter().zip(openings) {
+                let mut folds = 0u64;
+                for (i, ((l, pays), opening)) in all.iter().zip(openings).enumerate() {
                     if *pays {
                         remember(&mut st, l, member, at_us, Some(opening));
+                        // For a bucket the script answers 1 when this reservation set
+                        // its next instant; the request's limits come first in `all`.
+                        if l.kind == Kind::Token && opening > 0.0 && i < 64 {
+                            folds |= 1 << i;
+                        }
                     }
                 }
                 Ok(Some(Reserved {
@@ -423,6 +440,7 @@ impl Shared {
                     slack_us,
                     limits: limits.clone(),
                     contended: waited || !wait.is_zero(),
+                    folds,
                 }))
             }
             Reply::Later { wait, epoch } => {
@@ -694,7 +712,7 @@ impl Shared {
 
     /// A reservation nobody used before its instant: it never went out.
     fn unused(self: &Arc<Self>, cluster: &Arc<Cluster>, r: &Reserved) {
-        for l in r.limits.iter() {
+        for (_, l) in r.limits.iter().enumerate().filter(|(i, _)| r.corrects(*i)) {
             self.forget(&l.id, &r.member);
             self.correct(
                 cluster,
@@ -789,6 +807,7 @@ impl Shared {
                 slack_us: 0.0,
                 limits: limits.clone(),
                 contended: false,
+                folds: 0,
             },
             fallback: Some(id),
         })
@@ -1018,6 +1037,16 @@ impl std::fmt::Debug for Hold {
 }
 
 impl Hold {
+    /// The limits whose counts this request's corrections change.
+    fn corrected(&self) -> impl Iterator<Item = &Arc<GlobalLimit>> {
+        self.r
+            .limits
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| self.r.corrects(*i))
+            .map(|(_, l)| l)
+    }
+
     /// The Redis instant of a local one, late by at most the call's round trip.
     fn us(&self, t: Instant) -> f64 {
         let d = micros(t.saturating_duration_since(self.r.at_local))
@@ -1034,7 +1063,7 @@ impl Hold {
         // How late on Redis's clock at most: the local delay plus the reservation call's
         // round trip, by which the local instant may trail the reserved one.
         let late = self.us(at) - self.r.at_us;
-        for l in self.r.limits.iter() {
+        for l in self.corrected() {
             // The margin covers a send a little after its instant (scheduling); one later
             // than a quarter of it (a slow connect) holds the permit longer.
             if late > NOISE_US.max(micros(l.margin) / 4.0) {
@@ -1048,7 +1077,7 @@ impl Hold {
         if let Some(id) = self.fallback {
             self.fallback_event(|s| s.answered(id, at, took));
         }
-        for l in self.r.limits.iter() {
+        for l in self.corrected() {
             let held = self.r.at_us.max(self.us(sent)) + micros(l.margin);
             let latest = self.us(at).min(self.us(sent) + micros(l.margin));
             if latest + NOISE_US < held {
@@ -1063,7 +1092,7 @@ impl Hold {
         if self.fallback.is_some() {
             self.fallback_event(|s| s.unsent(0));
         }
-        for l in self.r.limits.iter() {
+        for l in self.corrected() {
             // A fixed window's opening may move later: soon.
             self.report(l, None, l.kind == Kind::Fixed || self.r.contended);
         }

@@ -37,7 +37,8 @@
 -- absorb:  then per limit: windows: count, for a fixed window its opening, then count
 --          (member, value) pairs; token buckets: the replica's own debt (us)
 --
--- Returns {status, us, epoch, now, opening of each limit}: status 0 reserved, `us` from
+-- Returns {status, us, epoch, now, opening of each limit (a bucket: 1 if this
+-- reservation set its next instant, else 0)}: status 0 reserved, `us` from
 -- now; 1 further than the horizon, not reserved; 2 further than max wait; 3 the epoch
 -- changed, nothing done; 4 provisional, not reserved: the instant waits on reservations
 -- not yet answered, which would allow one `us` from now if they were answered at once,
@@ -403,18 +404,34 @@ if op == 'reserve' and wait > 0 then
   for k = 1, n do
     if L[k].pays then gain = math.max(gain, L[k].m / 4) end
   end
-  local back = nil
-  if t - early >= gain and early - now <= tonumber(ARGV[6]) then
-    back = early
-  elseif claims and not redis.call('ZSCORE', claims, id) then
-    -- A request asking for the first time goes after those told to come back for an
-    -- instant up to its own: it comes back just after the first of them.
-    local first = redis.call('ZRANGE', claims, 0, 0, 'WITHSCORES')
-    if #first > 0 and tonumber(first[2]) <= t then
-      back = math.max(now, tonumber(first[2])) + 2000
+  -- The time one admission takes from the limits, on average: claims queued ahead of
+  -- a request are served about that far apart.
+  local step = 0
+  for k = 1, n do
+    local l = L[k]
+    if l.pays then
+      step = math.max(step, l.kind == 't' and l.a or l.b / l.a)
     end
   end
-  if back then
+  local mine = claims and redis.call('ZSCORE', claims, id)
+  local back = nil
+  if t - early >= gain and early - now <= tonumber(ARGV[6]) then
+    -- Behind the claims that come back by then: one step further for each.
+    back = early
+    if claims then
+      local ahead = redis.call('ZCOUNT', claims, '-inf', num(early))
+      if mine and tonumber(mine) <= early then ahead = ahead - 1 end
+      back = early + ahead * step
+    end
+  elseif claims and not mine then
+    -- A request asking for the first time goes after those told to come back for an
+    -- instant up to its own: a step after the last of them.
+    local last = redis.call('ZRANGEBYSCORE', claims, '-inf', num(t), 'WITHSCORES')
+    if #last > 0 then
+      back = math.max(now, tonumber(last[#last])) + step
+    end
+  end
+  if back and back - now <= tonumber(ARGV[6]) then
     back = math.ceil(back)
     if claims then
       redis.call('ZADD', claims, num(back), id)
@@ -458,6 +475,9 @@ for k = 1, n do
     redis.call('SET', l.aux, id .. ' ' .. num(before) .. ' ' .. num(latest))
     keep(l.key, tat)
     keep(l.aux, tat)
+    -- Whether its arrival set the bucket's next instant: only then can a correction of
+    -- it change anything, and only then does the caller send one.
+    if latest > before then out[4 + k] = '1' end
   end
 end
 return out
