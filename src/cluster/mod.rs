@@ -17,9 +17,15 @@
 //! flushed shortly after, so shared windows free a permit when the provider does, as
 //! local ones do.
 //!
-//! Every call is bounded by `timeout`; `failures` failures in a row open a breaker that
-//! probes again after `open_for`. Meanwhile `on_redis_error` decides: `local` (each
-//! replica holds `limit / replicas` itself, starting drained), `allow` or `deny`. When
+//! A request whose instant waits on reservations not yet answered is told to come back
+//! once their answers are in (see `reserve.lua`), so small limits do not pay a margin on
+//! every interval.
+//!
+//! Redis is one primary, a Sentinel-watched primary or a Redis Cluster ([`link`]). Every
+//! call is bounded by `timeout` and never retried in a loop: a request gives up on Redis
+//! after two failed calls of its own, and `failures` failures in a row open a breaker
+//! that probes again after `open_for`. Meanwhile `on_redis_error` decides: `local` (each
+//! replica holds its share of each limit itself, starting drained), `allow` or `deny`. When
 //! Redis is back, or has lost its data (its epoch key changed), each replica writes back
 //! what it admitted in the windows still running before it reserves again.
 
