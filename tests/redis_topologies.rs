@@ -606,3 +606,131 @@ async fn small_global_limits_are_used_in_full() {
         }
     }
 }
+
+/// A Redis Cluster of three masters with a replica each: one master is killed under
+/// load, the Cluster promotes its replica, and sluice, told only seed nodes, follows the
+/// slot to the new master: back on Redis, no key over its limit, every request answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_master_failing_over() {
+    support::crypto();
+    let dir = tempfile::tempdir().unwrap();
+    let nodes: Vec<Redis> = (0..6)
+        .map(|_| Redis::start_cluster_node(dir.path()))
+        .collect();
+    let addrs: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port))
+        .collect();
+    let out = std::process::Command::new("redis-cli")
+        .args(["--cluster", "create"])
+        .args(&addrs)
+        .args(["--cluster-replicas", "1", "--cluster-yes"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let role = |n: &Redis| n.cmd(&["ROLE"]).lines().next().unwrap_or("").to_string();
+    assert!(
+        support::eventually(Duration::from_secs(15), || {
+            // A replica that never synced cannot be promoted.
+            let synced = |n: &Redis| {
+                n.cmd(&["INFO", "replication"])
+                    .contains("master_link_status:up")
+            };
+            let ok = nodes
+                .iter()
+                .all(|n| n.cmd(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+                && nodes.iter().filter(|n| synced(n)).count() == 3;
+            async move { ok }
+        })
+        .await,
+        "the cluster formed, with a synced replica per master"
+    );
+    let fleet = Fleet::start(
+        2,
+        "{ kind = \"sliding_window\", permits = 3, window = \"1s\", scope = \"global\" }",
+        &format!(
+            "cluster_nodes = [\"redis://{}\", \"redis://{}\", \"redis://{}\"]\n\
+             replicas = 2\nopen_for = \"1s\"\n",
+            addrs[0], addrs[1], addrs[2]
+        ),
+    )
+    .await;
+    let keys = keys(12);
+    let t0 = Instant::now();
+    let load = fleet.load(&keys, t0 + Duration::from_secs(14));
+    let failover = async {
+        tokio::time::sleep_until(t0 + Duration::from_secs(2)).await;
+        let master = nodes
+            .iter()
+            .find(|n| role(n) == "master" && n.cmd(&["DBSIZE"]).trim() != "0")
+            .expect("a master holding keys");
+        master.kill();
+        let killed = Instant::now();
+        // Its replica is promoted after cluster-node-timeout (2 s) and an election.
+        loop {
+            let live = || nodes.iter().filter(|n| n.port != master.port);
+            let up = live().all(|n| n.cmd(&["CLUSTER", "INFO"]).contains("cluster_state:ok"));
+            if up && live().filter(|n| role(n) == "master").count() == 3 {
+                break;
+            }
+            assert!(
+                killed.elapsed() < Duration::from_secs(10),
+                "the Cluster failed over"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let promoted = Instant::now();
+        // Each sluice back on Redis: its next probe (open_for = 1 s) reads the new slots.
+        let mut back = Duration::ZERO;
+        for i in 0..2 {
+            while support::metric(
+                &fleet.metrics(i).await,
+                r#"sluice_cluster_mode{mode="redis"}"#,
+            ) != Some(1.0)
+            {
+                assert!(
+                    promoted.elapsed() < Duration::from_secs(6),
+                    "replica {i} came back"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            back = back.max(promoted.elapsed());
+        }
+        (promoted - killed, back)
+    };
+    let (answers, (took, back)) = tokio::join!(load, failover);
+    eprintln!(
+        "the Cluster promoted a replica {took:?} after its master was killed; \
+         sluice back on Redis {back:?} after that"
+    );
+    assert!(
+        back < Duration::from_secs(3),
+        "followed within open_for + 2 s"
+    );
+    assert!(
+        answers.iter().all(|a| a.0 == 200 || a.0 == 429),
+        "every request answered"
+    );
+    for (key, a) in &fleet.arrivals(t0) {
+        assert_eq!(
+            over(3, Duration::from_secs(1), a),
+            0,
+            "key {key} over its limit"
+        );
+    }
+    // Back on Redis, and every key served in the last seconds.
+    let late = fleet.arrivals(t0 + Duration::from_secs(11));
+    assert_eq!(late.len(), keys.len(), "every key served at the end");
+    for i in 0..2 {
+        let m = fleet.metrics(i).await;
+        assert_eq!(
+            support::metric(&m, r#"sluice_cluster_mode{mode="redis"}"#),
+            Some(1.0),
+            "replica {i} back on Redis"
+        );
+    }
+}

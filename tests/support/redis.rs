@@ -68,6 +68,9 @@ impl Redis {
                 nodes.to_str().unwrap(),
                 "--cluster-node-timeout",
                 "2000",
+                // A replica syncs at once, not after the default 5 s wait for others.
+                "--repl-diskless-sync-delay",
+                "0",
                 "--dir",
                 dir.to_str().unwrap(),
             ],
