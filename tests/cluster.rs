@@ -162,9 +162,7 @@ impl Keys<'_> {
         member: &str,
         corrections: &[(String, String)],
     ) -> Vec<redis::Value> {
-        // "settle": the reserve that never answers provisional, whose instants the
-        // local model predicts.
-        call(con, self, "settle", now, member, corrections)
+        call(con, self, "reserve", now, member, corrections)
     }
 }
 

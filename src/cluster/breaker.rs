@@ -78,6 +78,19 @@ impl Breaker {
         self.outage
     }
 
+    /// Opens now, as if `failures` calls in a row had failed; returns whether it was
+    /// closed.
+    pub fn trip(&mut self, now: Instant) -> bool {
+        let was_closed = self.open_until.is_none();
+        if was_closed {
+            self.outage = Some((now, None));
+        }
+        self.open_until = Some(now + self.open_for);
+        self.probing = false;
+        self.in_a_row = self.in_a_row.max(self.failures);
+        was_closed
+    }
+
     /// A failed call; returns whether this one opened the breaker.
     pub fn failure(&mut self, now: Instant) -> bool {
         self.in_a_row = self.in_a_row.saturating_add(1);

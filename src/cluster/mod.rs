@@ -17,10 +17,6 @@
 //! flushed shortly after, so shared windows free a permit when the provider does, as
 //! local ones do.
 //!
-//! A request whose instant waits on reservations not yet answered is told to come back
-//! once their answers are in (see `reserve.lua`), so small limits do not pay a margin on
-//! every interval.
-//!
 //! Redis is one primary, a Sentinel-watched primary or a Redis Cluster ([`link`]). Every
 //! call is bounded by `timeout` and never retried in a loop: a request gives up on Redis
 //! after two failed calls of its own, and `failures` failures in a row open a breaker
@@ -262,9 +258,6 @@ pub enum Reply {
     TooLate { wait: Duration, epoch: String },
     /// Redis holds another epoch than the caller knew: it lost its data. Nothing done.
     EpochChanged { epoch: String },
-    /// Not reserved: it waits on reservations not yet answered, which would let it go
-    /// `wait` from now if answered at once. Settle then.
-    Provisional { wait: Duration, epoch: String },
     /// A flush or a write-back went through.
     Done { now: f64, epoch: String },
 }
@@ -291,7 +284,7 @@ impl Reply {
             .parse()
             .map_err(|_| bad("now is not a number"))?;
         Ok(match (op, status) {
-            ("reserve" | "settle", 0) => Reply::Reserved {
+            ("reserve", 0) => Reply::Reserved {
                 wait,
                 now,
                 epoch,
@@ -304,7 +297,6 @@ impl Reply {
             (_, 1) => Reply::Later { wait, epoch },
             (_, 2) => Reply::TooLate { wait, epoch },
             (_, 3) => Reply::EpochChanged { epoch },
-            (_, 4) => Reply::Provisional { wait, epoch },
             _ => return Err(bad("unknown status")),
         })
     }
@@ -488,6 +480,19 @@ impl Cluster {
             }
         }
         result
+    }
+
+    /// Opens the breaker now: a request gave up on Redis after failed calls of its own.
+    pub fn trip(&self, now: Instant) {
+        if self.breaker().trip(now) {
+            tracing::warn!(
+                redis = %self.config.redis,
+                fallback = self.fallback_mode().as_str(),
+                retry_in = %crate::config::units::fmt_duration(self.config.open_for),
+                "a request's Redis calls failed {} times: shared limits fall back",
+                partition::OWN_FAILURES.min(self.config.failures)
+            );
+        }
     }
 
     /// Counts a failure; the one that opens the breaker is logged, and each kind of

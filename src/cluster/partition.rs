@@ -27,15 +27,11 @@ const NOISE_US: f64 = 1000.0;
 const URGENT: Duration = Duration::from_millis(5);
 const LAZY_MAX: Duration = Duration::from_millis(250);
 
-/// Failed calls after which a request stops asking Redis and is served as
-/// `on_redis_error` says, even while the breaker is still closed (other calls succeed:
-/// one node of a Redis Cluster is failing, say). With the breaker, this bounds a
-/// replica's calls to about twice its request rate whatever Redis answers.
+/// Failed calls after which a request gives up on Redis and opens the breaker, even if
+/// other calls succeed (one node of a Redis Cluster failing, say). With the breaker,
+/// this bounds a replica's calls to about twice its request rate whatever Redis
+/// answers.
 pub const OWN_FAILURES: u32 = 2;
-
-/// Provisional answers a request takes before it settles for a reservation that pays
-/// the margins of those ahead (see `reserve.lua`).
-const MAX_PROVISIONAL: u32 = 8;
 
 pub struct Shared {
     /// `{sluice:<upstream>:<partition>}`: every key of the partition carries this hash
@@ -61,19 +57,6 @@ struct Reserved {
     /// The call's round trip: the local instant may be off from Redis's by this much.
     slack_us: f64,
     limits: Arc<[Arc<GlobalLimit>]>,
-    /// It had to wait: others wait on it too, so its corrections go to Redis at once.
-    contended: bool,
-    /// Bit i: `limits[i]`, a token bucket, took its instant from this reservation (its
-    /// tolerance did not cover the margin), so an answer sooner frees the next one
-    /// sooner. Other buckets take no corrections: none would change their next instant.
-    folds: u64,
-}
-
-impl Reserved {
-    /// Whether corrections of this reservation matter to `limits[i]`.
-    fn corrects(&self, i: usize) -> bool {
-        self.limits[i].is_window() || (i < 64 && self.folds & (1 << i) != 0)
-    }
 }
 
 #[derive(Default)]
@@ -188,12 +171,6 @@ impl Shared {
         };
         let own_failures = OWN_FAILURES.min(cluster.config.failures).max(1);
         let mut failed = 0;
-        // Told to come back when the reservations ahead are answered: so many times at
-        // most (replicas asking for the same instant take turns), then it settles for
-        // what Redis gives.
-        let mut provisional = 0;
-        // One id for all of this request's calls: its claim to come back is known by it.
-        let member = cluster.member();
         loop {
             let now = Instant::now();
             if let Some(r) = turn.handed.take() {
@@ -205,18 +182,15 @@ impl Shared {
                 self.unused(cluster, &r);
             }
             let left = deadline.saturating_duration_since(now);
-            let mode = match cluster.mode(now) {
-                Mode::Redis if failed >= own_failures => {
-                    // As after the breaker opens: what this replica admits without Redis
-                    // is written back, with the windows filled, before it reserves again.
-                    let fallback = cluster.fallback_mode();
-                    if fallback != Mode::Deny {
-                        self.state().absorb = true;
-                    }
-                    fallback
-                }
-                m => m,
-            };
+            if failed >= own_failures {
+                // A request that gave up on Redis opens the breaker, whatever other calls
+                // do (one failing node of a Redis Cluster, say): the fallback then counts
+                // as an outage, after which every replica writes back, rather than a
+                // local admission the others know nothing of.
+                cluster.trip(now);
+                failed = 0;
+            }
+            let mode = cluster.mode(now);
             match mode {
                 Mode::Redis => {
                     if self.must_absorb(cluster, limits, now)
@@ -226,18 +200,7 @@ impl Shared {
                         failed += 1;
                         continue;
                     }
-                    match self
-                        .reserve(
-                            cluster,
-                            &member,
-                            limits,
-                            horizon.min(left),
-                            left,
-                            provisional >= MAX_PROVISIONAL,
-                            provisional > 0,
-                        )
-                        .await
-                    {
+                    match self.reserve(cluster, limits, horizon.min(left), left).await {
                         Ok(Some(r)) => {
                             metric("reserved");
                             return Ok(Admission::Held(self.wait_for(cluster, turn, r).await));
@@ -254,16 +217,6 @@ impl Shared {
                                 retry_after: crate::limit::bucket::retry_after(wait),
                             });
                         }
-                        Err(Asked::Provisional(wait)) => {
-                            metric("provisional");
-                            provisional += 1;
-                            // Replicas told the same instant ask again a little before it,
-                            // those that waited longest first: FIFO across replicas, more
-                            // or less, and nobody loses every turn.
-                            let lead = Duration::from_millis(u64::from(provisional));
-                            let again = Instant::now() + wait.saturating_sub(lead);
-                            tokio::time::sleep_until(again.min(deadline)).await;
-                        }
                         // The breaker counts it; the next round may fall back.
                         Err(Asked::Failed) => failed += 1,
                     }
@@ -274,13 +227,8 @@ impl Shared {
                         return Ok(Admission::Held(hold));
                     }
                     Err(next) => {
-                        // Until the local limits allow it, or Redis may be back. A
-                        // request that gave up on Redis itself does not ask it again.
-                        let probe = match cluster.reopens_at() {
-                            Some(t) => t,
-                            None if failed >= own_failures => now + cluster.config.open_for,
-                            None => now,
-                        };
+                        // Until the local limits allow it, or Redis may be back.
+                        let probe = cluster.reopens_at().unwrap_or(now);
                         let wake = next.map_or(probe, |n| n.min(probe.max(now)));
                         if wake >= deadline {
                             metric("too_late");
@@ -357,21 +305,14 @@ impl Shared {
     /// One reserve call, carrying the corrections waiting. `Ok(None)`: Redis has lost its
     /// data (found now, or by the flush task meanwhile) and a write-back is due; ask
     /// again, and the caller writes back first.
-    #[allow(
-        clippy::too_many_arguments,
-        reason = "the request's side of one call, each named at the call"
-    )]
     async fn reserve(
         self: &Arc<Self>,
         cluster: &Arc<Cluster>,
-        member: &str,
         limits: &Arc<[Arc<GlobalLimit>]>,
         horizon: Duration,
         max_wait: Duration,
-        settle: bool,
-        waited: bool,
     ) -> Result<Option<Reserved>, Asked> {
-        let op = if settle { "settle" } else { "reserve" };
+        let member = cluster.member();
         let (known, pending) = {
             let mut st = self.state();
             // Marked for a write-back since the caller looked (the flush task found the
@@ -394,11 +335,12 @@ impl Shared {
             }
         }
         let mut inv = cluster.script.prepare_invoke();
-        self.head(&mut inv, op, &known, member, horizon, max_wait, &all);
-        inv.key(format!("{}:claims", self.tag));
+        self.head(
+            &mut inv, "reserve", &known, &member, horizon, max_wait, &all,
+        );
         self.corrections(&mut inv, &all, &pending);
         let sent = Instant::now();
-        let reply = cluster.run(op, inv).await;
+        let reply = cluster.run("reserve", inv).await;
         let received = Instant::now();
         let reply = match reply {
             Ok(r) => r,
@@ -422,25 +364,17 @@ impl Shared {
                 st.clock_rtt_us = micros(received - sent);
                 let at_us = now + micros(wait);
                 let slack_us = micros(received - sent);
-                let mut folds = 0u64;
-                for (i, ((l, pays), opening)) in all.iter().zip(openings).enumerate() {
+                for ((l, pays), opening) in all.iter().zip(openings) {
                     if *pays {
-                        remember(&mut st, l, member, at_us, Some(opening));
-                        // For a bucket the script answers 1 when this reservation set
-                        // its next instant; the request's limits come first in `all`.
-                        if l.kind == Kind::Token && opening > 0.0 && i < 64 {
-                            folds |= 1 << i;
-                        }
+                        remember(&mut st, l, &member, at_us, Some(opening));
                     }
                 }
                 Ok(Some(Reserved {
-                    member: member.to_string(),
+                    member,
                     at_us,
                     at_local: received + wait,
                     slack_us,
                     limits: limits.clone(),
-                    contended: waited || !wait.is_zero(),
-                    folds,
                 }))
             }
             Reply::Later { wait, epoch } => {
@@ -450,10 +384,6 @@ impl Shared {
             Reply::TooLate { wait, epoch } => {
                 st.epoch = Some(epoch);
                 Err(Asked::TooLate(wait))
-            }
-            Reply::Provisional { wait, epoch } => {
-                st.epoch = Some(epoch);
-                Err(Asked::Provisional(wait))
             }
             Reply::EpochChanged { epoch } => {
                 tracing::warn!(partition = %self.tag, "Redis lost the shared limits' state (restart or flush): writing back this replica's admissions");
@@ -712,7 +642,7 @@ impl Shared {
 
     /// A reservation nobody used before its instant: it never went out.
     fn unused(self: &Arc<Self>, cluster: &Arc<Cluster>, r: &Reserved) {
-        for (_, l) in r.limits.iter().enumerate().filter(|(i, _)| r.corrects(*i)) {
+        for l in r.limits.iter().filter(|l| l.is_window()) {
             self.forget(&l.id, &r.member);
             self.correct(
                 cluster,
@@ -806,8 +736,6 @@ impl Shared {
                 at_local: now,
                 slack_us: 0.0,
                 limits: limits.clone(),
-                contended: false,
-                folds: 0,
             },
             fallback: Some(id),
         })
@@ -839,8 +767,6 @@ impl Shared {
 enum Asked {
     Later(Duration),
     TooLate(Duration),
-    /// Ask again this much later, to settle.
-    Provisional(Duration),
     Failed,
 }
 
@@ -1037,16 +963,6 @@ impl std::fmt::Debug for Hold {
 }
 
 impl Hold {
-    /// The limits whose counts this request's corrections change.
-    fn corrected(&self) -> impl Iterator<Item = &Arc<GlobalLimit>> {
-        self.r
-            .limits
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| self.r.corrects(*i))
-            .map(|(_, l)| l)
-    }
-
     /// The Redis instant of a local one, late by at most the call's round trip.
     fn us(&self, t: Instant) -> f64 {
         let d = micros(t.saturating_duration_since(self.r.at_local))
@@ -1063,7 +979,7 @@ impl Hold {
         // How late on Redis's clock at most: the local delay plus the reservation call's
         // round trip, by which the local instant may trail the reserved one.
         let late = self.us(at) - self.r.at_us;
-        for l in self.corrected() {
+        for l in self.r.limits.iter().filter(|l| l.is_window()) {
             // The margin covers a send a little after its instant (scheduling); one later
             // than a quarter of it (a slow connect) holds the permit longer.
             if late > NOISE_US.max(micros(l.margin) / 4.0) {
@@ -1077,12 +993,11 @@ impl Hold {
         if let Some(id) = self.fallback {
             self.fallback_event(|s| s.answered(id, at, took));
         }
-        for l in self.corrected() {
+        for l in self.r.limits.iter().filter(|l| l.is_window()) {
             let held = self.r.at_us.max(self.us(sent)) + micros(l.margin);
             let latest = self.us(at).min(self.us(sent) + micros(l.margin));
             if latest + NOISE_US < held {
-                // Others may be waiting to settle on this answer.
-                self.report(l, Some(latest), self.r.contended);
+                self.report(l, Some(latest), false);
             }
         }
     }
@@ -1092,9 +1007,9 @@ impl Hold {
         if self.fallback.is_some() {
             self.fallback_event(|s| s.unsent(0));
         }
-        for l in self.corrected() {
+        for l in self.r.limits.iter().filter(|l| l.is_window()) {
             // A fixed window's opening may move later: soon.
-            self.report(l, None, l.kind == Kind::Fixed || self.r.contended);
+            self.report(l, None, l.kind == Kind::Fixed);
         }
     }
 

@@ -9,10 +9,7 @@
 --
 -- KEYS[1]           the partition's epoch: a new one means Redis lost what it held
 -- KEYS[2k], [2k+1]  limit k's state and a second key (a fixed window's opening)
--- KEYS[2n+2]        optional: the partition's claims, the requests told to come back
---                   (status 4), by the instant they come back at
--- ARGV[1]  op: "reserve", "settle" (a reserve that never answers provisional), "flush"
---          (corrections only) or "absorb" (write back)
+-- ARGV[1]  op: "reserve", "flush" (corrections only) or "absorb" (write back)
 -- ARGV[2]  now in microseconds; "" for Redis TIME (tests drive the clock)
 -- ARGV[3]  the epoch the caller last saw ("" for none)
 -- ARGV[4]  an epoch to set if there is none
@@ -28,8 +25,7 @@
 --                a = permits, b = window (us), c = the offset as for "k", or "any"
 --                when the provider's windows may fall anywhere
 --            "t" GCRA (token bucket, leaky bucket, published): a = emission interval
---                (us), b = tolerance; its second key holds the last reservation
---                ("member before latest") so that a correction of it can be refolded
+--                (us), b = tolerance
 --            pays: "1" if this reservation pays the limit, "0" if it is only here for
 --            its corrections
 -- then     c, the number of corrections; 3 each: limit (1-based), member, value:
@@ -37,12 +33,9 @@
 -- absorb:  then per limit: windows: count, for a fixed window its opening, then count
 --          (member, value) pairs; token buckets: the replica's own debt (us)
 --
--- Returns {status, us, epoch, now, opening of each limit (a bucket: 1 if this
--- reservation set its next instant, else 0)}: status 0 reserved, `us` from
+-- Returns {status, us, epoch, now, opening of each limit}: status 0 reserved, `us` from
 -- now; 1 further than the horizon, not reserved; 2 further than max wait; 3 the epoch
--- changed, nothing done; 4 provisional, not reserved: the instant waits on reservations
--- not yet answered, which would allow one `us` from now if they were answered at once,
--- so the caller asks again then ("settle"), when their corrections have come in.
+-- changed, nothing done.
 
 local op = ARGV[1]
 -- Numbers go to Redis as strings: Lua would print a microsecond instant with 14 digits.
@@ -135,8 +128,6 @@ if op == 'absorb' then
       local tat = math.max(stored(l.key) or now, now) + debt
       tat = math.max(tat, now + l.m + l.b + l.a)
       redis.call('SET', l.key, num(tat))
-      -- Its last reservation is no longer the last thing folded in.
-      redis.call('DEL', l.aux)
       keep(l.key, tat)
     else
       local count = tonumber(ARGV[i]); i = i + 1
@@ -184,27 +175,6 @@ for j = 1, c do
     else
       redis.call('ZADD', l.key, 'XX', v, member)
       keep(l.key, tonumber(v) + l.b)
-    end
-  elseif l then
-    -- Only the last reservation can be refolded: later ones were folded on top of it.
-    local last = redis.call('GET', l.aux)
-    if last then
-      local who, before, latest = string.match(last, '^(%S+) (%S+) (%S+)$')
-      if who == member then
-        before, latest = tonumber(before), tonumber(latest)
-        local tat
-        if v == '' then
-          tat = before
-          redis.call('DEL', l.aux)
-        else
-          latest = tonumber(v)
-          tat = math.max(before, latest) + l.a
-          redis.call('SET', l.aux, member .. ' ' .. num(before) .. ' ' .. num(latest))
-          keep(l.aux, tat)
-        end
-        redis.call('SET', l.key, num(tat))
-        keep(l.key, tat)
-      end
     end
   end
 end
@@ -282,38 +252,8 @@ local function in_window(l, s)
   return redis.call('ZCOUNT', l.key, num(s), '(' .. num(s + l.b + l.m))
 end
 
--- The earliest instant at or after t that limit l admits one more. With `best`, as if
--- every reservation not yet answered (its latest arrival still ahead) were answered now:
--- for sliding windows and token buckets, where a full limit waits on exactly those.
-local function earliest(l, t, best)
-  if best and l.kind == 's' then
-    local r = redis.call('ZRANGEBYSCORE', l.key, '(' .. num(t - l.b), '+inf', 'WITHSCORES')
-    local scores = {}
-    for j = 2, #r, 2 do
-      local v = tonumber(r[j])
-      if v > now then v = math.max(now, v - l.m) end
-      scores[#scores + 1] = v
-    end
-    table.sort(scores)
-    local alive = 0
-    for _, v in ipairs(scores) do
-      if v > t - l.b then alive = alive + 1 end
-    end
-    if alive < l.a then return t end
-    return math.max(t, scores[#scores - l.a + 1] + l.b)
-  elseif best and l.kind == 't' then
-    local tat = stored(l.key)
-    local last = redis.call('GET', l.aux)
-    if tat and last then
-      local _, before, latest = string.match(last, '^(%S+) (%S+) (%S+)$')
-      before, latest = tonumber(before), tonumber(latest)
-      if latest > now then
-        tat = math.max(before, math.max(now, latest - l.m)) + l.a
-      end
-    end
-    if not tat then return t end
-    return math.max(t, tat - l.b)
-  end
+-- The earliest instant at or after t that limit l admits one more.
+local function earliest(l, t)
   if l.counter then
     local r = redis.call('ZRANGEBYSCORE', l.key, '(' .. num(t - 2 * l.b), '+inf', 'WITHSCORES')
     local scores = {}
@@ -368,79 +308,22 @@ local function earliest(l, t, best)
   end
 end
 
--- The earliest instant every paid limit admits, and whether the rounds found it.
-local function admitted(best)
-  local t = now
-  for round = 1, 16 do
-    local moved = false
-    for k = 1, n do
-      if L[k].pays then
-        local e = earliest(L[k], t, best)
-        if e > t then t = e; moved = true end
-      end
+local t = now
+local settled = false
+for round = 1, 16 do
+  local moved = false
+  for k = 1, n do
+    if L[k].pays then
+      local e = earliest(L[k], t)
+      if e > t then t = e; moved = true end
     end
-    if not moved then return math.ceil(t), true end
   end
-  return math.ceil(t), false
+  if not moved then settled = true; break end
 end
-
 -- Whole microseconds, later rather than sooner: the caller acts at now + wait, and so
 -- must what is recorded.
-local t, settled = admitted(false)
+t = math.ceil(t)
 local wait = t - now
-local id = ARGV[5]
-local claims = KEYS[2 * n + 2]
--- A claim lasts until a little after the instant its request comes back at.
-local CLAIM_GRACE = 20000
-if claims then
-  redis.call('ZREMRANGEBYSCORE', claims, '-inf', '(' .. num(now - CLAIM_GRACE))
-end
-if op == 'reserve' and wait > 0 then
-  -- Waiting on reservations not yet answered costs their margin each time: rather than
-  -- pay it, ask again when they would let this one through if answered at once. Worth
-  -- it when that is sooner by more than a quarter of a margin (and a millisecond).
-  local early = admitted(true)
-  local gain = 1000
-  for k = 1, n do
-    if L[k].pays then gain = math.max(gain, L[k].m / 4) end
-  end
-  -- The time one admission takes from the limits, on average: claims queued ahead of
-  -- a request are served about that far apart.
-  local step = 0
-  for k = 1, n do
-    local l = L[k]
-    if l.pays then
-      step = math.max(step, l.kind == 't' and l.a or l.b / l.a)
-    end
-  end
-  local mine = claims and redis.call('ZSCORE', claims, id)
-  local back = nil
-  if t - early >= gain and early - now <= tonumber(ARGV[6]) then
-    -- Behind the claims that come back by then: one step further for each.
-    back = early
-    if claims then
-      local ahead = redis.call('ZCOUNT', claims, '-inf', num(early))
-      if mine and tonumber(mine) <= early then ahead = ahead - 1 end
-      back = early + ahead * step
-    end
-  elseif claims and not mine then
-    -- A request asking for the first time goes after those told to come back for an
-    -- instant up to its own: a step after the last of them.
-    local last = redis.call('ZRANGEBYSCORE', claims, '-inf', num(t), 'WITHSCORES')
-    if #last > 0 then
-      back = math.max(now, tonumber(last[#last])) + step
-    end
-  end
-  if back and back - now <= tonumber(ARGV[6]) then
-    back = math.ceil(back)
-    if claims then
-      redis.call('ZADD', claims, num(back), id)
-      redis.call('PEXPIRE', claims, 60000)
-    end
-    return {4, back - now, epoch, num(now)}
-  end
-end
-if claims then redis.call('ZREM', claims, id) end
 if not settled or wait > tonumber(ARGV[7]) then
   return {2, wait, epoch, num(now)}
 end
@@ -448,6 +331,7 @@ if wait > tonumber(ARGV[6]) then
   return {1, wait, epoch, num(now)}
 end
 
+local id = ARGV[5]
 local out = {0, wait, epoch, num(now)}
 for k = 1, n do
   local l = L[k]
@@ -469,15 +353,9 @@ for k = 1, n do
     keep(l.aux, latest + l.b)
     out[4 + k] = redis.call('GET', l.aux)
   else
-    local before = stored(l.key) or 0
-    local tat = math.max(before, latest) + l.a
+    local tat = math.max(stored(l.key) or latest, latest) + l.a
     redis.call('SET', l.key, num(tat))
-    redis.call('SET', l.aux, id .. ' ' .. num(before) .. ' ' .. num(latest))
     keep(l.key, tat)
-    keep(l.aux, tat)
-    -- Whether its arrival set the bucket's next instant: only then can a correction of
-    -- it change anything, and only then does the caller send one.
-    if latest > before then out[4 + k] = '1' end
   end
 end
 return out
