@@ -323,6 +323,12 @@ pub struct Cluster {
     warned: Mutex<std::collections::HashMap<Fault, (Instant, u64)>>,
 }
 
+/// Failed calls after which a request gives up on Redis and opens the breaker, even if
+/// other calls succeed (one node of a Redis Cluster failing, say). With the breaker,
+/// this bounds a replica's calls to about twice its request rate whatever Redis
+/// answers.
+pub const OWN_FAILURES: u32 = 2;
+
 /// A kind of failure is logged at most this often; the line says how many it stands for.
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
@@ -431,7 +437,7 @@ impl Cluster {
 
     /// Runs one script call, bounded by `timeout`, through the breaker. A failure is
     /// never retried here: the caller decides, within its own bound (see
-    /// `partition::OWN_FAILURES`), so that whatever Redis answers, a request costs a
+    /// [`OWN_FAILURES`]), so that whatever Redis answers, a request costs a
     /// few calls at most and the breaker, not a loop, decides when to stop asking.
     async fn run(
         self: &Arc<Self>,
@@ -490,7 +496,7 @@ impl Cluster {
                 fallback = self.fallback_mode().as_str(),
                 retry_in = %crate::config::units::fmt_duration(self.config.open_for),
                 "a request's Redis calls failed {} times: shared limits fall back",
-                partition::OWN_FAILURES.min(self.config.failures)
+                OWN_FAILURES.min(self.config.failures)
             );
         }
     }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{CallError, Cluster, GlobalLimit, Kind, Mode, Reply, micros};
+use super::{CallError, Cluster, GlobalLimit, Kind, Mode, OWN_FAILURES, Reply, micros};
 use crate::config::{Limit, Rounding, WindowAlign};
 use crate::limit::error::LimitError;
 use crate::limit::kinds::LimitState;
@@ -26,12 +26,6 @@ const NOISE_US: f64 = 1000.0;
 /// from an opening), later for those that only free one sooner.
 const URGENT: Duration = Duration::from_millis(5);
 const LAZY_MAX: Duration = Duration::from_millis(250);
-
-/// Failed calls after which a request gives up on Redis and opens the breaker, even if
-/// other calls succeed (one node of a Redis Cluster failing, say). With the breaker,
-/// this bounds a replica's calls to about twice its request rate whatever Redis
-/// answers.
-pub const OWN_FAILURES: u32 = 2;
 
 pub struct Shared {
     /// `{sluice:<upstream>:<partition>}`: every key of the partition carries this hash
