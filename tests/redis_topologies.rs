@@ -134,6 +134,28 @@ fn over(permits: u32, window: Duration, arrivals: &[Instant]) -> usize {
     arrivals.iter().filter(|a| !provider.arrive(**a)).count()
 }
 
+/// A Redis Cluster of `n` nodes, `replicas` per master, made by `redis-cli --cluster
+/// create`: the nodes and their addresses.
+fn create_cluster(dir: &std::path::Path, n: usize, replicas: u32) -> (Vec<Redis>, Vec<String>) {
+    let nodes: Vec<Redis> = (0..n).map(|_| Redis::start_cluster_node(dir)).collect();
+    let addrs: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port))
+        .collect();
+    let out = std::process::Command::new("redis-cli")
+        .args(["--cluster", "create"])
+        .args(&addrs)
+        .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    (nodes, addrs)
+}
+
 fn keys(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("key-{i}")).collect()
 }
@@ -337,24 +359,7 @@ async fn errors_redis_answers_open_the_breaker_without_a_storm() {
 async fn a_redis_cluster_resharded_under_traffic() {
     support::crypto();
     let dir = tempfile::tempdir().unwrap();
-    let nodes: Vec<Redis> = (0..3)
-        .map(|_| Redis::start_cluster_node(dir.path()))
-        .collect();
-    let addrs: Vec<String> = nodes
-        .iter()
-        .map(|n| format!("127.0.0.1:{}", n.port))
-        .collect();
-    let out = std::process::Command::new("redis-cli")
-        .args(["--cluster", "create"])
-        .args(&addrs)
-        .args(["--cluster-replicas", "0", "--cluster-yes"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    let (nodes, addrs) = create_cluster(dir.path(), 3, 0);
     assert!(
         support::eventually(Duration::from_secs(10), || {
             let ok = nodes
@@ -543,6 +548,7 @@ async fn sentinel_fails_over_and_sluice_follows() {
         "about the limit on the new primary: {late} in 3 s"
     );
 }
+
 /// A Redis Cluster of three masters with a replica each: one master is killed under
 /// load, the Cluster promotes its replica, and sluice, told only seed nodes, follows the
 /// slot to the new master: back on Redis, no key over its limit, every request answered.
@@ -550,24 +556,7 @@ async fn sentinel_fails_over_and_sluice_follows() {
 async fn a_redis_cluster_master_failing_over() {
     support::crypto();
     let dir = tempfile::tempdir().unwrap();
-    let nodes: Vec<Redis> = (0..6)
-        .map(|_| Redis::start_cluster_node(dir.path()))
-        .collect();
-    let addrs: Vec<String> = nodes
-        .iter()
-        .map(|n| format!("127.0.0.1:{}", n.port))
-        .collect();
-    let out = std::process::Command::new("redis-cli")
-        .args(["--cluster", "create"])
-        .args(&addrs)
-        .args(["--cluster-replicas", "1", "--cluster-yes"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    let (nodes, addrs) = create_cluster(dir.path(), 6, 1);
     let role = |n: &Redis| n.cmd(&["ROLE"]).lines().next().unwrap_or("").to_string();
     assert!(
         support::eventually(Duration::from_secs(15), || {
