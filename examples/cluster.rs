@@ -128,9 +128,10 @@ async fn replicas(
     limit: &str,
     redis: u16,
     upstream: u16,
+    n: usize,
 ) -> Vec<Replica> {
     let mut out = Vec::new();
-    for i in 0..3 {
+    for i in 0..n {
         let (port, admin) = (free_port(), format!("127.0.0.1:{}", free_port()));
         let path = dir.join(format!("sluice-{i}.toml"));
         std::fs::write(
@@ -139,7 +140,7 @@ async fn replicas(
                 "[proxy]\nlisten = \"127.0.0.1:{port}\"\nadmin = \"{admin}\"\n\
                  [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{upstream}\"]\n\
                  max_queue = 100000\nlimits = [{limit}]\n[upstream.retry]\nmax_attempts = 1\n\
-                 [cluster]\nredis = \"redis://127.0.0.1:{redis}/0\"\nreplicas = 3\nopen_for = \"1s\"\n"
+                 [cluster]\nredis = \"redis://127.0.0.1:{redis}/0\"\nreplicas = {n}\nopen_for = \"1s\"\n"
             ),
         )
         .expect("config");
@@ -230,11 +231,13 @@ async fn main() {
 }
 
 async fn saturation(sluice: &str, dir: &std::path::Path, seconds: u64) {
-    println!("\n## Saturation: 3 replicas, {seconds} s, default margin\n");
+    println!("\n## Saturation: {seconds} s, default margin\n");
     println!(
-        "| limit | requests | windows over the limit | utilisation | shares (after 2 s) | Redis calls per request |"
+        "| limit | replicas | requests | windows over the limit | utilisation | shares (after 2 s) | Redis calls per request |"
     );
-    println!("| --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    // LIMITS=burst: only the limits whose text contains it.
+    let filter = std::env::var("LIMITS").unwrap_or_default();
     let second = Duration::from_secs(1);
     let kinds: [(&str, Counter, Allowed); 5] = [
         (
@@ -264,10 +267,23 @@ async fn saturation(sluice: &str, dir: &std::path::Path, seconds: u64) {
             Box::new(|span: Duration| 2.0 * (span.as_secs_f64() + 1.0)),
         ),
     ];
-    for (limit, mut counter, allowed) in kinds {
+    let runs = kinds.into_iter().flat_map(|(limit, counter, allowed)| {
+        // The small limits on two replicas as well: how turns go with fewer to take them.
+        let small = limit.contains("burst = 1,") || limit.contains("permits = 2,");
+        let counts: &[usize] = if small { &[2, 3] } else { &[3] };
+        let allowed = std::rc::Rc::new(allowed);
+        counts
+            .iter()
+            .map(move |n| (limit, counter.clone(), allowed.clone(), *n))
+            .collect::<Vec<_>>()
+    });
+    for (limit, mut counter, allowed, n_replicas) in runs {
+        if !limit.contains(filter.as_str()) {
+            continue;
+        }
         let redis = Redis::start(free_port());
         let (up, log) = upstream().await;
-        let reps = replicas(sluice, dir, limit, redis.port, up).await;
+        let reps = replicas(sluice, dir, limit, redis.port, up, n_replicas).await;
         let start = Instant::now();
         // 3 × 16 clients: each replica alone offers about three times the whole limit.
         load(&reps, up, 16, start + Duration::from_secs(seconds)).await;
@@ -278,7 +294,11 @@ async fn saturation(sluice: &str, dir: &std::path::Path, seconds: u64) {
             .iter()
             .filter(|(at, _)| !counter.arrive(*at))
             .count();
-        let span = match (arrivals.first(), arrivals.last()) {
+        // Utilisation while the clients send: the requests still queued when they stop
+        // go out as the replicas' queues run dry, no longer saturating the limit.
+        let end = start + Duration::from_secs(seconds);
+        let loaded: Vec<&(Instant, usize)> = arrivals.iter().filter(|a| a.0 < end).collect();
+        let span = match (loaded.first(), loaded.last()) {
             (Some(a), Some(b)) => b.0 - a.0,
             _ => Duration::ZERO,
         };
@@ -293,16 +313,16 @@ async fn saturation(sluice: &str, dir: &std::path::Path, seconds: u64) {
                     .is_some_and(|f| a.0 >= f.0 + Duration::from_secs(2))
             })
             .collect();
-        let shares: Vec<String> = (0..3)
+        let shares: Vec<String> = (0..n_replicas)
             .map(|r| {
                 let mine = settled.iter().filter(|a| a.1 == r).count() as f64;
                 format!("{:.1}%", 100.0 * mine / settled.len().max(1) as f64)
             })
             .collect();
         println!(
-            "| `{limit}` | {} | {over} | {:.1}% | {} | {:.2} |",
+            "| `{limit}` | {n_replicas} | {} | {over} | {:.1}% | {} | {:.2} |",
             arrivals.len(),
-            100.0 * n / allowed(span),
+            100.0 * loaded.len() as f64 / allowed(span),
             shares.join(" / "),
             calls as f64 / n
         );
@@ -320,7 +340,7 @@ async fn latency(sluice: &str, dir: &std::path::Path) {
         let limit = format!(
             "{{ kind = \"token_bucket\", rate = 1000000, per = \"1s\", burst = 1000000, scope = \"{scope}\" }}"
         );
-        let reps = replicas(sluice, dir, &limit, redis.port, up).await;
+        let reps = replicas(sluice, dir, &limit, redis.port, up, 3).await;
         let c = client(reps[0].port);
         let url = format!("http://127.0.0.1:{up}/one");
         for _ in 0..200 {
@@ -363,6 +383,7 @@ async fn failover(sluice: &str, dir: &std::path::Path) {
         "{ kind = \"sliding_window\", permits = 50, window = \"1s\", scope = \"global\" }",
         redis_port,
         up,
+        3,
     )
     .await;
     let t0 = Instant::now();

@@ -15,7 +15,10 @@
 //! that plus the limit's margin. What the replica then sees (sent late, answered sooner,
 //! never sent) goes back to Redis as corrections, carried by the replica's next call or
 //! flushed shortly after, so shared windows free a permit when the provider does, as
-//! local ones do.
+//! local ones do. A small limit, whose next instant waits on an answer not yet in, is
+//! taken in turns: the replica that gets the answer asks next, its correction riding on
+//! the call, for a run of its waiting requests; the others are told when to come back.
+//! Turns decide who asks when, never what is admitted.
 //!
 //! Redis is one primary, a Sentinel-watched primary or a Redis Cluster ([`link`]). Every
 //! call is bounded by `timeout` and never retried in a loop: a request gives up on Redis
@@ -42,8 +45,24 @@ use crate::metrics::Metrics;
 use breaker::Breaker;
 use link::{Conn, Fault, Link, Resolved};
 
-/// The script every call runs.
-pub const SCRIPT: &str = include_str!("reserve.lua");
+/// The script every call runs, as written.
+const SOURCE: &str = include_str!("reserve.lua");
+
+/// The script as Redis gets it: without its comment lines, which would take about half
+/// of the memory Redis keeps for it (a Redis with a tight `maxmemory` counts it).
+pub fn script() -> &'static str {
+    static STRIPPED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    STRIPPED.get_or_init(|| {
+        SOURCE
+            .lines()
+            .filter(|l| {
+                let l = l.trim_start();
+                !l.is_empty() && !l.starts_with("--")
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    })
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
@@ -251,6 +270,13 @@ pub enum Reply {
         now: f64,
         epoch: String,
         openings: Vec<f64>,
+        /// The next request would wait on this one's answer: ask for it once the answer
+        /// is in.
+        chained: bool,
+        /// Other replicas wait for their turn: send this one's answer at once.
+        contended: bool,
+        /// This replica's run is over: its next request asks no sooner than this.
+        comes_back: Option<Duration>,
     },
     /// Further than the horizon: not reserved.
     Later { wait: Duration, epoch: String },
@@ -258,6 +284,9 @@ pub enum Reply {
     TooLate { wait: Duration, epoch: String },
     /// Redis holds another epoch than the caller knew: it lost its data. Nothing done.
     EpochChanged { epoch: String },
+    /// Not reserved: it waits on an answer not yet in, or on another replica's turn.
+    /// Come back `wait` from now.
+    Turn { wait: Duration, epoch: String },
     /// A flush or a write-back went through.
     Done { now: f64, epoch: String },
 }
@@ -284,19 +313,27 @@ impl Reply {
             .parse()
             .map_err(|_| bad("now is not a number"))?;
         Ok(match (op, status) {
-            ("reserve", 0) => Reply::Reserved {
-                wait,
-                now,
-                epoch,
-                openings: items[4.min(items.len())..]
-                    .iter()
-                    .map(|v| text(Some(v)).map(|s| s.parse().unwrap_or(0.0)))
-                    .collect::<Result<_, _>>()?,
-            },
+            ("reserve" | "settle", 0) => {
+                let flags = text(items.get(4))?;
+                let back = u64::try_from(int(items.get(5))?).unwrap_or(0);
+                Reply::Reserved {
+                    wait,
+                    now,
+                    epoch,
+                    comes_back: (back > 0).then(|| Duration::from_micros(back)),
+                    openings: items[6.min(items.len())..]
+                        .iter()
+                        .map(|v| text(Some(v)).map(|s| s.parse().unwrap_or(0.0)))
+                        .collect::<Result<_, _>>()?,
+                    chained: flags.contains('c'),
+                    contended: flags.contains('w'),
+                }
+            }
             (_, 0) => Reply::Done { now, epoch },
             (_, 1) => Reply::Later { wait, epoch },
             (_, 2) => Reply::TooLate { wait, epoch },
             (_, 3) => Reply::EpochChanged { epoch },
+            (_, 4) => Reply::Turn { wait, epoch },
             _ => return Err(bad("unknown status")),
         })
     }
@@ -352,7 +389,7 @@ impl Cluster {
             resolved,
             link,
             conn: tokio::sync::Mutex::new(None),
-            script: redis::Script::new(SCRIPT),
+            script: redis::Script::new(script()),
             breaker: Mutex::new(Breaker::new(config.failures, config.open_for)),
             metrics: metrics.clone(),
             replica: format!("{:08x}", rand::random::<u32>()),

@@ -1,12 +1,14 @@
 //! What one replica knows of one (upstream, partition)'s global limits, and how a request
 //! gets through them: the gate that lets one request per family at a time call Redis (so
-//! the family stays FIFO), the reservation, the corrections waiting to go back, this
+//! the family stays FIFO, and the next asks once the answers it waits on are in), the
+//! reservation and the turns of small limits, the corrections waiting to go back, this
 //! replica's own admissions still inside their windows (written back when Redis returns
 //! or lost its data), and the local fallback while Redis is away.
 
 use parking_lot::{Mutex, MutexGuard};
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -26,20 +28,63 @@ const NOISE_US: f64 = 1000.0;
 /// from an opening), later for those that only free one sooner.
 const URGENT: Duration = Duration::from_millis(5);
 const LAZY_MAX: Duration = Duration::from_millis(250);
+/// A window's permit answered sooner is used again a window later, by this replica's
+/// own next calls as a rule: its correction waits a window and a margin for one (2 s at
+/// most).
+const LAZY_WINDOW_MAX: Duration = Duration::from_secs(2);
+
+/// Times a request is told to come back for its turn (`reserve.lua`, "Turns") before it
+/// takes the instant Redis gives without turns.
+const MAX_TURNS: u32 = 8;
 
 pub struct Shared {
     /// `{sluice:<upstream>:<partition>}`: every key of the partition carries this hash
     /// tag, so one call's keys share a Redis Cluster slot. The partition is the hash of
     /// the key value, never the value.
     tag: String,
-    gates: Mutex<HashMap<Arc<str>, Arc<tokio::sync::Mutex<Gate>>>>,
+    gates: Mutex<HashMap<Arc<str>, Arc<FamilyGate>>>,
     state: Mutex<State>,
 }
 
-/// A family's turn at Redis, and a reservation left by a request that gave up on it.
+/// A family's turn at Redis, how many of its requests wait for it, and how many it
+/// reserved that are not answered yet.
+#[derive(Default)]
+struct FamilyGate {
+    turn: tokio::sync::Mutex<Gate>,
+    waiting: AtomicUsize,
+    unanswered: AtomicUsize,
+    /// Told when `unanswered` falls to 0.
+    answered: tokio::sync::Notify,
+}
+
+/// One of a family's reservations not yet answered (nor known never sent).
+struct Unanswered(Arc<FamilyGate>);
+
+impl Unanswered {
+    fn new(gate: &Arc<FamilyGate>) -> Unanswered {
+        gate.unanswered.fetch_add(1, Ordering::Relaxed);
+        Unanswered(gate.clone())
+    }
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if self.0.unanswered.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.answered.notify_one();
+        }
+    }
+}
+
+/// What the request holding the turn finds: a reservation left by a request that gave
+/// up on it, and the answer the next reservation waits on.
 #[derive(Default)]
 pub struct Gate {
     handed: Option<Reserved>,
+    /// The next reservation waits on the answers of those before: ask once they are in,
+    /// and no later than this instant, the last one's latest arrival.
+    answers_by: Option<Instant>,
+    /// This replica's run is over: ask again no sooner than this.
+    not_before: Option<Instant>,
 }
 
 /// A reserved instant, on both clocks.
@@ -51,6 +96,12 @@ struct Reserved {
     /// The call's round trip: the local instant may be off from Redis's by this much.
     slack_us: f64,
     limits: Arc<[Arc<GlobalLimit>]>,
+    /// The next request waits on this one's answer.
+    chained: bool,
+    /// Other replicas wait for their turn on it.
+    contended: bool,
+    /// It ended this replica's run: the next request asks no sooner than this.
+    comes_back: Option<Instant>,
 }
 
 #[derive(Default)]
@@ -117,12 +168,12 @@ impl Shared {
         self.state.lock()
     }
 
-    fn gate(&self, family: &str) -> Arc<tokio::sync::Mutex<Gate>> {
+    fn gate(&self, family: &str) -> Arc<FamilyGate> {
         let mut gates = self.gates.lock();
         match gates.get(family) {
             Some(g) => g.clone(),
             None => {
-                let g: Arc<tokio::sync::Mutex<Gate>> = Arc::default();
+                let g: Arc<FamilyGate> = Arc::default();
                 gates.insert(Arc::from(family), g.clone());
                 g
             }
@@ -148,11 +199,37 @@ impl Shared {
         deadline: Instant,
     ) -> Result<Admission, LimitError> {
         let gate = self.gate(family);
-        let mut turn = gate.lock().await;
+        // Counted as waiting until it asks, so that the answers it may wait on know their
+        // corrections will ride on this request's call.
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        gate.waiting.fetch_add(1, Ordering::Relaxed);
+        let waiting = Waiting(&gate.waiting);
+        let mut turn = gate.turn.lock().await;
+        // The reservation before waits on answers: ask once they are in, their corrections
+        // riding on the call (or at the last one's latest arrival, whichever is first).
+        if let Some(until) = turn.answers_by.take() {
+            let until = tokio::time::sleep_until(until.min(deadline));
+            tokio::pin!(until);
+            while gate.unanswered.load(Ordering::Acquire) > 0 {
+                tokio::select! {
+                    _ = gate.answered.notified() => {}
+                    _ = &mut until => break,
+                }
+            }
+        }
+        drop(waiting);
+        if let Some(at) = turn.not_before.take() {
+            tokio::time::sleep_until(at.min(deadline)).await;
+        }
         // The longest window among the limits: an instant further away is asked for again.
         let horizon = limits
             .iter()
-            .map(|l| l.span)
+            .map(|l| l.span + l.margin)
             .max()
             .unwrap_or_default()
             .max(Duration::from_secs(1));
@@ -165,12 +242,15 @@ impl Shared {
         };
         let own_failures = OWN_FAILURES.min(cluster.config.failures).max(1);
         let mut failed = 0;
+        let mut turns = 0;
         loop {
             let now = Instant::now();
             if let Some(r) = turn.handed.take() {
                 if r.at_local > now && Arc::ptr_eq(&r.limits, limits) {
                     metric("handed_over");
-                    return Ok(Admission::Held(self.wait_for(cluster, turn, r).await));
+                    return Ok(Admission::Held(
+                        self.wait_for(cluster, &gate, turn, r).await,
+                    ));
                 }
                 // Nobody took it in time: it never went out.
                 self.unused(cluster, &r);
@@ -194,10 +274,16 @@ impl Shared {
                         failed += 1;
                         continue;
                     }
-                    match self.reserve(cluster, limits, horizon.min(left), left).await {
+                    let queued = gate.waiting.load(std::sync::atomic::Ordering::Relaxed);
+                    let settle = turns >= MAX_TURNS;
+                    let ask =
+                        self.reserve(cluster, limits, horizon.min(left), left, queued, settle);
+                    match ask.await {
                         Ok(Some(r)) => {
                             metric("reserved");
-                            return Ok(Admission::Held(self.wait_for(cluster, turn, r).await));
+                            return Ok(Admission::Held(
+                                self.wait_for(cluster, &gate, turn, r).await,
+                            ));
                         }
                         Ok(None) => {}
                         Err(Asked::Later(wait)) => {
@@ -210,6 +296,17 @@ impl Shared {
                             return Err(LimitError::QueueTimeout {
                                 retry_after: crate::limit::bucket::retry_after(wait),
                             });
+                        }
+                        Err(Asked::Turn(wait)) => {
+                            metric("turn");
+                            turns += 1;
+                            let again = now + wait;
+                            if again >= deadline {
+                                // No time to wait for a turn: take the instant as it is.
+                                turns = MAX_TURNS;
+                            } else {
+                                tokio::time::sleep_until(again).await;
+                            }
                         }
                         // The breaker counts it; the next round may fall back.
                         Err(Asked::Failed) => failed += 1,
@@ -262,6 +359,7 @@ impl Shared {
     async fn wait_for(
         self: &Arc<Self>,
         cluster: &Arc<Cluster>,
+        gate: &Arc<FamilyGate>,
         turn: tokio::sync::MutexGuard<'_, Gate>,
         r: Reserved,
     ) -> Hold {
@@ -287,12 +385,18 @@ impl Shared {
         }
         // Used: nothing to hand on.
         holding.r = None;
+        if r.chained {
+            let margin = r.limits.iter().map(|l| l.margin).max().unwrap_or_default();
+            holding.turn.answers_by = Some(at.max(Instant::now()) + margin);
+        }
+        holding.turn.not_before = r.comes_back;
         drop(holding);
         Hold {
             shared: self.clone(),
             cluster: cluster.clone(),
             r,
             fallback: None,
+            unanswered: parking_lot::Mutex::new(Some(Unanswered::new(gate))),
         }
     }
 
@@ -305,7 +409,10 @@ impl Shared {
         limits: &Arc<[Arc<GlobalLimit>]>,
         horizon: Duration,
         max_wait: Duration,
+        queued: usize,
+        settle: bool,
     ) -> Result<Option<Reserved>, Asked> {
+        let op = if settle { "settle" } else { "reserve" };
         let member = cluster.member();
         let (known, pending) = {
             let mut st = self.state();
@@ -330,11 +437,11 @@ impl Shared {
         }
         let mut inv = cluster.script.prepare_invoke();
         self.head(
-            &mut inv, "reserve", &known, &member, horizon, max_wait, &all,
+            &mut inv, op, &known, &member, horizon, max_wait, queued, &all,
         );
         self.corrections(&mut inv, &all, &pending);
         let sent = Instant::now();
-        let reply = cluster.run("reserve", inv).await;
+        let reply = cluster.run(op, inv).await;
         let received = Instant::now();
         let reply = match reply {
             Ok(r) => r,
@@ -352,6 +459,9 @@ impl Shared {
                 now,
                 epoch,
                 openings,
+                chained,
+                contended,
+                comes_back,
             } => {
                 st.epoch = Some(epoch);
                 st.clock = Some((received, now));
@@ -369,6 +479,9 @@ impl Shared {
                     at_local: received + wait,
                     slack_us,
                     limits: limits.clone(),
+                    chained,
+                    contended,
+                    comes_back: comes_back.map(|d| received + d),
                 }))
             }
             Reply::Later { wait, epoch } => {
@@ -378,6 +491,10 @@ impl Shared {
             Reply::TooLate { wait, epoch } => {
                 st.epoch = Some(epoch);
                 Err(Asked::TooLate(wait))
+            }
+            Reply::Turn { wait, epoch } => {
+                st.epoch = Some(epoch);
+                Err(Asked::Turn(wait))
             }
             Reply::EpochChanged { epoch } => {
                 tracing::warn!(partition = %self.tag, "Redis lost the shared limits' state (restart or flush): writing back this replica's admissions");
@@ -452,6 +569,7 @@ impl Shared {
             "",
             Duration::ZERO,
             Duration::ZERO,
+            0,
             &all,
         );
         for ((l, _), (pairs, opening, debt)) in all.iter().zip(&entries) {
@@ -530,6 +648,7 @@ impl Shared {
             "",
             Duration::ZERO,
             Duration::ZERO,
+            0,
             &all,
         );
         self.corrections(&mut inv, &all, &pending);
@@ -567,6 +686,7 @@ impl Shared {
         member: &str,
         horizon: Duration,
         max_wait: Duration,
+        queued: usize,
         all: &[(Arc<GlobalLimit>, bool)],
     ) {
         inv.key(format!("{}:epoch", self.tag));
@@ -574,6 +694,8 @@ impl Shared {
             let (k, aux) = self.keys(l);
             inv.key(k).key(aux);
         }
+        inv.key(format!("{}:run", self.tag))
+            .key(format!("{}:claims", self.tag));
         inv.arg(op)
             .arg("")
             .arg(known.as_deref().unwrap_or(""))
@@ -581,6 +703,7 @@ impl Shared {
             .arg(member)
             .arg(micros(horizon).ceil() as u64)
             .arg(micros(max_wait).ceil() as u64)
+            .arg(queued)
             .arg(all.len());
         for (l, pays) in all {
             inv.arg(&l.script_args()[..])
@@ -608,19 +731,19 @@ impl Shared {
         }
     }
 
-    /// Queues a correction, and makes sure it reaches Redis soon enough if no call of
+    /// Queues a correction, and makes sure it reaches Redis within `delay` if no call of
     /// this replica carries it first.
-    fn correct(self: &Arc<Self>, cluster: &Arc<Cluster>, c: Correction, urgent: bool) {
-        let delay = if urgent { URGENT } else { LAZY_MAX };
+    fn correct(self: &Arc<Self>, cluster: &Arc<Cluster>, c: Correction, delay: Duration) {
+        let urgent = delay < LAZY_MAX;
         let schedule = {
             let mut st = self.state();
             st.pending.push(c);
             let now = Instant::now();
-            // An urgent one makes the whole batch as old as it must be to go soon.
-            let queued = if urgent {
-                now.checked_sub(LAZY_MAX - delay).unwrap_or(now)
-            } else {
-                now
+            // Dated so that the flush, `LAZY_MAX` after the oldest, comes `delay` from now:
+            // an urgent one makes the whole batch that old.
+            let queued = match LAZY_MAX.checked_sub(delay) {
+                Some(early) => now.checked_sub(early).unwrap_or(now),
+                None => now + (delay - LAZY_MAX),
             };
             st.oldest = Some(st.oldest.map_or(queued, |t| t.min(queued)));
             // A flusher already asleep would not wake for an urgent one: start another.
@@ -636,7 +759,7 @@ impl Shared {
 
     /// A reservation nobody used before its instant: it never went out.
     fn unused(self: &Arc<Self>, cluster: &Arc<Cluster>, r: &Reserved) {
-        for l in r.limits.iter().filter(|l| l.is_window()) {
+        for l in r.limits.iter() {
             self.forget(&l.id, &r.member);
             self.correct(
                 cluster,
@@ -645,7 +768,7 @@ impl Shared {
                     member: r.member.clone(),
                     value: None,
                 },
-                true,
+                URGENT,
             );
         }
     }
@@ -730,8 +853,12 @@ impl Shared {
                 at_local: now,
                 slack_us: 0.0,
                 limits: limits.clone(),
+                chained: false,
+                contended: false,
+                comes_back: None,
             },
             fallback: Some(id),
+            unanswered: parking_lot::Mutex::new(None),
         })
     }
 
@@ -761,6 +888,8 @@ impl Shared {
 enum Asked {
     Later(Duration),
     TooLate(Duration),
+    /// Come back this much later, for the turn.
+    Turn(Duration),
     Failed,
 }
 
@@ -945,6 +1074,9 @@ pub struct Hold {
     r: Reserved,
     /// Admitted by the local fallback, under this id.
     fallback: Option<u64>,
+    /// Counted among its family's unanswered reservations until its correction is
+    /// queued (or it is known never sent, or dropped).
+    unanswered: parking_lot::Mutex<Option<Unanswered>>,
 }
 
 impl std::fmt::Debug for Hold {
@@ -973,11 +1105,11 @@ impl Hold {
         // How late on Redis's clock at most: the local delay plus the reservation call's
         // round trip, by which the local instant may trail the reserved one.
         let late = self.us(at) - self.r.at_us;
-        for l in self.r.limits.iter().filter(|l| l.is_window()) {
+        for l in self.r.limits.iter() {
             // The margin covers a send a little after its instant (scheduling); one later
             // than a quarter of it (a slow connect) holds the permit longer.
             if late > NOISE_US.max(micros(l.margin) / 4.0) {
-                self.report(l, Some(self.us(at) + micros(l.margin)), true);
+                self.report(l, Some(self.us(at) + micros(l.margin)), URGENT);
             }
         }
     }
@@ -987,13 +1119,29 @@ impl Hold {
         if let Some(id) = self.fallback {
             self.fallback_event(|s| s.answered(id, at, took));
         }
-        for l in self.r.limits.iter().filter(|l| l.is_window()) {
+        // Another replica comes back for its turn when this answer should be in: it
+        // goes at once, unless the next request here, waiting on it, carries it.
+        let carried = self.r.comes_back.is_none()
+            && self
+                .unanswered
+                .lock()
+                .as_ref()
+                .is_some_and(|u| u.0.waiting.load(Ordering::Relaxed) > 0);
+        for l in self.r.limits.iter() {
             let held = self.r.at_us.max(self.us(sent)) + micros(l.margin);
             let latest = self.us(at).min(self.us(sent) + micros(l.margin));
             if latest + NOISE_US < held {
-                self.report(l, Some(latest), false);
+                let delay = if self.r.contended && !carried {
+                    Duration::ZERO
+                } else if l.is_window() {
+                    (l.span + l.margin).clamp(LAZY_MAX, LAZY_WINDOW_MAX)
+                } else {
+                    LAZY_MAX
+                };
+                self.report(l, Some(latest), delay);
             }
         }
+        drop(self.unanswered.lock().take());
     }
 
     /// Never handed to a connection: the provider did not see it.
@@ -1001,16 +1149,18 @@ impl Hold {
         if self.fallback.is_some() {
             self.fallback_event(|s| s.unsent(0));
         }
-        for l in self.r.limits.iter().filter(|l| l.is_window()) {
-            // A fixed window's opening may move later: soon.
-            self.report(l, None, l.kind == Kind::Fixed);
+        for l in self.r.limits.iter() {
+            // A fixed window's opening may move later, another replica may wait: soon.
+            let soon = l.kind == Kind::Fixed || self.r.contended;
+            self.report(l, None, if soon { URGENT } else { LAZY_MAX });
         }
+        drop(self.unanswered.lock().take());
     }
 
     /// The latest instant this request may reach the provider under `l` is now `value`
     /// (`None`: never): noted in this replica's own admissions, and sent to Redis unless
     /// the local fallback admitted it.
-    fn report(&self, l: &Arc<GlobalLimit>, value: Option<f64>, urgent: bool) {
+    fn report(&self, l: &Arc<GlobalLimit>, value: Option<f64>, delay: Duration) {
         match value {
             Some(v) => self.shared.update_mine(&l.id, &self.r.member, v),
             None => self.shared.forget(&l.id, &self.r.member),
@@ -1023,7 +1173,7 @@ impl Hold {
                     member: self.r.member.clone(),
                     value,
                 },
-                urgent,
+                delay,
             );
         }
     }

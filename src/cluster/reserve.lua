@@ -8,15 +8,23 @@
 -- or was answered sooner, or never went out).
 --
 -- KEYS[1]           the partition's epoch: a new one means Redis lost what it held
--- KEYS[2k], [2k+1]  limit k's state and a second key (a fixed window's opening)
--- ARGV[1]  op: "reserve", "flush" (corrections only) or "absorb" (write back)
+-- KEYS[2k], [2k+1]  limit k's state and a second key (a fixed window's opening; a
+--                   GCRA's last reservation, "member before latest", so that a
+--                   correction of it can be folded in again)
+-- KEYS[2n+2]        the partition's run: "replica count queued", who reserved last, how
+--                   many in a row, and how many of its requests were waiting behind
+-- KEYS[2n+3]        the partition's claims: replica -> "since due", replicas told to
+--                   come back (status 4), since when, and when they come back
+-- ARGV[1]  op: "reserve", "settle" (a reserve that never answers 4), "flush"
+--          (corrections only) or "absorb" (write back)
 -- ARGV[2]  now in microseconds; "" for Redis TIME (tests drive the clock)
 -- ARGV[3]  the epoch the caller last saw ("" for none)
 -- ARGV[4]  an epoch to set if there is none
--- ARGV[5]  this reservation's id, a member of the windows' sorted sets
+-- ARGV[5]  this reservation's id, "replica:sequence", a member of the windows' sets
 -- ARGV[6]  horizon: an instant further away is not reserved (us)
 -- ARGV[7]  max wait: an instant further away than this is refused (us)
--- ARGV[8]  n, the number of limits; then 6 per limit: kind, a, b, c, margin (us), pays
+-- ARGV[8]  how many requests of the caller's family wait behind this one on its replica
+-- ARGV[9]  n, the number of limits; then 6 per limit: kind, a, b, c, margin (us), pays
 --            "s" sliding window, "f" fixed window from the first request: a = permits,
 --                b = window (us)
 --            "k" fixed window on the clock: a = permits, b = window (us), c = where
@@ -33,9 +41,13 @@
 -- absorb:  then per limit: windows: count, for a fixed window its opening, then count
 --          (member, value) pairs; token buckets: the replica's own debt (us)
 --
--- Returns {status, us, epoch, now, opening of each limit}: status 0 reserved, `us` from
--- now; 1 further than the horizon, not reserved; 2 further than max wait; 3 the epoch
--- changed, nothing done.
+-- Returns {status, us, epoch, now, flags, yield, opening of each limit}: status 0
+-- reserved, `us` from now; 1 further than the horizon, not reserved; 2 further than max
+-- wait; 3 the epoch changed, nothing done; 4 not reserved: come back `us` from now (see
+-- "Turns"). flags, with status 0: "c" when the next request would wait on this one's
+-- answer (the replica asks for it once the answer is in), "w" when other replicas wait
+-- for their turn (the answer's correction should come at once); yield: the replica's
+-- next request comes back this many us from now (its run is over), or 0.
 
 local op = ARGV[1]
 -- Numbers go to Redis as strings: Lua would print a microsecond instant with 14 digits.
@@ -60,9 +72,9 @@ if op ~= 'absorb' and ARGV[3] ~= '' and ARGV[3] ~= epoch then
   return {3, 0, epoch, num(now)}
 end
 
-local n = tonumber(ARGV[8])
+local n = tonumber(ARGV[9])
 local L = {}
-local i = 9
+local i = 10
 for k = 1, n do
   L[k] = {kind = ARGV[i], a = tonumber(ARGV[i + 1]), b = tonumber(ARGV[i + 2]),
           off = tonumber(ARGV[i + 3]), m = tonumber(ARGV[i + 4]), pays = ARGV[i + 5] == '1',
@@ -128,6 +140,8 @@ if op == 'absorb' then
       local tat = math.max(stored(l.key) or now, now) + debt
       tat = math.max(tat, now + l.m + l.b + l.a)
       redis.call('SET', l.key, num(tat))
+      -- Its last reservation is no longer the last thing folded in.
+      redis.call('DEL', l.aux)
       keep(l.key, tat)
     else
       local count = tonumber(ARGV[i]); i = i + 1
@@ -175,6 +189,28 @@ for j = 1, c do
     else
       redis.call('ZADD', l.key, 'XX', v, member)
       keep(l.key, tonumber(v) + l.b)
+    end
+  elseif l then
+    -- Only the last reservation can be folded in again: later ones were folded on top.
+    local last = redis.call('GET', l.aux)
+    local who, before = nil, nil
+    if last then who, before = string.match(last, '^(%S+) (%S+) %S+$') end
+    if who == member then
+      before = tonumber(before)
+      local tat = before
+      if v == '' then
+        redis.call('DEL', l.aux)
+      else
+        tat = math.max(before, tonumber(v)) + l.a
+        redis.call('SET', l.aux, member .. ' ' .. num(before) .. ' ' .. v)
+        keep(l.aux, tat)
+      end
+      if tat > 0 then
+        redis.call('SET', l.key, num(tat))
+        keep(l.key, tat)
+      else
+        redis.call('DEL', l.key)
+      end
     end
   end
 end
@@ -252,8 +288,35 @@ local function in_window(l, s)
   return redis.call('ZCOUNT', l.key, num(s), '(' .. num(s + l.b + l.m))
 end
 
--- The earliest instant at or after t that limit l admits one more.
-local function earliest(l, t)
+-- The earliest instant at or after t that limit l admits one more. With `answered`, as
+-- if every reservation whose latest arrival is still ahead had been answered at once
+-- (at its instant, or now if that has passed): for sliding windows and GCRAs, the
+-- instant a small limit would give once the answers it waits on are in.
+local function earliest(l, t, answered)
+  if answered and l.kind == 's' then
+    local r = redis.call('ZRANGEBYSCORE', l.key, '(' .. num(t - l.b), '+inf', 'WITHSCORES')
+    local scores = {}
+    for j = 2, #r, 2 do
+      local v = tonumber(r[j])
+      if v > now then v = math.max(now, v - l.m) end
+      if v > t - l.b then scores[#scores + 1] = v end
+    end
+    if #scores < l.a then return t end
+    table.sort(scores)
+    return math.max(t, scores[#scores - l.a + 1] + l.b)
+  elseif answered and l.kind == 't' then
+    local tat = stored(l.key)
+    local last = redis.call('GET', l.aux)
+    if tat and last then
+      local before, latest = string.match(last, '^%S+ (%S+) (%S+)$')
+      before, latest = tonumber(before), tonumber(latest)
+      if latest > now then
+        tat = math.max(before, math.max(now, latest - l.m)) + l.a
+      end
+    end
+    if not tat then return t end
+    return math.max(t, tat - l.b)
+  end
   if l.counter then
     local r = redis.call('ZRANGEBYSCORE', l.key, '(' .. num(t - 2 * l.b), '+inf', 'WITHSCORES')
     local scores = {}
@@ -308,35 +371,139 @@ local function earliest(l, t)
   end
 end
 
-local t = now
-local settled = false
-for round = 1, 16 do
-  local moved = false
-  for k = 1, n do
-    if L[k].pays then
-      local e = earliest(L[k], t)
-      if e > t then t = e; moved = true end
+-- The earliest instant every paid limit admits, and whether the rounds found it.
+local function admitted(answered)
+  local t = now
+  for _ = 1, 16 do
+    local moved = false
+    for k = 1, n do
+      if L[k].pays then
+        local e = earliest(L[k], t, answered)
+        if e > t then t = e; moved = true end
+      end
     end
+    if not moved then return math.ceil(t), true end
   end
-  if not moved then settled = true; break end
+  return math.ceil(t), false
 end
--- Whole microseconds, later rather than sooner: the caller acts at now + wait, and so
--- must what is recorded.
-t = math.ceil(t)
+
+local t, settled = admitted(false)
 local wait = t - now
 if not settled or wait > tonumber(ARGV[7]) then
-  return {2, wait, epoch, num(now)}
+  return {2, wait, epoch, num(now), ''}
 end
-if wait > tonumber(ARGV[6]) then
-  return {1, wait, epoch, num(now)}
+local later = wait > tonumber(ARGV[6])
+
+-- Turns. A small limit (a GCRA with a burst of 1, a window of a few permits) whose next
+-- instant waits on a reservation not yet answered pays that one's whole margin if
+-- reserved now, on every interval. The replica that made it learns the answer first: it
+-- asks again once the answer is in, the correction riding on the call, and keeps the
+-- limit for the requests it has waiting, up to RUN in a row (the run). Another replica
+-- is told when to come back (status 4): when the answer should be in, or the run over.
+-- A replica told to come back (4, or 1 beyond the horizon) holds a claim; once the run
+-- is over, the one waiting longest that is back by then goes next, for a run of its own.
+-- Every reservation is still made at the instant that counts each unanswered one at its
+-- latest arrival: turns decide who asks when, never what is admitted.
+local RUN = 10
+-- Come back this much before the instant: the call's round trip and the timer's grain.
+local LEAD = 2000
+-- A claim whose replica has not come back this long after it was due is forgotten.
+local STALE = 250000
+local NOISE = 1000
+local flags = ''
+-- With status 0, when the replica's next request is to come back (us from now), or 0.
+local yield = 0
+local step = 0
+for k = 1, n do
+  local l = L[k]
+  if l.pays and l.kind == 's' then step = math.max(step, l.b / l.a) end
+  if l.pays and l.kind == 't' then step = math.max(step, l.a) end
+end
+if step == 0 and later then
+  return {1, wait, epoch, num(now), ''}
+end
+if step > 0 then
+  local runkey, claimkey = KEYS[2 * n + 2], KEYS[2 * n + 3]
+  local me = string.match(ARGV[5], '^(.*):[^:]*$') or ARGV[5]
+  local mine = tonumber(ARGV[8]) or 0
+  local runner, count, queued = nil, 0, 0
+  local run = redis.call('GET', runkey)
+  if run then
+    runner, count, queued = string.match(run, '^(%S+) (%S+) (%S+)$')
+    count, queued = tonumber(count), tonumber(queued)
+  end
+  -- Claims: replica -> "since due queued".
+  local claims, since = {}, now
+  local raw = redis.call('HGETALL', claimkey)
+  for j = 1, #raw, 2 do
+    local s, d, q = string.match(raw[j + 1], '^(%S+) (%S+) (%S+)$')
+    s, d, q = tonumber(s), tonumber(d), tonumber(q)
+    if not d or now > d + STALE then
+      redis.call('HDEL', claimkey, raw[j])
+    elseif raw[j] == me then
+      since = s
+    else
+      claims[#claims + 1] = {since = s, due = d, queued = q}
+    end
+  end
+  local function claim(due)
+    redis.call('HSET', claimkey, me, num(since) .. ' ' .. num(due) .. ' ' .. mine)
+    keep(claimkey, due + STALE)
+  end
+  -- Another replica's run: its next requests go first, up to RUN in a row; then those
+  -- waiting longer than this one, a run each (up to their requests waiting).
+  local ahead = 0
+  if runner and runner ~= me then ahead = math.max(0, math.min(RUN - count, queued)) end
+  local function runs(older_than)
+    local k = 0
+    for _, c in ipairs(claims) do
+      if c.since < older_than then k = k + math.min(RUN, c.queued + 1) end
+    end
+    return k
+  end
+  if later then
+    -- Beyond the horizon: asked again that much before the instant, after the runs.
+    local at = t + (ahead + runs(since)) * step
+    claim(at - tonumber(ARGV[6]))
+    return {1, math.ceil(at - now), epoch, num(now), ''}
+  end
+  local back = nil
+  if t > admitted(true) + NOISE then
+    -- It waits on an answer.
+    back = admitted(true) - LEAD + (ahead + runs(since)) * step
+  elseif runner ~= me or count >= RUN then
+    -- Free now, and no run of this replica's: one that has waited longer and is back by
+    -- now goes first, for as many as it has waiting, up to a run.
+    for _, c in ipairs(claims) do
+      if c.since < since and c.due <= t + LEAD then back = t + runs(since) * step - LEAD end
+    end
+  end
+  if back and op ~= 'settle' then
+    local due = math.max(back, now + 1000)
+    claim(due)
+    return {4, math.ceil(due - now), epoch, num(now), ''}
+  end
+  redis.call('HDEL', claimkey, me)
+  if runner == me then count = count + 1 else count = 1 end
+  redis.call('SET', runkey, me .. ' ' .. count .. ' ' .. mine)
+  keep(runkey, t + 60000000)
+  if #claims > 0 then flags = flags .. 'w' end
+  if count >= RUN and #claims > 0 and mine > 0 then
+    -- The run is over: this replica's next request comes back after the others' runs,
+    -- told now rather than on a call of its own.
+    since = now
+    yield = math.ceil(t + (1 + runs(math.huge)) * step - LEAD)
+    claim(yield)
+    yield = yield - now
+  end
 end
 
 local id = ARGV[5]
-local out = {0, wait, epoch, num(now)}
+local out = {0, wait, epoch, num(now), flags, yield}
 for k = 1, n do
   local l = L[k]
   local latest = t + l.m
-  out[4 + k] = '0'
+  out[6 + k] = '0'
   if not l.pays then
     -- only here for its corrections
   elseif l.kind == 's' or l.kind == 'k' or l.counter then
@@ -351,11 +518,19 @@ for k = 1, n do
     redis.call('ZADD', l.key, num(latest), id)
     keep(l.key, latest + l.b)
     keep(l.aux, latest + l.b)
-    out[4 + k] = redis.call('GET', l.aux)
+    out[6 + k] = redis.call('GET', l.aux)
   else
-    local tat = math.max(stored(l.key) or latest, latest) + l.a
+    local before = stored(l.key) or 0
+    local tat = math.max(before, latest) + l.a
     redis.call('SET', l.key, num(tat))
     keep(l.key, tat)
+    redis.call('SET', l.aux, id .. ' ' .. num(before) .. ' ' .. num(latest))
+    keep(l.aux, tat)
   end
+end
+-- Whether the next request would wait on this one's answer.
+if step > 0 then
+  local next_at = admitted(false)
+  if next_at > admitted(true) + NOISE then out[5] = flags .. 'c' end
 end
 return out
