@@ -425,6 +425,12 @@ async fn a_redis_cluster_resharded_under_traffic() {
     );
     let arrivals = fleet.arrivals(t0);
     assert_eq!(arrivals.len(), keys.len(), "every key served");
+    let calls: u64 = nodes
+        .iter()
+        .map(|n| n.attempts("evalsha") + n.attempts("eval"))
+        .sum();
+    let requests: usize = arrivals.values().map(Vec::len).sum();
+    eprintln!("Redis Cluster, a reshard included: {calls} script calls for {requests} requests");
     for (key, a) in &arrivals {
         assert_eq!(
             over(3, Duration::from_secs(1), a),
@@ -657,6 +663,62 @@ async fn a_redis_cluster_master_failing_over() {
             Some(1.0),
             "replica {i} back on Redis"
         );
+    }
+}
+
+/// Sentinel and the primary behind it both requiring a password, each read from its own
+/// file (`sentinel_password_file`, `password_file`): sluice asks Sentinel for the primary
+/// with one and reserves on the primary with the other. With the Sentinel's password
+/// wrong, Sentinel refuses it: the failure is counted as `auth` and the limit falls back
+/// to the replica's share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_and_primary_with_passwords() {
+    support::crypto();
+    let dir = tempfile::tempdir().unwrap();
+    let primary = Redis::start_with_password("data-secret");
+    let sentinel = Redis::start_sentinel_with_auth(dir.path(), &primary, Some("watch-secret"));
+    let (data, watch, wrong) = (
+        dir.path().join("data"),
+        dir.path().join("watch"),
+        dir.path().join("wrong"),
+    );
+    std::fs::write(&data, "data-secret\n").unwrap();
+    std::fs::write(&watch, "watch-secret\n").unwrap();
+    std::fs::write(&wrong, "not-it\n").unwrap();
+    let limit = "{ kind = \"sliding_window\", permits = 20, window = \"1s\", scope = \"global\" }";
+    for (sentinel_password, right) in [(&watch, true), (&wrong, false)] {
+        let before = primary.calls("evalsha") + primary.calls("eval");
+        let fleet = Fleet::start(
+            1,
+            limit,
+            &format!(
+                "sentinels = [\"redis://127.0.0.1:{}\"]\nsentinel_master = \"mymaster\"\n\
+                 password_file = \"{}\"\nsentinel_password_file = \"{}\"\n\
+                 replicas = 2\nopen_for = \"1s\"\n",
+                sentinel.port,
+                data.display(),
+                sentinel_password.display()
+            ),
+        )
+        .await;
+        let t0 = Instant::now();
+        let answers = fleet.load(&keys(1), t0 + Duration::from_secs(2)).await;
+        assert!(answers.iter().any(|a| a.0 == 200), "requests served");
+        let calls = primary.calls("evalsha") + primary.calls("eval") - before;
+        let m = fleet.metrics(0).await;
+        let auth = support::metric(&m, r#"sluice_cluster_errors_total{kind="auth"}"#);
+        if right {
+            assert!(calls > 0, "reserved on the primary found through Sentinel");
+            assert_eq!(auth, None, "no authentication failure: {m}");
+        } else {
+            assert_eq!(calls, 0, "nothing reached the primary");
+            assert!(auth.is_some_and(|n| n > 0.0), "counted as auth: {m}");
+            assert_eq!(
+                support::metric(&m, r#"sluice_cluster_mode{mode="local"}"#),
+                Some(1.0),
+                "fell back to its share"
+            );
+        }
     }
 }
 

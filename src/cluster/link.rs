@@ -150,10 +150,13 @@ impl Fault {
         }
     }
 
-    /// A failure to connect: `Connect`, unless Redis answered with a reason.
+    /// A failure to connect: `Connect`, unless Redis answered with a reason. A refused
+    /// password comes without a code (the client reports it as its own kind), from a
+    /// Sentinel as from the primary.
     pub fn of_connect(e: &RedisError) -> Fault {
         match e.code().map(Fault::of_code) {
             Some(f) if f != Fault::Script => f,
+            _ if e.kind() == redis::ErrorKind::AuthenticationFailed => Fault::Auth,
             _ if e.is_timeout() => Fault::Timeout,
             _ => Fault::Connect,
         }
@@ -366,6 +369,11 @@ mod tests {
         ] {
             assert_eq!(Fault::of_code(code), fault, "{code}");
         }
+        let refused = RedisError::from((
+            redis::ErrorKind::AuthenticationFailed,
+            "Password authentication failed",
+        ));
+        assert_eq!(Fault::of_connect(&refused), Fault::Auth);
         let labels: std::collections::HashSet<_> = Fault::ALL.iter().map(|f| f.label()).collect();
         assert_eq!(labels.len(), Fault::ALL.len(), "one label each");
     }

@@ -100,9 +100,15 @@ local function stored(key)
 end
 
 -- Keeps a key a while past the last instant it matters.
+local function ttl(until_us)
+  return string.format('%d', math.max(1, math.ceil((until_us - now) / 1000)) + 60000)
+end
 local function keep(key, until_us)
-  local ms = math.max(1, math.ceil((until_us - now) / 1000)) + 60000
-  redis.call('PEXPIRE', key, string.format('%d', ms))
+  redis.call('PEXPIRE', key, ttl(until_us))
+end
+-- Sets a key, kept a while past the last instant it matters.
+local function put(key, value, until_us)
+  redis.call('SET', key, value, 'PX', ttl(until_us))
 end
 
 -- The start of the clock window holding t.
@@ -468,9 +474,11 @@ if step > 0 then
     return {1, math.ceil(at - now), epoch, num(now), ''}
   end
   local back = nil
-  if t > admitted(true) + NOISE then
+  -- (An instant that is now waits on nothing.)
+  local best = t > now + NOISE and admitted(true) or t
+  if t > best + NOISE then
     -- It waits on an answer.
-    back = admitted(true) - LEAD + (ahead + runs(since)) * step
+    back = best - LEAD + (ahead + runs(since)) * step
   elseif runner ~= me or count >= RUN then
     -- Free now, and no run of this replica's: one that has waited longer and is back by
     -- now goes first, for as many as it has waiting, up to a run.
@@ -485,8 +493,7 @@ if step > 0 then
   end
   redis.call('HDEL', claimkey, me)
   if runner == me then count = count + 1 else count = 1 end
-  redis.call('SET', runkey, me .. ' ' .. count .. ' ' .. mine)
-  keep(runkey, t + 60000000)
+  put(runkey, me .. ' ' .. count .. ' ' .. mine, t)
   if #claims > 0 then flags = flags .. 'w' end
   if count >= RUN and #claims > 0 and mine > 0 then
     -- The run is over: this replica's next request comes back after the others' runs,
@@ -522,15 +529,13 @@ for k = 1, n do
   else
     local before = stored(l.key) or 0
     local tat = math.max(before, latest) + l.a
-    redis.call('SET', l.key, num(tat))
-    keep(l.key, tat)
-    redis.call('SET', l.aux, id .. ' ' .. num(before) .. ' ' .. num(latest))
-    keep(l.aux, tat)
+    put(l.key, num(tat), tat)
+    put(l.aux, id .. ' ' .. num(before) .. ' ' .. num(latest), tat)
   end
 end
 -- Whether the next request would wait on this one's answer.
 if step > 0 then
   local next_at = admitted(false)
-  if next_at > admitted(true) + NOISE then out[5] = flags .. 'c' end
+  if next_at > now + NOISE and next_at > admitted(true) + NOISE then out[5] = flags .. 'c' end
 end
 return out

@@ -19,6 +19,8 @@ pub struct Redis {
     /// More arguments for `redis-server` (a role, a memory cap), the first may be a
     /// config file.
     extra: Vec<String>,
+    /// The password it requires of clients, if any.
+    auth: Option<String>,
 }
 
 impl Redis {
@@ -44,7 +46,13 @@ impl Redis {
 
     /// With more `redis-server` arguments (`--maxmemory 1mb`, say).
     pub fn start_with(extra: &[&str]) -> Redis {
-        Redis::launch_on(super::free_port(), None, false, extra)
+        Redis::launch_on(super::free_port(), None, false, extra, None)
+    }
+
+    /// Requires `password` of every client (`requirepass`).
+    pub fn start_with_password(password: &str) -> Redis {
+        let extra = ["--requirepass", password];
+        Redis::launch_on(super::free_port(), None, false, &extra, Some(password))
     }
 
     /// A Redis Cluster node, on a port whose cluster bus port (+10000) is free too, with
@@ -74,32 +82,47 @@ impl Redis {
                 "--dir",
                 dir.to_str().unwrap(),
             ],
+            None,
         )
     }
 
     /// A Sentinel watching `primary` as `mymaster` (a quorum of one, down after 1 s),
     /// its config file in `dir` (Sentinel rewrites it).
     pub fn start_sentinel(dir: &std::path::Path, primary: &Redis) -> Redis {
+        Redis::start_sentinel_with_auth(dir, primary, None)
+    }
+
+    /// As `start_sentinel`, requiring `password` of its own clients when given, and
+    /// speaking to the primary with the password the primary requires.
+    pub fn start_sentinel_with_auth(
+        dir: &std::path::Path,
+        primary: &Redis,
+        password: Option<&str>,
+    ) -> Redis {
         let port = super::free_port();
         let conf = dir.join(format!("sentinel-{port}.conf"));
-        std::fs::write(
-            &conf,
-            format!(
-                "port {port}\nbind 127.0.0.1\ndir {}\n\
-                 sentinel monitor mymaster 127.0.0.1 {} 1\n\
-                 sentinel down-after-milliseconds mymaster 1000\n\
-                 sentinel failover-timeout mymaster 4000\n\
-                 sentinel parallel-syncs mymaster 1\n",
-                dir.display(),
-                primary.port
-            ),
-        )
-        .unwrap();
-        Redis::launch_on(port, None, false, &[conf.to_str().unwrap(), "--sentinel"])
+        let mut text = format!(
+            "port {port}\nbind 127.0.0.1\ndir {}\n\
+             sentinel monitor mymaster 127.0.0.1 {} 1\n\
+             sentinel down-after-milliseconds mymaster 1000\n\
+             sentinel failover-timeout mymaster 4000\n\
+             sentinel parallel-syncs mymaster 1\n",
+            dir.display(),
+            primary.port
+        );
+        if let Some(p) = &primary.auth {
+            text.push_str(&format!("sentinel auth-pass mymaster {p}\n"));
+        }
+        if let Some(p) = password {
+            text.push_str(&format!("requirepass {p}\n"));
+        }
+        std::fs::write(&conf, text).unwrap();
+        let args = [conf.to_str().unwrap(), "--sentinel"];
+        Redis::launch_on(port, None, false, &args, password)
     }
 
     fn launch(tls: Option<(String, String)>, for_process: bool) -> Redis {
-        Redis::launch_on(super::free_port(), tls, for_process, &[])
+        Redis::launch_on(super::free_port(), tls, for_process, &[], None)
     }
 
     fn launch_on(
@@ -107,6 +130,7 @@ impl Redis {
         tls: Option<(String, String)>,
         for_process: bool,
         extra: &[&str],
+        auth: Option<&str>,
     ) -> Redis {
         let r = Redis {
             port,
@@ -114,6 +138,7 @@ impl Redis {
             tls,
             for_process,
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            auth: auth.map(str::to_string),
         };
         r.spawn();
         r
@@ -234,6 +259,9 @@ impl Redis {
         cmd.args(["-p", &self.port.to_string()]);
         if self.tls.is_some() {
             cmd.args(["--tls", "--insecure"]);
+        }
+        if let Some(p) = &self.auth {
+            cmd.args(["-a", p, "--no-auth-warning"]);
         }
         let out = cmd.args(args).output()?;
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
