@@ -666,6 +666,81 @@ async fn a_redis_cluster_master_failing_over() {
     }
 }
 
+/// A Redis Cluster speaking only TLS and requiring a password, as managed offerings run
+/// it: sluice, given one `rediss://` seed node, the CA (`ca`) and the password
+/// (`password_file`), reserves on every master, each key within its limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_over_tls_with_a_password() {
+    support::crypto();
+    let dir = tempfile::tempdir().unwrap();
+    let certs = support::certs::for_localhost(dir.path(), &[]);
+    let files = (
+        certs.cert_path.as_path(),
+        certs.key_path.as_path(),
+        certs.ca_path.as_path(),
+    );
+    let nodes: Vec<Redis> = (0..3)
+        .map(|_| Redis::start_cluster_node_tls(dir.path(), files, "cluster-secret"))
+        .collect();
+    let addrs: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port))
+        .collect();
+    let out = std::process::Command::new("redis-cli")
+        .args(["--tls", "--cacert", certs.ca_path.to_str().unwrap()])
+        .args(["-a", "cluster-secret", "--no-auth-warning"])
+        .args(["--cluster", "create"])
+        .args(&addrs)
+        .args(["--cluster-yes"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(
+        support::eventually(Duration::from_secs(10), || {
+            let ok = nodes
+                .iter()
+                .all(|n| n.cmd(&["CLUSTER", "INFO"]).contains("cluster_state:ok"));
+            async move { ok }
+        })
+        .await,
+        "the cluster formed"
+    );
+    let password = dir.path().join("password");
+    std::fs::write(&password, "cluster-secret\n").unwrap();
+    let fleet = Fleet::start(
+        1,
+        "{ kind = \"sliding_window\", permits = 3, window = \"1s\", scope = \"global\" }",
+        &format!(
+            "cluster_nodes = [\"rediss://{}\"]\nca = {:?}\npassword_file = {:?}\n\
+             on_redis_error = \"deny\"\n",
+            addrs[0], certs.ca_path, password
+        ),
+    )
+    .await;
+    let keys = keys(12);
+    let t0 = Instant::now();
+    let answers = fleet.load(&keys, t0 + Duration::from_secs(3)).await;
+    assert!(
+        answers.iter().all(|a| a.0 == 200 || a.0 == 429),
+        "every request answered, none refused for Redis: {:?}",
+        answers.iter().find(|a| a.0 != 200 && a.0 != 429)
+    );
+    let arrivals = fleet.arrivals(t0);
+    assert_eq!(arrivals.len(), keys.len(), "every key served");
+    for (key, a) in &arrivals {
+        assert_eq!(over(3, Duration::from_secs(1), a), 0, "key {key}");
+    }
+    let on: Vec<u64> = nodes.iter().map(|n| n.attempts("evalsha")).collect();
+    assert!(
+        on.iter().all(|c| *c > 0),
+        "script calls on every master: {on:?}"
+    );
+}
+
 /// Sentinel and the primary behind it both requiring a password, each read from its own
 /// file (`sentinel_password_file`, `password_file`): sluice asks Sentinel for the primary
 /// with one and reserves on the primary with the other. With the Sentinel's password

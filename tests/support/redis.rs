@@ -58,6 +58,39 @@ impl Redis {
     /// A Redis Cluster node, on a port whose cluster bus port (+10000) is free too, with
     /// its nodes file in `dir`. Not yet in a cluster: see `create_cluster`.
     pub fn start_cluster_node(dir: &std::path::Path) -> Redis {
+        Redis::cluster_node(dir, None, None)
+    }
+
+    /// As `start_cluster_node`, speaking only TLS (`cert`, `key`, and `ca` to verify the
+    /// other nodes on the cluster bus) and requiring `password` of clients and of the
+    /// other nodes.
+    pub fn start_cluster_node_tls(
+        dir: &std::path::Path,
+        (cert, key, ca): (&std::path::Path, &std::path::Path, &std::path::Path),
+        password: &str,
+    ) -> Redis {
+        let tls = (cert.display().to_string(), key.display().to_string());
+        let ca = ca.display().to_string();
+        let extra = [
+            "--tls-cluster",
+            "yes",
+            "--tls-replication",
+            "yes",
+            "--tls-ca-cert-file",
+            &ca,
+            "--requirepass",
+            password,
+            "--masterauth",
+            password,
+        ];
+        Redis::cluster_node(dir, Some((tls, &extra)), Some(password))
+    }
+
+    fn cluster_node(
+        dir: &std::path::Path,
+        tls: Option<((String, String), &[&str])>,
+        auth: Option<&str>,
+    ) -> Redis {
         let port = loop {
             let p = super::free_port();
             if std::net::TcpListener::bind(("127.0.0.1", p + 10000)).is_ok() {
@@ -65,25 +98,24 @@ impl Redis {
             }
         };
         let nodes = dir.join(format!("nodes-{port}.conf"));
-        Redis::launch_on(
-            port,
-            None,
-            false,
-            &[
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                nodes.to_str().unwrap(),
-                "--cluster-node-timeout",
-                "2000",
-                // A replica syncs at once, not after the default 5 s wait for others.
-                "--repl-diskless-sync-delay",
-                "0",
-                "--dir",
-                dir.to_str().unwrap(),
-            ],
-            None,
-        )
+        let mut extra = vec![
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            nodes.to_str().unwrap(),
+            "--cluster-node-timeout",
+            "2000",
+            // A replica syncs at once, not after the default 5 s wait for others.
+            "--repl-diskless-sync-delay",
+            "0",
+            "--dir",
+            dir.to_str().unwrap(),
+        ];
+        let tls = tls.map(|(files, more)| {
+            extra.extend_from_slice(more);
+            files
+        });
+        Redis::launch_on(port, tls, false, &extra, auth)
     }
 
     /// A Sentinel watching `primary` as `mymaster` (a quorum of one, down after 1 s),
