@@ -5,7 +5,11 @@
 //! state (`POST /reload`, `/config` with secrets redacted, `/buckets`) answer loopback
 //! clients only, unless `admin_control = "any"`: as linkerd's admin server keeps its
 //! shutdown endpoint to localhost, so that a listener opened for probes is not also
-//! opened for control.
+//! opened for control. A browser on the operator's machine (a `kubectl port-forward`
+//! open) is kept out of them too: they answer only a Host of `localhost` or an IP
+//! address (a name a page's DNS could point here is refused: DNS rebinding), refuse a
+//! request from another origin, and `POST /reload` refuses the content types a form can
+//! send without the browser asking first.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -236,9 +240,74 @@ fn is_loopback(ip: IpAddr) -> bool {
     }
 }
 
+/// Whether a Host header's value names this listener in a way no page can make a browser
+/// send through DNS: `localhost` or an IP literal, with or without a port.
+fn host_is_literal(host: &str) -> bool {
+    let port_ok = |p: &str| p.parse::<u16>().is_ok();
+    if let Some(rest) = host.strip_prefix('[') {
+        return rest.split_once(']').is_some_and(|(v6, tail)| {
+            v6.parse::<std::net::Ipv6Addr>().is_ok()
+                && (tail.is_empty() || tail.strip_prefix(':').is_some_and(port_ok))
+        });
+    }
+    let name = match host.rsplit_once(':') {
+        Some((name, port)) if port_ok(port) => name,
+        Some(_) => return false,
+        None => host,
+    };
+    name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::Ipv4Addr>().is_ok()
+}
+
+/// Why a control request that may come from a browser page is refused, if it is.
+fn browser_refusal(req: &Request<Incoming>) -> Option<(StatusCode, String)> {
+    let text = |name: header::HeaderName| req.headers().get(name).and_then(|v| v.to_str().ok());
+    let host = text(header::HOST);
+    if let Some(h) = host
+        && !host_is_literal(h)
+    {
+        return Some((
+            StatusCode::FORBIDDEN,
+            "control endpoints answer a Host of localhost or an IP address only\n".into(),
+        ));
+    }
+    // A page of this very listener sends its own origin; any other is another site's.
+    if let Some(origin) = text(header::ORIGIN)
+        && host.is_none_or(|h| origin != format!("http://{h}"))
+    {
+        return Some((
+            StatusCode::FORBIDDEN,
+            "control endpoints refuse requests from another origin\n".into(),
+        ));
+    }
+    let simple = [
+        "application/x-www-form-urlencoded",
+        "multipart/form-data",
+        "text/plain",
+    ];
+    if req.uri().path() == "/reload"
+        && let Some(ct) = text(header::CONTENT_TYPE)
+        && simple.iter().any(|s| {
+            ct.split(';')
+                .next()
+                .is_some_and(|t| t.trim().eq_ignore_ascii_case(s))
+        })
+    {
+        return Some((
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "POST /reload takes no body: send it without a form content type\n".into(),
+        ));
+    }
+    None
+}
+
 pub async fn handle(app: &Arc<App>, req: &Request<Incoming>, peer: IpAddr) -> Response<Body> {
     let get = req.method() == Method::GET || req.method() == Method::HEAD;
     let path = req.uri().path();
+    if CONTROL.contains(&path)
+        && let Some((status, why)) = browser_refusal(req)
+    {
+        return reply(status, "text/plain", why);
+    }
     if CONTROL.contains(&path)
         && app.config().proxy.admin_control == AdminControl::Loopback
         && !is_loopback(peer)

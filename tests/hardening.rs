@@ -903,3 +903,106 @@ async fn an_upstream_failure_logs_its_causes_once() {
         .unwrap_or_else(|| panic!("{log:?}"));
     assert_eq!(line.matches("refused").count(), 1, "{line}");
 }
+
+/// The control endpoints as a browser on the operator's machine would reach them (a
+/// `kubectl port-forward` open): a page whose name resolves to the listener (DNS
+/// rebinding) sends its own name as Host, a page of another site sends its Origin, and a
+/// form posts with a simple content type. Each is refused; the same requests from curl
+/// (an IP or `localhost` as Host, no Origin, no body) and the probes are not.
+#[tokio::test]
+async fn control_endpoints_refuse_what_a_browser_page_sends() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(
+        &path,
+        "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n",
+    )
+    .unwrap();
+    let proxy = Proxy::from_file(&path).await;
+    let admin = proxy.admin;
+    let port = admin.port();
+    let status = |r: RawResponse| r.status;
+    let ask = |method: &str, path: &str, headers: &str| {
+        format!(
+            "{method} {path} HTTP/1.1\r\n{headers}Content-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+    };
+    for path in ["/config", "/buckets"] {
+        for host in [
+            "attacker.example",
+            "attacker.example:9901",
+            "127.0.0.1.nip.io",
+        ] {
+            let req = ask("GET", path, &format!("Host: {host}\r\n"));
+            assert_eq!(
+                status(raw(admin, req.as_bytes()).await),
+                403,
+                "{path} Host {host}"
+            );
+        }
+        for host in [
+            "127.0.0.1".to_string(),
+            format!("127.0.0.1:{port}"),
+            format!("localhost:{port}"),
+            format!("[::1]:{port}"),
+        ] {
+            let req = ask("GET", path, &format!("Host: {host}\r\n"));
+            assert_eq!(
+                status(raw(admin, req.as_bytes()).await),
+                200,
+                "{path} Host {host}"
+            );
+        }
+        let foreign = ask(
+            "GET",
+            path,
+            &format!("Host: 127.0.0.1:{port}\r\nOrigin: http://attacker.example\r\n"),
+        );
+        assert_eq!(
+            status(raw(admin, foreign.as_bytes()).await),
+            403,
+            "{path} from another origin"
+        );
+        let own = ask(
+            "GET",
+            path,
+            &format!("Host: 127.0.0.1:{port}\r\nOrigin: http://127.0.0.1:{port}\r\n"),
+        );
+        assert_eq!(
+            status(raw(admin, own.as_bytes()).await),
+            200,
+            "{path} from its own page"
+        );
+    }
+    let host = format!("Host: 127.0.0.1:{port}\r\n");
+    for ct in [
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+    ] {
+        let form = ask("POST", "/reload", &format!("{host}Content-Type: {ct}\r\n"));
+        assert_eq!(
+            status(raw(admin, form.as_bytes()).await),
+            415,
+            "reload as {ct}"
+        );
+    }
+    let rebound = ask("POST", "/reload", "Host: attacker.example\r\n");
+    assert_eq!(
+        status(raw(admin, rebound.as_bytes()).await),
+        403,
+        "reload through a name"
+    );
+    let curl = ask("POST", "/reload", &host);
+    assert_eq!(
+        status(raw(admin, curl.as_bytes()).await),
+        200,
+        "reload as curl sends it"
+    );
+    // Probes and metrics answer whatever the Host: kubelet and Prometheus use the pod IP,
+    // or a Service name.
+    for path in ["/livez", "/readyz", "/metrics"] {
+        let req = ask("GET", path, "Host: sluice.shop.svc\r\n");
+        assert_eq!(status(raw(admin, req.as_bytes()).await), 200, "{path}");
+    }
+}
