@@ -1006,3 +1006,66 @@ async fn control_endpoints_refuse_what_a_browser_page_sends() {
         assert_eq!(status(raw(admin, req.as_bytes()).await), 200, "{path}");
     }
 }
+
+/// A chunked request whose trailer section carries framing, routing and credential
+/// fields, through the plain-HTTP path to an upstream that records the bytes it gets:
+/// the body arrives, no trailer field does (the TLS path sends none either).
+#[tokio::test]
+async fn request_trailers_are_not_forwarded() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (tx, rx) = tokio::sync::oneshot::channel::<String>();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        // Until the chunked body's end: the last chunk and the empty line after whatever
+        // trailer fields came.
+        loop {
+            let n = s.read(&mut buf).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&got);
+            if let Some(i) = text.find("\r\n0\r\n")
+                && text[i + 3..].contains("\r\n\r\n")
+            {
+                break;
+            }
+        }
+        s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            .await
+            .unwrap();
+        let _ = tx.send(String::from_utf8_lossy(&got).into_owned());
+    });
+    let proxy = Proxy::start("").await;
+    let req = format!(
+        "POST http://127.0.0.1:{port}/t HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\
+         Transfer-Encoding: chunked\r\nTrailer: X-Sum\r\nConnection: close\r\n\r\n\
+         3\r\nabc\r\n0\r\nX-Sum: 1\r\nHost: evil.example\r\nContent-Length: 5\r\n\
+         Transfer-Encoding: gzip\r\nAuthorization: Bearer stolen\r\n\r\n"
+    );
+    let resp = raw(proxy.addr, req.as_bytes()).await;
+    assert_eq!(resp.status, 200);
+    let seen = tokio::time::timeout(Duration::from_secs(5), rx)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        seen.contains("\r\n3\r\nabc\r\n0\r\n\r\n"),
+        "the body, ended: {seen}"
+    );
+    for field in [
+        "X-Sum",
+        "evil.example",
+        "Content-Length: 5",
+        "gzip",
+        "stolen",
+    ] {
+        assert!(
+            !seen.contains(field),
+            "{field} reached the upstream: {seen}"
+        );
+    }
+}

@@ -150,9 +150,10 @@ impl Outgoing {
                 match Pin::new(&mut self.body).poll_frame(cx) {
                     Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                         Ok(data) => self.put_data(&data)?,
+                        // Request trailers end the body and go no further: see `put_end`.
                         Err(frame) => {
-                            if let Ok(trailers) = frame.into_trailers() {
-                                self.put_trailers(&trailers)?;
+                            if frame.is_trailers() {
+                                self.put_end()?;
                             }
                         }
                     },
@@ -220,23 +221,11 @@ impl Outgoing {
         Ok(())
     }
 
-    /// Trailers end the body; they are sent only in the chunked coding.
-    fn put_trailers(&mut self, trailers: &http::HeaderMap) -> Result<(), Error> {
-        if self.framing == Some(BodyFraming::Chunked) {
-            self.wire.extend_from_slice(b"0\r\n");
-            for (k, v) in trailers {
-                self.wire.extend_from_slice(k.as_str().as_bytes());
-                self.wire.extend_from_slice(b": ");
-                self.wire.extend_from_slice(v.as_bytes());
-                self.wire.extend_from_slice(b"\r\n");
-            }
-            self.wire.extend_from_slice(b"\r\n");
-            self.body_done = true;
-            return Ok(());
-        }
-        self.put_end()
-    }
-
+    /// Ends the body. A request's trailer fields are never sent: the head went without
+    /// its `Trailer` field (a connection's own), so the upstream expects none, and fields
+    /// after the body could carry framing, routing or credentials past every check made
+    /// on the head (RFC 9110 §6.5.1 lets a recipient discard them). The TLS path's
+    /// client sends none either.
     fn put_end(&mut self) -> Result<(), Error> {
         match self.framing {
             Some(BodyFraming::Chunked) => self.wire.extend_from_slice(b"0\r\n\r\n"),
