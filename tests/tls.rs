@@ -307,3 +307,85 @@ async fn a_generated_ca_is_trusted_through_the_bundle_it_writes() {
         std::fs::read(b.join("ca.pem")).unwrap()
     );
 }
+
+/// A CONNECT to an intercepted host, answered 200, on a plain TCP stream.
+async fn intercepted_tunnel(proxy: &Proxy) -> tokio::net::TcpStream {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(b"CONNECT 127.0.0.1:443 HTTP/1.1\r\nHost: 127.0.0.1:443\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(s.read(&mut b).await.unwrap(), 1, "the proxy answers");
+        head.push(b[0]);
+    }
+    assert!(
+        head.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    s
+}
+
+/// How long until the peer closes `s` (a read returns nothing or fails), at most 10 s.
+async fn closed_after<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> Duration {
+    use tokio::io::AsyncReadExt;
+    let t = Instant::now();
+    let mut b = [0u8; 64];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), s.read(&mut b)).await {
+            Ok(Ok(0) | Err(_)) => return t.elapsed(),
+            Ok(Ok(_)) => {}
+            Err(_) => panic!("still open after 10 s"),
+        }
+    }
+}
+
+/// Intercepted connections are bounded like blind tunnels: a client that never sends its
+/// ClientHello, and one that completes the handshake (HTTP/1.1 or h2 by ALPN) and then
+/// sends nothing, are closed after `tunnel_idle_timeout`, freeing their connection slot.
+#[tokio::test]
+async fn silent_intercepted_connections_are_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let proxy = Proxy::start(&format!(
+        "tunnel_idle_timeout = \"1s\"\n[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
+         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n"
+    ))
+    .await;
+    let mut silent = intercepted_tunnel(&proxy).await;
+    let took = closed_after(&mut silent).await;
+    assert!(
+        took >= Duration::from_millis(800),
+        "closed for the silence: {took:?}"
+    );
+
+    use rustls_pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls_pki_types::CertificateDer::from_pem_file(&ca_cert).unwrap())
+        .unwrap();
+    for alpn in [b"http/1.1".to_vec(), b"h2".to_vec()] {
+        let mut config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots.clone())
+        .with_no_client_auth();
+        config.alpn_protocols = vec![alpn.clone()];
+        let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+        let tunnel = intercepted_tunnel(&proxy).await;
+        let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
+        let mut tls = connector.connect(name, tunnel).await.unwrap();
+        assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&alpn[..]));
+        let took = closed_after(&mut tls).await;
+        assert!(
+            took >= Duration::from_millis(800),
+            "{}: closed for the silence, {took:?}",
+            String::from_utf8_lossy(&alpn)
+        );
+    }
+}

@@ -2,21 +2,32 @@
 //! with a leaf certificate for the requested name, signed by the configured CA, and
 //! serves HTTP/1.1 or HTTP/2 (by ALPN) inside. Every request then goes through the same
 //! pipeline as plain HTTP, addressed to the CONNECT target over verified TLS.
+//!
+//! An intercepted connection is bounded like a blind tunnel: its handshake must end
+//! within `tunnel_idle_timeout` (10 s at most), hyper's header-read timeout is armed on
+//! HTTP/1.1, and a connection with no bytes either way for `tunnel_idle_timeout` is
+//! closed, freeing its place under `max_connections`.
 
 use std::convert::Infallible;
 use std::fmt;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use http::Request;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper::upgrade::Upgraded;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use rustls::ServerConfig;
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::Instant;
 use tokio_rustls::LazyConfigAcceptor;
 
 use super::forward;
@@ -39,6 +50,73 @@ impl ResolvesServerCert for OneLeaf {
     }
 }
 
+/// The longest a client may take over its TLS handshake, when `tunnel_idle_timeout` is
+/// longer: a handshake takes milliseconds, and one that stalls holds a connection slot.
+const HANDSHAKE_MAX: Duration = Duration::from_secs(10);
+
+/// A stream that notes when bytes last moved either way.
+struct Watched<T> {
+    inner: T,
+    since: Instant,
+    /// Milliseconds from `since` to the last read or write that moved bytes.
+    last: Arc<AtomicU64>,
+}
+
+impl<T> Watched<T> {
+    fn touch(&self) {
+        let ms = u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last.store(ms, Ordering::Relaxed);
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.touch();
+        }
+        r
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, data);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.touch();
+        }
+        r
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Resolves once no bytes have moved for `idle`.
+async fn idle_for(since: Instant, last: &AtomicU64, idle: Duration) {
+    loop {
+        let at = since + Duration::from_millis(last.load(Ordering::Relaxed)) + idle;
+        if Instant::now() >= at {
+            return;
+        }
+        tokio::time::sleep_until(at).await;
+    }
+}
+
 /// Terminates TLS on an upgraded CONNECT stream and serves the requests inside.
 pub(crate) async fn serve(
     app: Arc<App>,
@@ -58,13 +136,21 @@ pub(crate) async fn serve(
             tracing::warn!(client = %peer.ip(), host, error, "{what} (logged once a minute per client)");
         }
     };
-    let start =
-        match LazyConfigAcceptor::new(rustls::server::Acceptor::default(), TokioIo::new(upgraded))
-            .await
-        {
-            Ok(s) => s,
-            Err(e) => return failed("client TLS handshake failed", e.to_string()),
-        };
+    let idle = app.config().proxy.tunnel_idle_timeout;
+    let since = Instant::now();
+    let last = Arc::new(AtomicU64::new(0));
+    let io = Watched {
+        inner: TokioIo::new(upgraded),
+        since,
+        last: last.clone(),
+    };
+    let handshake = idle.min(HANDSHAKE_MAX);
+    let accept = LazyConfigAcceptor::new(rustls::server::Acceptor::default(), io);
+    let start = match tokio::time::timeout_at(since + handshake, accept).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => return failed("client TLS handshake failed", e.to_string()),
+        Err(_) => return failed("client TLS handshake timed out", format!("{handshake:?}")),
+    };
     let name = start
         .client_hello()
         .server_name()
@@ -84,9 +170,12 @@ pub(crate) async fn serve(
         Err(e) => return failed("TLS configuration failed", e.to_string()),
     };
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    let tls = match start.into_stream(Arc::new(config)).await {
-        Ok(t) => t,
-        Err(e) => return failed("client TLS handshake failed", e.to_string()),
+    let tls = match tokio::time::timeout_at(since + handshake, start.into_stream(Arc::new(config)))
+        .await
+    {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => return failed("client TLS handshake failed", e.to_string()),
+        Err(_) => return failed("client TLS handshake timed out", format!("{handshake:?}")),
     };
 
     let svc_app = app.clone();
@@ -94,10 +183,22 @@ pub(crate) async fn serve(
         let (app, host) = (svc_app.clone(), host.clone());
         async move { Ok::<_, Infallible>(forward::intercepted(&app, req, &host, port).await) }
     });
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // Without a timer hyper skips its header-read timeout silently.
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(super::lifecycle::HEADER_READ_TIMEOUT);
+    builder.http2().timer(TokioTimer::new());
     let conn = builder.serve_connection(TokioIo::new(tls), svc);
-    let result = lc.until_drained(conn).await;
-    if let Err(e) = result {
-        tracing::debug!(client = %peer, error = %e, "intercepted connection ended with an error");
+    tokio::select! {
+        result = lc.until_drained(conn) => {
+            if let Err(e) = result {
+                tracing::debug!(client = %peer, error = %e, "intercepted connection ended with an error");
+            }
+        }
+        () = idle_for(since, &last, idle) => {
+            tracing::debug!(client = %peer, "intercepted connection idle: closed");
+        }
     }
 }

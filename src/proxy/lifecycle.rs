@@ -11,6 +11,11 @@ use hyper::server::conn::http1;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+/// A client has this long to send a request head once its connection is waiting for one:
+/// it bounds both a head sent byte by byte and a keep-alive connection left idle (hyper's
+/// default, named here because operators ask). Plain and intercepted connections alike.
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 use super::Body;
 
 /// What connection and tunnel tasks need to know about shutdown.

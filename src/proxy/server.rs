@@ -26,7 +26,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 
-use super::lifecycle::Lifecycle;
+use super::lifecycle::{HEADER_READ_TIMEOUT, Lifecycle};
 use super::pinned::PinnedConns;
 use super::timer::ConnTimer;
 use super::{Body, connect, forward};
@@ -35,11 +35,6 @@ use crate::app::App;
 /// Request heads larger than this (request line plus headers) are answered 431, close to
 /// Envoy's 60 KiB default.
 pub const MAX_HEAD_BYTES: usize = 64 * 1024;
-
-/// A client has this long to send a request head once its connection is waiting for one:
-/// it bounds both a head sent byte by byte and a keep-alive connection left idle (hyper's
-/// default, named here because operators ask).
-pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// More header fields than this are answered 431 too (Envoy's default is 100 as well).
 /// It is hyper's default, and left implicit on purpose: naming any limit makes hyper
