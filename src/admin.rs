@@ -165,7 +165,7 @@ fn status_feed(app: &App) -> serde_json::Value {
         "config": {
             "path": app.config_path().map(|p| p.display().to_string()),
             "sha256": config.sha256,
-            "last_reload": app.status.last_reload(),
+            "last_reload": app.status.last_reload_public(),
         },
         "cluster": cluster,
         "upstreams": upstreams,

@@ -100,6 +100,16 @@ impl Status {
         self.last_reload.lock().clone()
     }
 
+    /// The last reload as anyone who reaches the admin port may see it: where the file is
+    /// wrong and what kind of error, without the values the message quotes (an API key
+    /// pasted into the wrong field would be one). `POST /reload` and the log say all.
+    pub fn last_reload_public(&self) -> Option<Reloaded> {
+        self.last_reload().map(|mut r| {
+            r.error = r.error.map(|e| without_values(&e));
+            r
+        })
+    }
+
     /// Reads the metrics once and appends a sample for every upstream and family they
     /// have series for; those gone from the metrics (a reload removed them) leave the ring.
     /// Reading never creates a series.
@@ -229,10 +239,52 @@ pub fn quantile(buckets: &[(f64, u64)], q: f64) -> Option<f64> {
     Some(lower.0)
 }
 
+/// `message` with what it quotes (between double quotes or backticks) left out.
+fn without_values(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut open: Option<char> = None;
+    for c in message.chars() {
+        match open {
+            Some(q) if c == q => {
+                out.push('…');
+                out.push(c);
+                open = None;
+            }
+            Some(_) => {}
+            None => {
+                out.push(c);
+                if c == '"' || c == '`' {
+                    open = Some(c);
+                }
+            }
+        }
+    }
+    if open.is_some() {
+        out.push('…');
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use prometheus::Registry;
+
+    #[test]
+    fn reload_errors_keep_the_place_and_kind_not_the_values() {
+        assert_eq!(
+            without_values(
+                "sluice.toml:3:9: invalid type: string \"sk_live_4242\", expected a duration"
+            ),
+            "sluice.toml:3:9: invalid type: string \"…\", expected a duration"
+        );
+        assert_eq!(
+            without_values("a.toml:1:1: unknown field `tokn`, expected `token`"),
+            "a.toml:1:1: unknown field `…`, expected `…`"
+        );
+        assert_eq!(without_values("cut \"sk_live"), "cut \"…");
+        assert_eq!(without_values("no quotes: 3:4"), "no quotes: 3:4");
+    }
 
     #[test]
     fn quantiles_interpolate_within_a_bucket() {
