@@ -164,7 +164,7 @@ fn status_feed(app: &App) -> serde_json::Value {
         "uptime_seconds": app.status.started.elapsed().as_secs(),
         "config": {
             "path": app.config_path().map(|p| p.display().to_string()),
-            "sha256": config.sha256,
+            "sha256": config.digest,
             "last_reload": app.status.last_reload_public(),
         },
         "cluster": cluster,

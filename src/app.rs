@@ -144,7 +144,7 @@ impl AppBuilder {
         let cluster = build_cluster(&self.config, None, &metrics)?;
         limiter.set_cluster(cluster.clone());
         let policies = Policies::new(&self.config, &metrics);
-        metrics.config_info(&self.config.sha256, None);
+        metrics.config_info(&self.config.digest, None);
         let egress_rules = Arc::new(Rules::new(&self.config));
         self.resolver.set_rules(egress_rules.clone());
         let replay_limit = self.config.proxy.max_replay_memory;
@@ -394,7 +394,7 @@ impl App {
         let plans = crate::limit::plans(&config, &self.metrics);
         self.limiter.set_cluster(cluster.clone());
         self.limiter.reload(plans.clone());
-        self.metrics.config_info(&config.sha256, Some(&old.sha256));
+        self.metrics.config_info(&config.digest, Some(&old.digest));
         for u in old
             .upstreams
             .iter()
@@ -473,7 +473,7 @@ fn diff(old: &Config, new: &Config) -> ReloadSummary {
         ));
     }
     ReloadSummary {
-        sha256: new.sha256.clone(),
+        sha256: new.digest.clone(),
         changed: old.sha256 != new.sha256,
         added,
         removed,

@@ -249,14 +249,15 @@ fn check(path: &Path) -> anyhow::Result<()> {
         eprintln!("{}: warning: {w}", path.display());
     }
     println!(
-        "{}: ok ({} upstreams, {} families)",
+        "{}: ok ({} upstreams, {} families; sha256 {}, as sluice_config_info shows it)",
         path.display(),
         config.upstreams.len(),
         config
             .upstreams
             .iter()
             .map(|u| u.families.len())
-            .sum::<usize>()
+            .sum::<usize>(),
+        config.digest
     );
     Ok(())
 }

@@ -69,8 +69,14 @@ pub struct Config {
     pub tls: Option<TlsConfig>,
     pub cluster: Option<ClusterConfig>,
     pub egress: EgressConfig,
-    /// SHA-256 of the file's bytes, to tell which config is live.
+    /// SHA-256 of the file's bytes: a reload of an unchanged file does nothing.
     pub sha256: String,
+    /// What is published of the config in force (`sluice_config_info`, `/status.json`,
+    /// `sluice check`): a SHA-256 of the effective config with its secrets redacted, so
+    /// that replicas with the same config agree while the hash is no test of a guessed
+    /// password written in the file.
+    #[serde(skip)]
+    pub digest: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -563,7 +569,13 @@ impl Config {
         };
         let spec: ConfigSpec = toml::from_str(text)
             .map_err(|e| place(e.span(), e.message().trim_end().to_string()))?;
-        build(spec, text_sha256(text)).map_err(|e| place(e.span, e.message))
+        let mut config = build(spec, text_sha256(text)).map_err(|e| place(e.span, e.message))?;
+        let mut published = config.to_redacted_json();
+        if let Some(o) = published.as_object_mut() {
+            o.remove("sha256");
+        }
+        config.digest = text_sha256(&published.to_string());
+        Ok(config)
     }
 
     /// The first upstream that intercepts TLS while no CA is configured: `sluice run`
@@ -922,6 +934,7 @@ fn build(spec: ConfigSpec, sha256: String) -> Result<Config> {
         cluster,
         egress,
         sha256,
+        digest: String::new(),
     })
 }
 

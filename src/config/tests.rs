@@ -606,3 +606,23 @@ fn one_redis_topology_named_exactly_once() {
         assert!(e.contains(says), "{toml:?}: {e}");
     }
 }
+
+/// The published hash leaves secrets out: two files that differ only in the password of
+/// an inline Redis URL publish the same one (a replica's hash is no test of a guessed
+/// password), any other change shows, and neither is the file's own SHA-256.
+#[test]
+fn the_published_hash_leaves_secrets_out() {
+    let with = |password: &str, replicas: u32| {
+        format!(
+            "[cluster]\nredis = \"redis://:{password}@redis.shop.svc:6379/0\"\nreplicas = {replicas}\n"
+        )
+    };
+    let a = Config::parse(&with("hunter2", 2), "a.toml").unwrap();
+    let b = Config::parse(&with("correct-horse", 2), "b.toml").unwrap();
+    let c = Config::parse(&with("hunter2", 3), "c.toml").unwrap();
+    assert_eq!(a.digest, b.digest, "only the password differs");
+    assert_ne!(a.sha256, b.sha256, "the files differ");
+    assert_ne!(a.digest, c.digest, "replicas differ");
+    assert_ne!(a.digest, a.sha256);
+    assert_eq!(a.digest.len(), 64);
+}
