@@ -29,13 +29,67 @@ use crate::app::App;
 use crate::config::AdminControl;
 use crate::proxy::{Body, full};
 
-/// Serves admin requests until `stop` is cancelled.
-/// Admin connections served at once; more are closed at once. The admin listener keeps
-/// its own small share of descriptors, so it answers while the proxy is at its cap.
+/// Admin connections served at once from other hosts; more are closed at once. The
+/// admin listener keeps its own small share of descriptors, so it answers while the
+/// proxy is at its cap.
 const MAX_ADMIN_CONNECTIONS: usize = 64;
+/// Kept for loopback clients (exec probes, `kubectl port-forward`, the operator in the
+/// pod) on top of those: remote clients cannot take them.
+const LOOPBACK_CONNECTIONS: usize = 16;
+/// Connections from one address at once: one client holding connections open cannot
+/// take the others' places (kubelet's and Prometheus's come from other addresses).
+const PER_PEER: usize = 8;
+/// A request head must come within this: probes and scrapes send theirs at once, and a
+/// connection left idle frees its place soon.
+const HEAD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// The admin connections open now: in all (remote and loopback apart) and by address.
+#[derive(Default)]
+struct Open {
+    remote: usize,
+    loopback: usize,
+    by_peer: HashMap<IpAddr, usize>,
+}
+
+impl Open {
+    /// Takes a place for `peer`, if one is free.
+    fn take(&mut self, peer: IpAddr) -> bool {
+        let (all, cap) = if is_loopback(peer) {
+            (self.loopback, LOOPBACK_CONNECTIONS)
+        } else {
+            (self.remote, MAX_ADMIN_CONNECTIONS)
+        };
+        let mine = self.by_peer.get(&peer).copied().unwrap_or(0);
+        if all >= cap || mine >= PER_PEER {
+            return false;
+        }
+        if is_loopback(peer) {
+            self.loopback += 1;
+        } else {
+            self.remote += 1;
+        }
+        *self.by_peer.entry(peer).or_default() += 1;
+        true
+    }
+
+    fn give_back(&mut self, peer: IpAddr) {
+        if is_loopback(peer) {
+            self.loopback = self.loopback.saturating_sub(1);
+        } else {
+            self.remote = self.remote.saturating_sub(1);
+        }
+        if let Some(n) = self.by_peer.get_mut(&peer) {
+            *n -= 1;
+            if *n == 0 {
+                self.by_peer.remove(&peer);
+            }
+        }
+    }
+}
+
+/// Serves admin requests until `stop` is cancelled.
 pub async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken) {
-    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let open = Arc::new(parking_lot::Mutex::new(Open::default()));
     loop {
         let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
@@ -48,8 +102,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken
             },
             _ = stop.cancelled() => return,
         };
-        if open.fetch_add(1, std::sync::atomic::Ordering::AcqRel) >= MAX_ADMIN_CONNECTIONS {
-            open.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        if !open.lock().take(peer.ip()) {
             continue;
         }
         let app = app.clone();
@@ -62,12 +115,13 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken
             });
             let conn = http1::Builder::new()
                 .timer(TokioTimer::new())
+                .header_read_timeout(HEAD_TIMEOUT)
                 .serve_connection(TokioIo::new(stream), svc);
             tokio::select! {
                 _ = conn => {}
                 _ = stop.cancelled() => {}
             }
-            open.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            open.lock().give_back(peer.ip());
         });
     }
 }

@@ -1069,3 +1069,38 @@ async fn request_trailers_are_not_forwarded() {
         );
     }
 }
+
+/// One address holding 200 idle connections to the admin listener (127.0.0.2, loopback
+/// like every address here) takes only its own few places: `/livez` from another address
+/// answers at once, and the idle ones are closed when their head does not come.
+#[tokio::test]
+async fn idle_admin_connections_from_one_peer_lock_nobody_out() {
+    let proxy = Proxy::start("").await;
+    let mut held = Vec::new();
+    for _ in 0..200 {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        if let Ok(s) = socket.connect(proxy.admin).await {
+            held.push(s);
+        }
+    }
+    // Accepted or not, give the listener time to take them all in.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t = tokio::time::Instant::now();
+    let r = raw(
+        proxy.admin,
+        b"GET /livez HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    // Those kept are closed for their silence (the head timeout), the rest at once.
+    let mut b = [0u8; 16];
+    for s in held.iter_mut() {
+        let read = tokio::time::timeout(Duration::from_secs(10), s.read(&mut b)).await;
+        assert!(
+            matches!(read, Ok(Ok(0) | Err(_))),
+            "an idle admin connection still open after 10 s"
+        );
+    }
+}
