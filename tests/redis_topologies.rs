@@ -156,6 +156,9 @@ fn create_cluster(dir: &std::path::Path, n: usize, replicas: u32) -> (Vec<Redis>
     (nodes, addrs)
 }
 
+/// The test that judges utilisation by the wall clock runs alone; the others share.
+static ALONE: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
 fn keys(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("key-{i}")).collect()
 }
@@ -166,6 +169,7 @@ fn keys(n: usize) -> Vec<String> {
 /// without a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_demoted_primary_is_fallen_back_from_and_followed_back() {
+    let _shared = ALONE.read().await;
     support::crypto();
     let primary = Redis::start();
     let other = Redis::start();
@@ -259,6 +263,7 @@ type Breaks<'a> = &'a dyn Fn(&Redis);
 /// and Redis sees a bounded number of calls.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn errors_redis_answers_open_the_breaker_without_a_storm() {
+    let _shared = ALONE.read().await;
     support::crypto();
     let filler = vec![b'x'; 64 << 10];
     let cases: [(&str, Redis, Breaks); 3] = [
@@ -357,6 +362,7 @@ async fn errors_redis_answers_open_the_breaker_without_a_storm() {
 /// traffic: no key over its limit, every request answered, every key served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_cluster_resharded_under_traffic() {
+    let _shared = ALONE.read().await;
     support::crypto();
     let dir = tempfile::tempdir().unwrap();
     let (nodes, addrs) = create_cluster(dir.path(), 3, 0);
@@ -455,6 +461,7 @@ async fn a_redis_cluster_resharded_under_traffic() {
 /// within `open_for` and a couple of seconds. What the failover cost is printed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_fails_over_and_sluice_follows() {
+    let _shared = ALONE.read().await;
     support::crypto();
     let dir = tempfile::tempdir().unwrap();
     let primary = Redis::start();
@@ -560,6 +567,7 @@ async fn sentinel_fails_over_and_sluice_follows() {
 /// slot to the new master: back on Redis, no key over its limit, every request answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_cluster_master_failing_over() {
+    let _shared = ALONE.read().await;
     support::crypto();
     let dir = tempfile::tempdir().unwrap();
     let (nodes, addrs) = create_cluster(dir.path(), 6, 1);
@@ -671,6 +679,7 @@ async fn a_redis_cluster_master_failing_over() {
 /// (`password_file`), reserves on every master, each key within its limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_cluster_over_tls_with_a_password() {
+    let _shared = ALONE.read().await;
     support::crypto();
     let dir = tempfile::tempdir().unwrap();
     let certs = support::certs::for_localhost(dir.path(), &[]);
@@ -748,6 +757,7 @@ async fn a_redis_cluster_over_tls_with_a_password() {
 /// to the replica's share.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_and_primary_with_passwords() {
+    let _shared = ALONE.read().await;
     support::crypto();
     let dir = tempfile::tempdir().unwrap();
     let primary = Redis::start_with_password("data-secret");
@@ -798,18 +808,21 @@ async fn sentinel_and_primary_with_passwords() {
 }
 
 /// Small global limits saturated from two and three replicas, 8 clients each: a token
-/// bucket at 10/s with a burst of 1, and a sliding window of 2 a second. Each request's
-/// instant waits on the one before, so a reservation made before that one's answer would
-/// pay its margin on every interval (83% of the bucket); with turns, the replica that
-/// gets the answer asks next, its correction on the call. The upstream never sees more
+/// bucket at 10/s with a burst of 1 and a 50 ms margin, and a sliding window of 2 a
+/// second with a 400 ms margin. Each request's instant waits on the one before, so a
+/// reservation made before that one's answer would pay its margin on every interval
+/// (67% and 71% of the limits); with turns, the replica that gets the answer asks next,
+/// its correction on the call. The upstream never sees more
 /// than the limit, gets nearly all of it, and Redis sees about one call per request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_global_limits_are_used_in_full() {
+    let _alone = ALONE.write().await;
     support::crypto();
     let redis = Redis::start();
-    let bucket =
-        "{ kind = \"token_bucket\", rate = 10, per = \"1s\", burst = 1, scope = \"global\" }";
-    let window = "{ kind = \"sliding_window\", permits = 2, window = \"1s\", scope = \"global\" }";
+    // Margins large enough that paying one on every interval (67% and 71% of the limit)
+    // is far from what turns give, even on a loaded machine.
+    let bucket = "{ kind = \"token_bucket\", rate = 10, per = \"1s\", burst = 1, margin = \"50ms\", scope = \"global\" }";
+    let window = "{ kind = \"sliding_window\", permits = 2, window = \"1s\", margin = \"400ms\", scope = \"global\" }";
     for (limit, per_second) in [(bucket, 10.0), (window, 2.0)] {
         for n in [2, 3] {
             redis.cmd(&["FLUSHALL"]);
@@ -843,9 +856,10 @@ async fn small_global_limits_are_used_in_full() {
                 answers.iter().all(|a| a.0 == 200 || a.0 == 429),
                 "every request answered"
             );
-            // The benchmark's figures are the exact ones (98% and more); a loaded machine
-            // gets some slack, still well above what paying each margin leaves (83%).
-            let least = if per_second == 10.0 { 0.93 } else { 0.9 };
+            // The benchmark's figures, with the default margins, are the exact ones (98% and
+            // more); a loaded machine gets some slack, still well above what paying each
+            // margin would leave.
+            let least = 0.85;
             assert!(
                 used >= least,
                 "{limit} on {n} replicas: {:.1}%",
