@@ -231,3 +231,60 @@ async fn a_lone_access_line_reaches_the_pipe_while_sluice_runs() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// A request head hyper refuses by itself (not HTTP at all, or too large) never reaches
+/// the service, yet gets its access line with its status and reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_refused_before_the_service_get_access_lines() {
+    use std::io::BufRead;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    crypto();
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = config_for(dir.path(), &up);
+    let (mut child, mut stderr, _reaper) = spawn_piped(&path, &[]);
+    let (port, _admin) = listening_from(&mut stderr);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let big = format!(
+        "GET http://127.0.0.1/ HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
+        "a".repeat(100 * 1024)
+    );
+    for (wire, status) in [
+        (b"NOT HTTP AT ALL\r\n\r\n".to_vec(), "status=400"),
+        (big.into_bytes(), "status=431"),
+    ] {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let _ = s.write_all(&wire).await;
+        let mut answer = Vec::new();
+        let _ = s.read_to_end(&mut answer).await;
+        let rx = &rx;
+        let found = tokio::task::block_in_place(|| {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            while let Some(left) = deadline.checked_duration_since(tokio::time::Instant::now()) {
+                match rx.recv_timeout(left) {
+                    Ok(line) if line.contains("sluice::access") && line.contains(status) => {
+                        return true;
+                    }
+                    Ok(_) => {}
+                    Err(_) => return false,
+                }
+            }
+            false
+        });
+        assert!(found, "an access line with {status}");
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+}

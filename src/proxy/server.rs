@@ -345,6 +345,26 @@ async fn serve_connection(
     let result = lc.until_drained(conn).await;
     conns.hand_over();
     if let Err(e) = result {
+        if e.is_parse() || e.is_parse_too_large() {
+            // hyper answered this request itself (431 for a head too large, else 400)
+            // without calling the service: it still gets its access line.
+            let (status, outcome) = if e.is_parse_too_large() {
+                (431, "head_too_large")
+            } else {
+                (400, "bad_request")
+            };
+            crate::log::access(&crate::log::Access {
+                method: "-",
+                host: "-",
+                path: "-",
+                upstream: "-",
+                family: "-",
+                status,
+                outcome,
+                duration: Duration::ZERO,
+                at: tokio::time::Instant::now(),
+            });
+        }
         tracing::debug!(%peer, error = %e, "client connection ended with an error");
     }
     // Before the connection's task ends: a drain that waits for it then logs its end
