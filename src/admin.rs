@@ -55,20 +55,19 @@ impl Open {
     /// Takes a place for `peer`, if one is free.
     fn take(&mut self, peer: IpAddr) -> bool {
         let (all, cap) = if is_loopback(peer) {
-            (self.loopback, LOOPBACK_CONNECTIONS)
+            (&mut self.loopback, LOOPBACK_CONNECTIONS)
         } else {
-            (self.remote, MAX_ADMIN_CONNECTIONS)
+            (&mut self.remote, MAX_ADMIN_CONNECTIONS)
         };
-        let mine = self.by_peer.get(&peer).copied().unwrap_or(0);
-        if all >= cap || mine >= PER_PEER {
+        let mine = self.by_peer.entry(peer).or_default();
+        if *all >= cap || *mine >= PER_PEER {
+            if *mine == 0 {
+                self.by_peer.remove(&peer);
+            }
             return false;
         }
-        if is_loopback(peer) {
-            self.loopback += 1;
-        } else {
-            self.remote += 1;
-        }
-        *self.by_peer.entry(peer).or_default() += 1;
+        *all += 1;
+        *mine += 1;
         true
     }
 

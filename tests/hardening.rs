@@ -912,33 +912,25 @@ async fn an_upstream_failure_logs_its_causes_once() {
 #[tokio::test]
 async fn control_endpoints_refuse_what_a_browser_page_sends() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("sluice.toml");
-    std::fs::write(
-        &path,
-        "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n",
-    )
-    .unwrap();
-    let proxy = Proxy::from_file(&path).await;
+    let proxy = Proxy::from_file(&binary_config(dir.path(), "")).await;
     let admin = proxy.admin;
     let port = admin.port();
-    let status = |r: RawResponse| r.status;
-    let ask = |method: &str, path: &str, headers: &str| {
-        format!(
+    // The status of `method path` sent with `headers`, as each expectation names it.
+    let expect = |method: &'static str, path: &'static str, headers: String, status: u16| async move {
+        let req = format!(
             "{method} {path} HTTP/1.1\r\n{headers}Content-Length: 0\r\nConnection: close\r\n\r\n"
-        )
+        );
+        let got = raw(admin, req.as_bytes()).await.status;
+        assert_eq!(got, status, "{method} {path} with {headers:?}");
     };
+    let here = format!("Host: 127.0.0.1:{port}\r\n");
     for path in ["/config", "/buckets"] {
         for host in [
             "attacker.example",
             "attacker.example:9901",
             "127.0.0.1.nip.io",
         ] {
-            let req = ask("GET", path, &format!("Host: {host}\r\n"));
-            assert_eq!(
-                status(raw(admin, req.as_bytes()).await),
-                403,
-                "{path} Host {host}"
-            );
+            expect("GET", path, format!("Host: {host}\r\n"), 403).await;
         }
         for host in [
             "127.0.0.1".to_string(),
@@ -946,64 +938,28 @@ async fn control_endpoints_refuse_what_a_browser_page_sends() {
             format!("localhost:{port}"),
             format!("[::1]:{port}"),
         ] {
-            let req = ask("GET", path, &format!("Host: {host}\r\n"));
-            assert_eq!(
-                status(raw(admin, req.as_bytes()).await),
-                200,
-                "{path} Host {host}"
-            );
+            expect("GET", path, format!("Host: {host}\r\n"), 200).await;
         }
-        let foreign = ask(
-            "GET",
-            path,
-            &format!("Host: 127.0.0.1:{port}\r\nOrigin: http://attacker.example\r\n"),
-        );
-        assert_eq!(
-            status(raw(admin, foreign.as_bytes()).await),
-            403,
-            "{path} from another origin"
-        );
-        let own = ask(
-            "GET",
-            path,
-            &format!("Host: 127.0.0.1:{port}\r\nOrigin: http://127.0.0.1:{port}\r\n"),
-        );
-        assert_eq!(
-            status(raw(admin, own.as_bytes()).await),
-            200,
-            "{path} from its own page"
-        );
+        let foreign = format!("{here}Origin: http://attacker.example\r\n");
+        expect("GET", path, foreign, 403).await;
+        let own = format!("{here}Origin: http://127.0.0.1:{port}\r\n");
+        expect("GET", path, own, 200).await;
     }
-    let host = format!("Host: 127.0.0.1:{port}\r\n");
     for ct in [
         "text/plain",
         "application/x-www-form-urlencoded",
         "multipart/form-data; boundary=x",
     ] {
-        let form = ask("POST", "/reload", &format!("{host}Content-Type: {ct}\r\n"));
-        assert_eq!(
-            status(raw(admin, form.as_bytes()).await),
-            415,
-            "reload as {ct}"
-        );
+        let form = format!("{here}Content-Type: {ct}\r\n");
+        expect("POST", "/reload", form, 415).await;
     }
-    let rebound = ask("POST", "/reload", "Host: attacker.example\r\n");
-    assert_eq!(
-        status(raw(admin, rebound.as_bytes()).await),
-        403,
-        "reload through a name"
-    );
-    let curl = ask("POST", "/reload", &host);
-    assert_eq!(
-        status(raw(admin, curl.as_bytes()).await),
-        200,
-        "reload as curl sends it"
-    );
+    let rebound = "Host: attacker.example\r\n".to_string();
+    expect("POST", "/reload", rebound, 403).await;
+    expect("POST", "/reload", here.clone(), 200).await;
     // Probes and metrics answer whatever the Host: kubelet and Prometheus use the pod IP,
     // or a Service name.
     for path in ["/livez", "/readyz", "/metrics"] {
-        let req = ask("GET", path, "Host: sluice.shop.svc\r\n");
-        assert_eq!(status(raw(admin, req.as_bytes()).await), 200, "{path}");
+        expect("GET", path, "Host: sluice.shop.svc\r\n".to_string(), 200).await;
     }
 }
 

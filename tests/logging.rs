@@ -185,24 +185,13 @@ async fn access_lines_can_be_sampled_or_turned_off_per_upstream() {
 /// answered (within about 10 ms; the bound here is wide for a busy machine).
 #[tokio::test]
 async fn a_lone_access_line_reaches_the_pipe_while_sluice_runs() {
-    use std::io::BufRead;
     crypto();
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
     let path = config_for(dir.path(), &up);
     let (mut child, mut stderr, _reaper) = spawn_piped(&path, &[]);
     let (port, admin) = listening_from(&mut stderr);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stderr)
-            .lines()
-            .map_while(Result::ok)
-        {
-            if tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
+    let rx = lines_of(stderr);
     let url = format!("http://127.0.0.1:{admin}/readyz");
     assert!(
         eventually(Duration::from_secs(10), || async {
@@ -213,17 +202,7 @@ async fn a_lone_access_line_reaches_the_pipe_while_sluice_runs() {
     let r = client_via(port).get(up.url("/lone")).send().await.unwrap();
     assert_eq!(r.status(), 200);
     let found = tokio::task::spawn_blocking(move || {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while let Some(left) = deadline.checked_duration_since(tokio::time::Instant::now()) {
-            match rx.recv_timeout(left) {
-                Ok(line) if line.contains("sluice::access") && line.contains("path=/lone ") => {
-                    return true;
-                }
-                Ok(_) => {}
-                Err(_) => return false,
-            }
-        }
-        false
+        access_line_within(&rx, Duration::from_secs(5), "path=/lone ")
     })
     .await
     .unwrap();
@@ -236,7 +215,6 @@ async fn a_lone_access_line_reaches_the_pipe_while_sluice_runs() {
 /// the service, yet gets its access line with its status and reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_refused_before_the_service_get_access_lines() {
-    use std::io::BufRead;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     crypto();
     let up = Upstream::start().await;
@@ -244,17 +222,7 @@ async fn requests_refused_before_the_service_get_access_lines() {
     let path = config_for(dir.path(), &up);
     let (mut child, mut stderr, _reaper) = spawn_piped(&path, &[]);
     let (port, _admin) = listening_from(&mut stderr);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stderr)
-            .lines()
-            .map_while(Result::ok)
-        {
-            if tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
+    let rx = lines_of(stderr);
     let big = format!(
         "GET http://127.0.0.1/ HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
         "a".repeat(100 * 1024)
@@ -269,22 +237,44 @@ async fn requests_refused_before_the_service_get_access_lines() {
         let _ = s.write_all(&wire).await;
         let mut answer = Vec::new();
         let _ = s.read_to_end(&mut answer).await;
-        let rx = &rx;
-        let found = tokio::task::block_in_place(|| {
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-            while let Some(left) = deadline.checked_duration_since(tokio::time::Instant::now()) {
-                match rx.recv_timeout(left) {
-                    Ok(line) if line.contains("sluice::access") && line.contains(status) => {
-                        return true;
-                    }
-                    Ok(_) => {}
-                    Err(_) => return false,
-                }
-            }
-            false
-        });
+        let found =
+            tokio::task::block_in_place(|| access_line_within(&rx, Duration::from_secs(5), status));
         assert!(found, "an access line with {status}");
     }
     child.kill().unwrap();
     child.wait().unwrap();
+}
+
+/// stderr's lines, read on a thread of their own.
+fn lines_of(stderr: std::process::ChildStderr) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// Whether an access line containing `needle` comes within `within` (blocking).
+fn access_line_within(
+    rx: &std::sync::mpsc::Receiver<String>,
+    within: Duration,
+    needle: &str,
+) -> bool {
+    let deadline = tokio::time::Instant::now() + within;
+    while let Some(left) = deadline.checked_duration_since(tokio::time::Instant::now()) {
+        match rx.recv_timeout(left) {
+            Ok(line) if line.contains("sluice::access") && line.contains(needle) => return true,
+            Ok(_) => {}
+            Err(_) => return false,
+        }
+    }
+    false
 }

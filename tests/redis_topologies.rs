@@ -138,11 +138,18 @@ fn over(permits: u32, window: Duration, arrivals: &[Instant]) -> usize {
 /// create`: the nodes and their addresses.
 fn create_cluster(dir: &std::path::Path, n: usize, replicas: u32) -> (Vec<Redis>, Vec<String>) {
     let nodes: Vec<Redis> = (0..n).map(|_| Redis::start_cluster_node(dir)).collect();
+    form_cluster(nodes, replicas, &[])
+}
+
+/// Makes a Redis Cluster of `nodes` with `redis-cli --cluster create`, `cli` being how
+/// redis-cli reaches them (TLS, a password): the nodes and their addresses.
+fn form_cluster(nodes: Vec<Redis>, replicas: u32, cli: &[&str]) -> (Vec<Redis>, Vec<String>) {
     let addrs: Vec<String> = nodes
         .iter()
         .map(|n| format!("127.0.0.1:{}", n.port))
         .collect();
     let out = std::process::Command::new("redis-cli")
+        .args(cli)
         .args(["--cluster", "create"])
         .args(&addrs)
         .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
@@ -154,6 +161,17 @@ fn create_cluster(dir: &std::path::Path, n: usize, replicas: u32) -> (Vec<Redis>
         String::from_utf8_lossy(&out.stdout)
     );
     (nodes, addrs)
+}
+
+/// Whether every node of a Cluster says it is up, within 10 s.
+async fn formed(nodes: &[Redis]) -> bool {
+    support::eventually(Duration::from_secs(10), || {
+        let ok = nodes
+            .iter()
+            .all(|n| n.cmd(&["CLUSTER", "INFO"]).contains("cluster_state:ok"));
+        async move { ok }
+    })
+    .await
 }
 
 /// The test that judges utilisation by the wall clock runs alone; the others share.
@@ -366,16 +384,7 @@ async fn a_redis_cluster_resharded_under_traffic() {
     support::crypto();
     let dir = tempfile::tempdir().unwrap();
     let (nodes, addrs) = create_cluster(dir.path(), 3, 0);
-    assert!(
-        support::eventually(Duration::from_secs(10), || {
-            let ok = nodes
-                .iter()
-                .all(|n| n.cmd(&["CLUSTER", "INFO"]).contains("cluster_state:ok"));
-            async move { ok }
-        })
-        .await,
-        "the cluster formed"
-    );
+    assert!(formed(&nodes).await, "the cluster formed");
     let fleet = Fleet::start(
         2,
         "{ kind = \"sliding_window\", permits = 3, window = \"1s\", scope = \"global\" }",
@@ -691,33 +700,17 @@ async fn a_redis_cluster_over_tls_with_a_password() {
     let nodes: Vec<Redis> = (0..3)
         .map(|_| Redis::start_cluster_node_tls(dir.path(), files, "cluster-secret"))
         .collect();
-    let addrs: Vec<String> = nodes
-        .iter()
-        .map(|n| format!("127.0.0.1:{}", n.port))
-        .collect();
-    let out = std::process::Command::new("redis-cli")
-        .args(["--tls", "--cacert", certs.ca_path.to_str().unwrap()])
-        .args(["-a", "cluster-secret", "--no-auth-warning"])
-        .args(["--cluster", "create"])
-        .args(&addrs)
-        .args(["--cluster-yes"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    assert!(
-        support::eventually(Duration::from_secs(10), || {
-            let ok = nodes
-                .iter()
-                .all(|n| n.cmd(&["CLUSTER", "INFO"]).contains("cluster_state:ok"));
-            async move { ok }
-        })
-        .await,
-        "the cluster formed"
-    );
+    let ca = certs.ca_path.to_str().unwrap();
+    let cli = [
+        "--tls",
+        "--cacert",
+        ca,
+        "-a",
+        "cluster-secret",
+        "--no-auth-warning",
+    ];
+    let (nodes, addrs) = form_cluster(nodes, 0, &cli);
+    assert!(formed(&nodes).await, "the cluster formed");
     let password = dir.path().join("password");
     std::fs::write(&password, "cluster-secret\n").unwrap();
     let fleet = Fleet::start(

@@ -274,7 +274,7 @@ impl Shared {
                         failed += 1;
                         continue;
                     }
-                    let queued = gate.waiting.load(std::sync::atomic::Ordering::Relaxed);
+                    let queued = gate.waiting.load(Ordering::Relaxed);
                     let settle = turns >= MAX_TURNS;
                     let ask =
                         self.reserve(cluster, limits, horizon.min(left), left, queued, settle);

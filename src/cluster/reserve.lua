@@ -499,9 +499,9 @@ if step > 0 then
     -- The run is over: this replica's next request comes back after the others' runs,
     -- told now rather than on a call of its own.
     since = now
-    yield = math.ceil(t + (1 + runs(math.huge)) * step - LEAD)
-    claim(yield)
-    yield = yield - now
+    local back_at = math.ceil(t + (1 + runs(math.huge)) * step - LEAD)
+    claim(back_at)
+    yield = back_at - now
   end
 end
 
