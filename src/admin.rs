@@ -237,6 +237,9 @@ fn rates(app: &App) {
     m.effective_rate.reset();
     m.learned_partitions.reset();
     m.adaptive_share.reset();
+    m.upstream_partitions.reset();
+    m.max_partitions.reset();
+    let live = app.limiter.live_partitions();
     for u in &config.upstreams {
         let configured = u
             .limits
@@ -244,6 +247,16 @@ fn rates(app: &App) {
             .filter_map(|l| l.rate_per_second())
             .min_by(f64::total_cmp);
         let l = [u.name.as_str()];
+        let n = live.get(u.name.as_str()).copied().unwrap_or(0);
+        m.upstream_partitions
+            .with_label_values(&l)
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+        if u.key.is_some() {
+            let cap = crate::limit::max_partitions(u);
+            m.max_partitions
+                .with_label_values(&l)
+                .set(i64::try_from(cap).unwrap_or(i64::MAX));
+        }
         if let Some(c) = configured {
             m.configured_rate.with_label_values(&l).set(c);
         }
@@ -414,7 +427,16 @@ pub async fn handle(app: &Arc<App>, req: &Request<Incoming>, peer: IpAddr) -> Re
             }
             json(&v)
         }
-        ("/buckets", true) => json(&app.limiter.snapshot()),
+        ("/buckets", true) => {
+            let (v, omitted) = app.limiter.snapshot();
+            let mut r = json(&v);
+            // Past a thousand partitions the list keeps the busiest of each upstream.
+            if omitted > 0 {
+                r.headers_mut()
+                    .insert("sluice-partitions-omitted", HeaderValue::from(omitted));
+            }
+            r
+        }
         ("/", true) => {
             let mut r = reply(
                 StatusCode::OK,

@@ -236,7 +236,12 @@ pub fn explain(
         (Some(k), Some(p)) => line(
             &mut out,
             "partition",
-            &format!("{p} (from {k}; the value is never shown)"),
+            &format!(
+                "{p} (from {k}; the value is never shown); up to {} live at once, about {} \
+                 bytes each",
+                crate::limit::max_partitions(u),
+                crate::limit::partition_bytes(u)
+            ),
         ),
         (Some(k), None) => line(
             &mut out,

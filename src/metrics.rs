@@ -40,6 +40,10 @@ pub struct Metrics {
     pub tls_handshake_failures: prometheus::IntCounter,
     /// Live partitions (sets of buckets) over all upstreams, as of the last sweep.
     pub partitions: IntGauge,
+    /// `{upstream}`: its live partitions, as of the last sweep (or the scrape, when few).
+    pub upstream_partitions: IntGaugeVec,
+    /// `{upstream}`: a keyed upstream's `max_partitions`.
+    pub max_partitions: IntGaugeVec,
     /// `{upstream}`: requests per second its tightest rate limit allows, as configured.
     pub configured_rate: GaugeVec,
     /// `{upstream}`: requests per second its slowest partition may send now, by the
@@ -281,6 +285,21 @@ impl Metrics {
             "sluice_partitions",
             "Live partitions (one per upstream and key value) as of the last idle sweep",
         )?;
+        let upstream_partitions = IntGaugeVec::new(
+            Opts::new(
+                "sluice_upstream_partitions",
+                "Live partitions of the upstream, as of the last idle sweep",
+            ),
+            &["upstream"],
+        )?;
+        let max_partitions = IntGaugeVec::new(
+            Opts::new(
+                "sluice_upstream_max_partitions",
+                "Partitions a keyed upstream may have live (max_partitions); beyond it new key \
+                 values are answered 503 partition_limit",
+            ),
+            &["upstream"],
+        )?;
         let configured_rate = GaugeVec::new(
             Opts::new(
                 "sluice_configured_rate",
@@ -434,6 +453,8 @@ impl Metrics {
         registry.register(Box::new(breaker_state.clone()))?;
         registry.register(Box::new(family_breaker_state.clone()))?;
         registry.register(Box::new(partitions.clone()))?;
+        registry.register(Box::new(upstream_partitions.clone()))?;
+        registry.register(Box::new(max_partitions.clone()))?;
         registry.register(Box::new(configured_rate.clone()))?;
         registry.register(Box::new(effective_rate.clone()))?;
         registry.register(Box::new(learned_partitions.clone()))?;
@@ -479,6 +500,8 @@ impl Metrics {
             queue_depth,
             rejections,
             partitions,
+            upstream_partitions,
+            max_partitions,
             configured_rate,
             effective_rate,
             learned_partitions,

@@ -181,7 +181,12 @@ async fn sweep_idle_partitions(app: Arc<App>, stop: CancellationToken) {
         tokio::select! {
             _ = tick.tick() => {
                 let before = app.limiter.partitions();
-                let live = app.limiter.sweep();
+                // Off the control thread: with many partitions a pass takes a while, and
+                // the probes and metrics are answered there.
+                let swept = app.clone();
+                let Ok(live) = tokio::task::spawn_blocking(move || swept.limiter.sweep()).await else {
+                    continue;
+                };
                 app.idle_conns.expire(tokio::time::Instant::now());
                 app.metrics.partitions.set(i64::try_from(live).unwrap_or(i64::MAX));
                 if before.saturating_sub(live) >= 1024 {

@@ -1060,3 +1060,72 @@ async fn idle_admin_connections_from_one_peer_lock_nobody_out() {
         );
     }
 }
+
+/// A client that sends a new `Authorization` value with every request makes a partition
+/// per request. Past `max_partitions`, a new value is answered 503 `partition_limit` at
+/// once; keys that have a partition and requests without the header go on.
+#[tokio::test]
+async fn new_keys_beyond_max_partitions_are_refused_and_the_rest_is_served() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n\
+         key = \"header:Authorization\"\nmax_partitions = 50\n\
+         limits = [{{ kind = \"fixed_window\", permits = 300, window = \"1m\" }}]\n",
+        up.addr.port()
+    ))
+    .await;
+    let client = proxy.client();
+    let (mut served, mut refused) = (0, 0);
+    for i in 0..80 {
+        let r = client
+            .get(up.url("/"))
+            .header("authorization", format!("Bearer key-{i}"))
+            .send()
+            .await
+            .unwrap();
+        match r.status().as_u16() {
+            200 => served += 1,
+            503 => {
+                assert_eq!(r.headers()["sluice-reason"], "partition_limit");
+                assert_eq!(r.headers()["retry-after"], "5");
+                refused += 1;
+            }
+            s => panic!("request {i}: {s}"),
+        }
+    }
+    assert_eq!((served, refused), (50, 30));
+    assert_eq!(
+        up.seen().len(),
+        50,
+        "the refused never reached the upstream"
+    );
+    let again = client
+        .get(up.url("/"))
+        .header("authorization", "Bearer key-0")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 200, "a key with a partition");
+    let bare = client.get(up.url("/")).send().await.unwrap();
+    assert_eq!(bare.status(), 200, "no key: the upstream's own partition");
+    let m = proxy.metrics().await;
+    let series = |s: &str| metric(&m, s).unwrap_or_else(|| panic!("{s} in\n{m}"));
+    assert_eq!(
+        series(r#"sluice_rejections_total{family="-",reason="partition_limit",upstream="api"}"#),
+        30.0
+    );
+    assert_eq!(
+        series(r#"sluice_upstream_partitions{upstream="api"}"#),
+        51.0
+    );
+    assert_eq!(
+        series(r#"sluice_upstream_max_partitions{upstream="api"}"#),
+        50.0
+    );
+    assert_eq!(
+        series(
+            r#"sluice_requests_total{family="-",outcome="sluice_partition_limit",upstream="api"}"#
+        ),
+        30.0
+    );
+}

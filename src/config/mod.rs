@@ -196,6 +196,9 @@ pub struct Upstream {
     pub name: String,
     pub hosts: Vec<HostPattern>,
     pub key: Option<KeySource>,
+    /// Live partitions `key` may make at most; `None`: as many as fit in
+    /// `limit::PARTITION_MEMORY`.
+    pub max_partitions: Option<u32>,
     pub tls: TlsMode,
     pub scheme: Scheme,
     pub upstream_ca: Option<PathBuf>,
@@ -1010,6 +1013,14 @@ fn check_upstream(
         None => None,
         Some(k) => Some(parse_key(k)?),
     };
+    if let Some(m) = &u.max_partitions
+        && key.is_none()
+    {
+        return Err(invalid(
+            m.span(),
+            "max_partitions bounds the partitions that `key` makes: this upstream has no key",
+        ));
+    }
     let policy = merge_policy(defaults, &u.policy())?;
 
     let limits = check_limits(&u.limits, has_cluster)?;
@@ -1052,6 +1063,7 @@ fn check_upstream(
             .map(|h| h.into_inner())
             .collect(),
         key,
+        max_partitions: u.max_partitions.as_ref().map(|m| m.get_ref().get()),
         tls: u.tls,
         scheme: u.scheme,
         upstream_ca: u.upstream_ca.map(PathBuf::from),

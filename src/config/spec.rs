@@ -193,6 +193,7 @@ pub struct UpstreamSpec {
     pub name: Spanned<String>,
     pub hosts: Spanned<Vec<Spanned<HostPattern>>>,
     pub key: Option<Spanned<String>>,
+    pub max_partitions: Option<Spanned<std::num::NonZeroU32>>,
     #[serde(default)]
     pub tls: TlsMode,
     #[serde(default)]

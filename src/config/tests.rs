@@ -626,3 +626,29 @@ fn the_published_hash_leaves_secrets_out() {
     assert_ne!(a.digest, a.sha256);
     assert_eq!(a.digest.len(), 64);
 }
+
+#[test]
+fn max_partitions_needs_a_key_and_a_positive_count() {
+    let up = "[[upstream]]\nname = \"u\"\nhosts = [\"u.example\"]\n";
+    let e = err(&format!("{up}max_partitions = 10\n"));
+    assert!(
+        e.starts_with("s.toml:4:18: ") && e.contains("no key"),
+        "{e}"
+    );
+    let e = err(&format!("{up}key = \"header:A\"\nmax_partitions = 0\n"));
+    assert!(e.contains("nonzero"), "{e}");
+    let c = Config::parse(
+        &format!("{up}key = \"header:A\"\nmax_partitions = 10\n"),
+        "s.toml",
+    )
+    .unwrap();
+    assert_eq!(c.upstreams[0].max_partitions, Some(10));
+    assert_eq!(crate::limit::max_partitions(&c.upstreams[0]), 10);
+    // Unset: as many as fit in the memory kept for them.
+    let c = Config::parse(&format!("{up}key = \"header:A\"\n"), "s.toml").unwrap();
+    let u = &c.upstreams[0];
+    assert_eq!(
+        crate::limit::max_partitions(u),
+        crate::limit::PARTITION_MEMORY / crate::limit::partition_bytes(u)
+    );
+}

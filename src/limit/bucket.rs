@@ -91,7 +91,9 @@ pub struct FamilyBucket<W> {
     /// The rate limit the head was last found waiting for (see `next_wakeup`).
     binding: Option<LimitRef>,
     /// The effective rate under `adaptive`, paid like one more family limit.
-    pub aimd: Option<Aimd>,
+    /// Boxed, as is `learned`: few partitions have one, and every partition pays for the
+    /// field's size.
+    pub aimd: Option<Box<Aimd>>,
 }
 
 /// What the upstream's limits make every admission of a family do.
@@ -117,7 +119,7 @@ impl<W> FamilyBucket<W> {
             holds_concurrency: false,
             pays_rate: false,
             binding: None,
-            aimd: spec.adaptive.map(Aimd::new),
+            aimd: spec.adaptive.map(|a| Box::new(Aimd::new(a))),
             limits,
             spec: spec.clone(),
             paused_until: None,
@@ -166,7 +168,7 @@ pub struct Bucket<W> {
     pub paused_until: Option<Instant>,
     /// The pace the provider's announced budget sets, paid like an upstream rate limit
     /// (`learn = "headers"`).
-    pub learned: Option<Learned>,
+    pub learned: Option<Box<Learned>>,
     /// The spec's families in its order, then retired ones (removed by a reload) that
     /// still have requests queued.
     pub families: Vec<FamilyBucket<W>>,
@@ -201,7 +203,7 @@ fn learned_admits(learned: Option<&Learned>, concurrency_only: bool, now: Instan
     concurrency_only || learned.is_none_or(|l| l.can_take(now))
 }
 
-fn take_learned(learned: &mut Option<Learned>, concurrency_only: bool, now: Instant) {
+fn take_learned(learned: &mut Option<Box<Learned>>, concurrency_only: bool, now: Instant) {
     if let Some(l) = learned.as_mut().filter(|_| !concurrency_only) {
         l.take(now);
     }
@@ -281,8 +283,8 @@ impl<W> Bucket<W> {
                     let limits =
                         carry_limits(&prev.spec.limits, prev.limits, &f.limits, now, epoch);
                     let aimd = match (&prev.aimd, f.adaptive) {
-                        (Some(a), Some(new)) => Some(a.carry(new)),
-                        (_, new) => new.map(Aimd::new),
+                        (Some(a), Some(new)) => Some(Box::new(a.carry(new))),
+                        (_, new) => new.map(|a| Box::new(Aimd::new(a))),
                     };
                     let mut queue = prev.queue;
                     queue.refair(f.fair);
@@ -514,7 +516,7 @@ impl<W> Bucket<W> {
         }
         let only = f.spec.concurrency_only;
         if !paid(&mut self.upstream, only).all(|l| l.can_take(now))
-            || !learned_admits(self.learned.as_ref(), only, now)
+            || !learned_admits(self.learned.as_deref(), only, now)
         {
             return None;
         }
@@ -551,7 +553,7 @@ impl<W> Bucket<W> {
             let f = &mut self.families[i];
             let only = f.spec.concurrency_only;
             if !paid(&mut self.upstream, only).all(|l| l.can_take(now))
-                || !learned_admits(self.learned.as_ref(), only, now)
+                || !learned_admits(self.learned.as_deref(), only, now)
             {
                 return;
             }
@@ -679,7 +681,7 @@ impl<W> Bucket<W> {
             .map(|l| l.available(now))
             .min()
             .unwrap_or(u64::MAX);
-        self.learned = Learned::from(a, believed, now, self.learned.as_ref());
+        self.learned = Learned::from(a, believed, now, self.learned.as_deref()).map(Box::new);
         self.align(a, now)
     }
 

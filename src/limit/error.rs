@@ -13,6 +13,10 @@ pub enum LimitError {
     QueueTimeout { retry_after: Duration },
     #[error("sluice is shutting down and the drain time ran out before admission")]
     ShuttingDown,
+    #[error(
+        "the upstream has max_partitions live partitions: a new key value must wait for one to be dropped"
+    )]
+    PartitionLimit { retry_after: Duration },
     #[error("the Redis that holds the shared limits cannot be reached (on_redis_error = \"deny\")")]
     ClusterUnavailable { retry_after: Duration },
 }

@@ -27,13 +27,14 @@ pub mod exposure;
 pub mod kinds;
 pub mod learned;
 pub mod queue;
+mod registry;
 
 pub use error::LimitError;
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use prometheus::{Histogram, IntCounter, IntGauge};
@@ -50,6 +51,7 @@ use crate::config::units::fmt_duration;
 use crate::config::{Adaptive, Config, Limit, Priority, Upstream};
 use crate::metrics::Metrics;
 use crate::route::{Partition, Route};
+use registry::Registry;
 
 /// The queue of CONNECT tunnels in `/buckets`; not a valid family name, so it cannot clash.
 const TUNNEL: &str = "(tunnel)";
@@ -64,6 +66,7 @@ struct FamilyMetrics {
     depth: IntGauge,
     queue_full: IntCounter,
     queue_timeout: IntCounter,
+    partition_limit: IntCounter,
     edge_429: IntCounter,
     cluster_wait: Histogram,
     /// When the last edge-429 hint was logged, so that it is logged once a minute.
@@ -87,6 +90,44 @@ pub struct Plan {
     /// By family index: the limits shared through `[cluster]` that its requests pay
     /// (the upstream's and the family's), left out of the local bucket.
     global: Vec<Arc<[Arc<GlobalLimit>]>>,
+    /// Keyed partitions it may have live at once (see [`max_partitions`]).
+    max_partitions: usize,
+}
+
+/// The memory the partitions of one keyed upstream may take by default: its default
+/// `max_partitions` is as many of its partitions as fit in this.
+pub const PARTITION_MEMORY: usize = 64 << 20;
+
+/// Bytes one partition of `u` takes with one request sent: its cell, one queue per
+/// family (and one for requests of no family, one for tunnels), its limits' states,
+/// its registry entry, and the allocator's share of each. Queued requests, sliding
+/// windows' logs and learned or adaptive state add to it as they are used.
+pub fn partition_bytes(u: &Upstream) -> usize {
+    use std::mem::size_of;
+    let local = |limits: &[Limit]| limits.iter().filter(|l| !l.is_global()).count();
+    let families = u.families.len() + 2;
+    let limits = local(&u.limits) + u.families.iter().map(|f| local(&f.limits)).sum::<usize>();
+    // The cell and the families' vector, then one vector of states per level with any.
+    let allocations = 2
+        + usize::from(local(&u.limits) > 0)
+        + u.families.iter().filter(|f| local(&f.limits) > 0).count();
+    // A hash table entry (key, value, control byte) at a typical 5/8 load.
+    let entry = (size_of::<(Arc<str>, Option<Partition>)>() + size_of::<usize>() + 1) * 8 / 5;
+    // The Arc's counts, and about 16 bytes of allocator header and rounding each.
+    16 + size_of::<Cell>()
+        + families * size_of::<bucket::FamilyBucket<Waiter>>()
+        + limits * size_of::<LimitState>()
+        + entry
+        + 16 * allocations
+}
+
+/// The keyed partitions `u` may have live at once: its `max_partitions`, else as many as
+/// [`PARTITION_MEMORY`] holds.
+pub fn max_partitions(u: &Upstream) -> usize {
+    u.max_partitions.map_or_else(
+        || PARTITION_MEMORY / partition_bytes(u).max(1),
+        |n| n as usize,
+    )
 }
 
 impl Plan {
@@ -174,6 +215,7 @@ impl Plan {
             },
             metrics: handles,
             global,
+            max_partitions: max_partitions(u),
         }
     }
 
@@ -207,6 +249,11 @@ impl FamilyMetrics {
                 upstream,
                 family,
                 "queue_timeout",
+            ]),
+            partition_limit: metrics.rejections.with_label_values(&[
+                upstream,
+                family,
+                "partition_limit",
             ]),
             edge_429: metrics.edge_429.with_label_values(&l),
             cluster_wait: metrics.cluster_wait.with_label_values(&l),
@@ -291,6 +338,8 @@ pub struct Cell {
     timers: Option<tokio::runtime::Handle>,
     /// What this replica knows of the partition's shared limits, once one is paid.
     shared: std::sync::OnceLock<Arc<Shared>>,
+    /// Its upstream's count of live partitions, which it leaves when swept.
+    occupancy: Arc<registry::Occupancy>,
 }
 
 impl Cell {
@@ -789,15 +838,13 @@ impl SendHook {
     }
 }
 
-type CellKey = (Arc<str>, Option<Partition>);
-
 /// All partitions of all upstreams, and the plans new partitions are built from.
 pub struct Limiter {
     /// Set at the end of the drain: queued and new requests are refused.
     closed: std::sync::atomic::AtomicBool,
     /// The live config's plans, by upstream index.
     current: RwLock<Plans>,
-    cells: RwLock<HashMap<CellKey, Arc<Cell>>>,
+    registry: Registry,
     /// The runtime partition drivers run on, when not the requests' own (see
     /// [`Limiter::drive_on`]).
     timers: std::sync::OnceLock<tokio::runtime::Handle>,
@@ -822,7 +869,7 @@ impl Limiter {
         Limiter {
             closed: std::sync::atomic::AtomicBool::new(false),
             current: RwLock::new(plans(config, metrics)),
-            cells: RwLock::new(HashMap::new()),
+            registry: Registry::new(),
             timers: std::sync::OnceLock::new(),
             cluster: RwLock::new(None),
         }
@@ -847,13 +894,12 @@ impl Limiter {
     /// upstreams it no longer has are left as they are, to drain and be swept.
     pub fn reload(&self, plans: Plans) {
         // From here on new partitions are built from `plans`; every partition that exists
-        // now is in `cells`. The registry is not held while they are moved one by one, so
-        // requests keep flowing; one that reaches a partition first moves it itself.
-        let cells: Vec<Arc<Cell>> = {
-            let registry = self.cells.write();
-            *self.current.write() = plans.clone();
-            registry.values().cloned().collect()
-        };
+        // is in the registry by the time its shard is read (a partition is made under its
+        // shard's lock, from the plans current then). The registry is not held while they
+        // are moved one by one, so requests keep flowing; one that reaches a partition
+        // first moves it itself.
+        *self.current.write() = plans.clone();
+        let cells = self.registry.cells();
         for cell in cells {
             let Some(plan) = plans.iter().find(|p| p.name == cell.name) else {
                 continue;
@@ -876,15 +922,12 @@ impl Limiter {
         let _ = self.timers.set(rt);
     }
 
-    fn cell(&self, plan: &Arc<Plan>, route: &Route) -> Arc<Cell> {
+    /// The route's partition, made if it is new and its upstream has room for it.
+    fn cell(&self, plan: &Arc<Plan>, route: &Route) -> Result<Arc<Cell>, LimitError> {
         let key = (plan.name.clone(), route.partition);
-        if let Some(c) = self.cells.read().get(&key) {
-            return c.clone();
-        }
-        let mut cells = self.cells.write();
-        cells
-            .entry(key)
-            .or_insert_with(|| {
+        let made = self
+            .registry
+            .get_or_make(key, plan.max_partitions, |occupancy| {
                 // Built from the live plan, even for a request routed just before a reload,
                 // so no partition is born with limits that are already gone.
                 let current = self.current.read();
@@ -893,7 +936,7 @@ impl Limiter {
                     .find(|p| p.name == plan.name)
                     .unwrap_or(plan)
                     .clone();
-                Arc::new(Cell {
+                Cell {
                     name: plan.name.clone(),
                     partition: route.partition,
                     state: Mutex::new(CellState {
@@ -905,9 +948,32 @@ impl Limiter {
                     notify: Notify::new(),
                     timers: self.timers.get().cloned(),
                     shared: std::sync::OnceLock::new(),
-                })
-            })
-            .clone()
+                    occupancy,
+                }
+            });
+        made.map_err(|registry::Full| self.refuse_partition(plan, route))
+    }
+
+    /// A new partition beyond its upstream's `max_partitions`: counted, logged once a
+    /// minute, refused.
+    fn refuse_partition(&self, plan: &Arc<Plan>, route: &Route) -> LimitError {
+        let index = plan.family_index(route.family);
+        plan.metrics[index].partition_limit.inc();
+        let occupancy = self.registry.occupancy(&plan.name);
+        let now = Instant::now();
+        let mut warned = occupancy.warned.lock();
+        if warned.is_none_or(|t| now.duration_since(t) >= HINT_EVERY) {
+            *warned = Some(now);
+            tracing::warn!(
+                upstream = %plan.name,
+                max_partitions = plan.max_partitions,
+                "new partitions refused: the upstream has max_partitions live ones; \
+                 raise max_partitions if its key really has that many values in use"
+            );
+        }
+        LimitError::PartitionLimit {
+            retry_after: SWEEP_EVERY,
+        }
     }
 
     /// Waits, FIFO within the route's family, until every limit admits the request.
@@ -929,7 +995,7 @@ impl Limiter {
         route: &Route,
         deadline: Option<Instant>,
     ) -> Result<Option<Permit>, LimitError> {
-        let cell = self.cell(plan, route);
+        let cell = self.cell(plan, route)?;
         let index = plan.family_index(route.family);
         let at = Place {
             index,
@@ -1001,7 +1067,7 @@ impl Limiter {
         if !plan.tunnels {
             return Ok(None);
         }
-        let cell = self.cell(plan, route);
+        let cell = self.cell(plan, route)?;
         let at = Place {
             index: plan.tunnel_index(),
             tenant: None,
@@ -1106,8 +1172,7 @@ impl Limiter {
     pub fn close(&self) {
         self.closed
             .store(true, std::sync::atomic::Ordering::Release);
-        let cells = self.all_cells();
-        for cell in cells {
+        for cell in self.registry.cells() {
             let mut st = cell.lock();
             let waiters = st.bucket.take_all_waiters();
             for (slot, waiter) in waiters {
@@ -1121,7 +1186,10 @@ impl Limiter {
     /// Pauses a route's family (`family = true`) or its whole upstream, for this
     /// partition, until `until`: the 429 cool-down hook.
     pub fn pause(&self, plan: &Arc<Plan>, route: &Route, family: bool, until: Instant) {
-        let cell = self.cell(plan, route);
+        // Its request made the partition; it is gone only if it has been idle since.
+        let Ok(cell) = self.cell(plan, route) else {
+            return;
+        };
         let mut st = cell.lock();
         let now = Instant::now();
         if st.catch_up(plan, now) {
@@ -1133,17 +1201,16 @@ impl Limiter {
         cell.wake_driver(&mut st);
     }
 
-    /// Drops partitions nobody uses that are back to their initial state; returns how
-    /// many remain. Memory is thus bounded by the partitions active recently.
+    /// Drops partitions nobody uses that are back to their initial state, and keeps
+    /// what the admin views show of the rest; returns how many remain. Memory is thus
+    /// bounded by the partitions active recently, and by `max_partitions`.
     pub fn sweep(&self) -> usize {
-        let now = Instant::now();
-        let mut cells = self.cells.write();
-        // Only the map holds an idle cell (no waiter, driver, permit or grant has a
-        // clone), and the write lock keeps anyone from taking a new one meanwhile.
-        cells.retain(|_, c| Arc::strong_count(c) > 1 || !c.lock().bucket.is_idle(now));
-        let live = cells.len();
-        cells.shrink_to(live * 2);
-        live
+        self.registry.sweep(Instant::now())
+    }
+
+    /// By upstream name: its live partitions, as of the last sweep (or now, when few).
+    pub fn live_partitions(&self) -> HashMap<Arc<str>, usize> {
+        self.registry.summary(Instant::now()).live.clone()
     }
 
     /// The rate limits a request of `route` pays, as the IETF draft's fields describe
@@ -1152,7 +1219,7 @@ impl Limiter {
     /// whole seconds `t` until one more is. Items are named after the upstream, or
     /// `upstream/family`, with `.N` when a level has several rate limits.
     pub fn ratelimit_fields(&self, plan: &Arc<Plan>, route: &Route) -> Option<(String, String)> {
-        let cell = self.cell(plan, route);
+        let cell = self.cell(plan, route).ok()?;
         let mut st = cell.lock();
         let now = Instant::now();
         let slot = st.slot(plan, plan.family_index(route.family));
@@ -1195,58 +1262,48 @@ impl Limiter {
     }
 
     /// By upstream name: the slowest pace a partition learned from the provider and how
-    /// many partitions pace now (`learn = "headers"`).
+    /// many partitions pace now (`learn = "headers"`), as the summary has it.
     pub fn learned_paces(&self) -> HashMap<Arc<str>, (f64, usize)> {
-        let now = Instant::now();
-        let mut out: HashMap<Arc<str>, (f64, usize)> = HashMap::new();
-        for cell in self.all_cells() {
-            let st = cell.lock();
-            if let Some(l) = st.bucket.learned.as_ref().filter(|l| l.active(now)) {
-                let e = out.entry(cell.name.clone()).or_insert((f64::INFINITY, 0));
-                *e = (e.0.min(l.rate()), e.1 + 1);
-            }
-        }
-        out
+        self.registry.summary(Instant::now()).paces.clone()
     }
 
     /// By (upstream, family) name: the lowest share of its configured rate that an
-    /// adaptive family's partition may send now (1 when none is slowed).
+    /// adaptive family's partition may send now (1 when none is slowed), as the summary
+    /// has it.
     pub fn adaptive_shares(&self) -> HashMap<(Arc<str>, String), f64> {
-        let mut out: HashMap<(Arc<str>, String), f64> = HashMap::new();
-        for cell in self.all_cells() {
-            let st = cell.lock();
-            for f in &st.bucket.families {
-                if let Some(a) = &f.aimd {
-                    let share = a.rate() / a.configured();
-                    let e = out
-                        .entry((cell.name.clone(), f.spec.name.clone()))
-                        .or_insert(1.0);
-                    *e = e.min(share);
-                }
-            }
-        }
-        out
-    }
-
-    /// The live cells, cloned out so no lock on the registry is held while each is locked.
-    fn all_cells(&self) -> Vec<Arc<Cell>> {
-        self.cells.read().values().cloned().collect()
+        self.registry.summary(Instant::now()).shares.clone()
     }
 
     pub fn partitions(&self) -> usize {
-        self.cells.read().len()
+        self.registry.len()
     }
 
-    /// Every live bucket for `/buckets`: one entry for each partition's upstream limits and
-    /// one per family, with available permits, queue depth and remaining pause.
-    pub fn snapshot(&self) -> serde_json::Value {
+    /// The buckets for `/buckets`: one entry for each partition's upstream limits and one
+    /// per family, with available permits, queue depth and remaining pause. Every
+    /// partition while they are few (up to [`registry::FRESH_UP_TO`]); beyond that the
+    /// [`registry::KEPT`] with most requests waiting of each upstream, as of the last
+    /// sweep. Also how many partitions are left out.
+    pub fn snapshot(&self) -> (serde_json::Value, usize) {
         let now = Instant::now();
         let cluster = self.cluster();
+        let all = self.registry.len();
+        let cells: Vec<Arc<Cell>> = if all <= registry::FRESH_UP_TO {
+            self.registry.cells()
+        } else {
+            let summary = self.registry.summary(now);
+            summary
+                .busiest
+                .values()
+                .flatten()
+                .filter_map(Weak::upgrade)
+                .collect()
+        };
+        let omitted = all.saturating_sub(cells.len());
         let mut out = Vec::new();
-        for cell in self.all_cells() {
+        for cell in cells {
             out.extend(cell_entries(&cell, now, cluster.as_ref()));
         }
-        serde_json::Value::Array(out)
+        (serde_json::Value::Array(out), omitted)
     }
 
     /// For the status page, by upstream name: its `top` partitions with the most requests
@@ -1254,25 +1311,20 @@ impl Limiter {
     pub fn busiest(&self, top: usize) -> HashMap<Arc<str>, (Vec<serde_json::Value>, usize)> {
         let now = Instant::now();
         let cluster = self.cluster();
-        let mut by_upstream: HashMap<Arc<str>, Vec<(usize, Arc<Cell>)>> = HashMap::new();
-        for cell in self.all_cells() {
-            let waiting = cell.lock().bucket.waiting();
-            by_upstream
-                .entry(cell.name.clone())
-                .or_default()
-                .push((waiting, cell));
-        }
-        by_upstream
-            .into_iter()
-            .map(|(name, mut cells)| {
-                cells.sort_by_key(|c| std::cmp::Reverse(c.0));
-                let others = cells.len().saturating_sub(top);
-                let shown = cells
+        let summary = self.registry.summary(now);
+        summary
+            .busiest
+            .iter()
+            .map(|(name, cells)| {
+                let shown: Vec<serde_json::Value> = cells
                     .iter()
+                    .filter_map(Weak::upgrade)
                     .take(top)
-                    .map(|(_, c)| serde_json::Value::from(cell_entries(c, now, cluster.as_ref())))
+                    .map(|c| serde_json::Value::from(cell_entries(&c, now, cluster.as_ref())))
                     .collect();
-                (name, (shown, others))
+                let live = summary.live.get(name).copied().unwrap_or(0);
+                let others = live.saturating_sub(shown.len());
+                (name.clone(), (shown, others))
             })
             .collect()
     }

@@ -22,36 +22,40 @@ pub struct Queued<W> {
 #[derive(Debug)]
 pub enum Queue<W> {
     Fifo(VecDeque<Queued<W>>),
-    Fair {
-        /// Each waiting tenant's requests, in arrival order.
-        tenants: HashMap<Option<Tenant>, VecDeque<Queued<W>>>,
-        /// Whose turn comes next, front first: each tenant once.
-        turns: VecDeque<Option<Tenant>>,
-        len: usize,
-    },
+    /// Boxed: most families queue FIFO, and every partition pays for the enum's size.
+    Fair(Box<Fair<W>>),
+}
+
+#[derive(Debug)]
+pub struct Fair<W> {
+    /// Each waiting tenant's requests, in arrival order.
+    tenants: HashMap<Option<Tenant>, VecDeque<Queued<W>>>,
+    /// Whose turn comes next, front first: each tenant once.
+    turns: VecDeque<Option<Tenant>>,
+    len: usize,
 }
 
 impl<W> Queue<W> {
     pub fn new(fair: bool) -> Queue<W> {
         if fair {
-            Queue::Fair {
+            Queue::Fair(Box::new(Fair {
                 tenants: HashMap::new(),
                 turns: VecDeque::new(),
                 len: 0,
-            }
+            }))
         } else {
             Queue::Fifo(VecDeque::new())
         }
     }
 
     pub fn is_fair(&self) -> bool {
-        matches!(self, Queue::Fair { .. })
+        matches!(self, Queue::Fair(_))
     }
 
     pub fn len(&self) -> usize {
         match self {
             Queue::Fifo(q) => q.len(),
-            Queue::Fair { len, .. } => *len,
+            Queue::Fair(f) => f.len,
         }
     }
 
@@ -63,7 +67,8 @@ impl<W> Queue<W> {
     pub fn oldest(&self) -> Option<Instant> {
         match self {
             Queue::Fifo(q) => q.front().map(|w| w.since),
-            Queue::Fair { tenants, .. } => tenants
+            Queue::Fair(f) => f
+                .tenants
                 .values()
                 .filter_map(|q| q.front().map(|w| w.since))
                 .min(),
@@ -74,7 +79,7 @@ impl<W> Queue<W> {
     pub fn tenants(&self) -> Option<usize> {
         match self {
             Queue::Fifo(_) => None,
-            Queue::Fair { turns, .. } => Some(turns.len()),
+            Queue::Fair(f) => Some(f.turns.len()),
         }
     }
 
@@ -82,18 +87,19 @@ impl<W> Queue<W> {
     pub fn len_of(&self, tenant: Option<Tenant>) -> usize {
         match self {
             Queue::Fifo(q) => q.len(),
-            Queue::Fair { tenants, .. } => tenants.get(&tenant).map_or(0, VecDeque::len),
+            Queue::Fair(f) => f.tenants.get(&tenant).map_or(0, VecDeque::len),
         }
     }
 
     pub fn push_back(&mut self, q: Queued<W>) {
         match self {
             Queue::Fifo(fifo) => fifo.push_back(q),
-            Queue::Fair {
-                tenants,
-                turns,
-                len,
-            } => {
+            Queue::Fair(f) => {
+                let Fair {
+                    tenants,
+                    turns,
+                    len,
+                } = &mut **f;
                 let mine = tenants.entry(q.tenant).or_default();
                 if mine.is_empty() {
                     turns.push_back(q.tenant);
@@ -108,7 +114,7 @@ impl<W> Queue<W> {
     pub fn front(&self) -> Option<&Queued<W>> {
         match self {
             Queue::Fifo(q) => q.front(),
-            Queue::Fair { tenants, turns, .. } => tenants.get(turns.front()?)?.front(),
+            Queue::Fair(f) => f.tenants.get(f.turns.front()?)?.front(),
         }
     }
 
@@ -117,11 +123,12 @@ impl<W> Queue<W> {
     pub fn pop_front(&mut self) -> Option<Queued<W>> {
         match self {
             Queue::Fifo(q) => q.pop_front(),
-            Queue::Fair {
-                tenants,
-                turns,
-                len,
-            } => {
+            Queue::Fair(f) => {
+                let Fair {
+                    tenants,
+                    turns,
+                    len,
+                } = &mut **f;
                 let t = turns.pop_front()?;
                 let mine = tenants.get_mut(&t)?;
                 let q = mine.pop_front();
@@ -143,17 +150,17 @@ impl<W> Queue<W> {
                 let i = q.binary_search_by_key(&seq, |w| w.seq).ok()?;
                 return q.remove(i);
             }
-            Queue::Fair { tenants, len, .. } => {
-                let mine = tenants.get_mut(&tenant)?;
+            Queue::Fair(f) => {
+                let mine = f.tenants.get_mut(&tenant)?;
                 let i = mine.binary_search_by_key(&seq, |w| w.seq).ok()?;
                 let q = mine.remove(i)?;
-                *len -= 1;
+                f.len -= 1;
                 (q, mine.is_empty())
             }
         };
-        if now_empty && let Queue::Fair { tenants, turns, .. } = self {
-            tenants.remove(&tenant);
-            turns.retain(|t| *t != tenant);
+        if now_empty && let Queue::Fair(f) = self {
+            f.tenants.remove(&tenant);
+            f.turns.retain(|t| *t != tenant);
         }
         Some(q)
     }
@@ -163,7 +170,7 @@ impl<W> Queue<W> {
         let fair = self.is_fair();
         match std::mem::replace(self, Queue::new(fair)) {
             Queue::Fifo(q) => q.into_iter().collect(),
-            Queue::Fair { tenants, .. } => tenants.into_values().flatten().collect(),
+            Queue::Fair(f) => f.tenants.into_values().flatten().collect(),
         }
     }
 
@@ -185,7 +192,7 @@ impl<W> Queue<W> {
     pub fn turn_for_new(&self, tenant: Option<Tenant>) -> u64 {
         match self {
             Queue::Fifo(q) => q.len() as u64 + 1,
-            Queue::Fair { .. } => self.fair_turn(tenant, self.len_of(tenant)),
+            Queue::Fair(_) => self.fair_turn(tenant, self.len_of(tenant)),
         }
     }
 
@@ -196,8 +203,9 @@ impl<W> Queue<W> {
                 .binary_search_by_key(&seq, |w| w.seq)
                 .ok()
                 .map(|i| i as u64 + 1),
-            Queue::Fair { tenants, .. } => {
-                let k = tenants
+            Queue::Fair(f) => {
+                let k = f
+                    .tenants
                     .get(&tenant)?
                     .binary_search_by_key(&seq, |w| w.seq)
                     .ok()?;
@@ -210,9 +218,10 @@ impl<W> Queue<W> {
     /// round, in turn order, so it comes after `k` rounds of the others (or fewer, for
     /// tenants with fewer waiting), and after this round's turns of those before it.
     fn fair_turn(&self, tenant: Option<Tenant>, k: usize) -> u64 {
-        let Queue::Fair { tenants, turns, .. } = self else {
+        let Queue::Fair(f) = self else {
             return k as u64 + 1;
         };
+        let Fair { tenants, turns, .. } = &**f;
         let mut before = 0usize;
         let mut earlier_in_round = true;
         for t in turns {

@@ -174,7 +174,7 @@ async fn a_grant_that_is_never_received_is_given_back() {
     // ever looks at it.
     drop(held);
     drop(waiting);
-    let cell = l.cell(&l.plans()[0], &route(None));
+    let cell = l.cell(&l.plans()[0], &route(None)).unwrap();
     let mut st = cell.lock();
     let now = Instant::now();
     assert_eq!(
@@ -445,6 +445,99 @@ async fn idle_partitions_are_dropped() {
     assert_eq!(l.sweep(), 0, "full again and unused: gone");
 }
 
+fn keyed(i: u32, family: Option<usize>) -> Route {
+    Route {
+        upstream: 0,
+        family,
+        partition: Some(crate::route::Partition::of(&i.to_be_bytes())),
+        tenant: None,
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn new_keys_beyond_max_partitions_are_refused_until_one_is_dropped() {
+    let (l, m) = limiter(
+        "key = \"header:Authorization\"\nmax_partitions = 3\n\
+         limits = [{ kind = \"fixed_window\", permits = 5, window = \"10s\" }]\n",
+    );
+    for i in 0..3 {
+        drop(l.take(&keyed(i, None)).await.unwrap());
+    }
+    let t0 = Instant::now();
+    assert_eq!(
+        l.take(&keyed(3, None)).await.err(),
+        Some(LimitError::PartitionLimit {
+            retry_after: SWEEP_EVERY
+        })
+    );
+    assert_eq!(Instant::now(), t0, "answered at once");
+    assert_eq!(
+        m.rejections
+            .with_label_values(&["u", "-", "partition_limit"])
+            .get(),
+        1
+    );
+    // Keys that have a partition go on; so do requests without the header.
+    drop(l.take(&keyed(0, None)).await.unwrap());
+    drop(l.take(&route(None)).await.unwrap());
+    assert_eq!(l.partitions(), 4);
+    // Their windows end, the sweep drops them, and new keys get partitions again.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(l.sweep(), 0);
+    for i in 3..6 {
+        drop(l.take(&keyed(i, None)).await.unwrap());
+    }
+    assert!(l.take(&keyed(6, None)).await.is_err());
+}
+
+/// Past `FRESH_UP_TO` partitions, `/buckets` and the status page show the busiest of
+/// each upstream as the last sweep found them, and say how many they leave out.
+#[tokio::test(start_paused = true)]
+async fn the_views_of_many_partitions_are_bounded_and_show_the_busiest() {
+    let (l, _) = limiter(
+        "key = \"header:Authorization\"\n\
+         limits = [{ kind = \"concurrency\", max = 1 }]\n",
+    );
+    let n = registry::FRESH_UP_TO as u32 + 500;
+    let mut held = Vec::new();
+    for i in 0..n {
+        held.push(l.take(&keyed(i, None)).await.unwrap());
+    }
+    // Partition 7 has two requests waiting, partition 9 one.
+    let mut waiting = Vec::new();
+    for i in [7, 7, 9] {
+        let l = l.clone();
+        waiting.push(tokio::spawn(async move {
+            l.take(&keyed(i, None)).await.map(|_| ())
+        }));
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(l.sweep(), n as usize);
+    let (v, omitted) = l.snapshot();
+    let shown: std::collections::HashSet<&str> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["partition"].as_str().unwrap())
+        .collect();
+    assert_eq!(shown.len(), registry::KEPT);
+    assert_eq!(omitted, n as usize - registry::KEPT);
+    let busiest = l.busiest(2);
+    let (shown, others) = &busiest[&Arc::from("u")];
+    assert_eq!(*others, n as usize - 2);
+    let depth = |p: &serde_json::Value| p[0]["queue_depth"].as_u64().unwrap();
+    assert_eq!(depth(&shown[0]), 2, "{shown:?}");
+    assert_eq!(depth(&shown[1]), 1, "{shown:?}");
+    assert_eq!(
+        shown[0][0]["partition"],
+        keyed(7, None).partition.unwrap().short()
+    );
+    drop(held);
+    for w in waiting {
+        w.await.unwrap().unwrap();
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn snapshot_lists_buckets_without_raw_keys() {
     let (l, _) = limiter(
@@ -471,7 +564,7 @@ async fn snapshot_lists_buckets_without_raw_keys() {
         true,
         Instant::now() + Duration::from_secs(4),
     );
-    let v = l.snapshot();
+    let v = l.snapshot().0;
     let text = v.to_string();
     assert!(!text.contains("secret"));
     let arr = v.as_array().unwrap();
@@ -591,7 +684,7 @@ async fn a_removed_family_finishes_its_queue_under_the_old_limits() {
         tokio::task::yield_now().await;
     }
     l.reload(crate::limit::plans(&config(""), &metrics));
-    let snapshot = l.snapshot().to_string();
+    let snapshot = l.snapshot().0.to_string();
     assert!(snapshot.contains("\"retired\":true"), "{snapshot}");
     let new = l.plans()[0].clone();
     let t0 = Instant::now();
@@ -662,7 +755,7 @@ async fn a_429_at_a_limit_edge_is_counted_and_grows_the_margin_up_to_its_max() {
     tokio::time::sleep(Duration::from_millis(5)).await;
     second.answered(429);
     assert_eq!(edge.get(), 1);
-    let v = l.snapshot();
+    let v = l.snapshot().0;
     assert_eq!(v[0]["limits"][0]["margin"], "150ms", "{v}");
 
     // Refused without having waited: not an edge, nothing grows.
@@ -685,5 +778,5 @@ async fn without_margin_max_the_margin_never_grows() {
     p.send_hook().unwrap().fire();
     p.answered(429);
     assert_eq!(m.edge_429.with_label_values(&["u", "-"]).get(), 1);
-    assert_eq!(l.snapshot()[0]["limits"][0]["margin"], "10ms");
+    assert_eq!(l.snapshot().0[0]["limits"][0]["margin"], "10ms");
 }

@@ -72,6 +72,7 @@ impl ProxyError {
                 LimitError::ClusterUnavailable { .. } => {
                     ("cluster_unavailable", S::SERVICE_UNAVAILABLE)
                 }
+                LimitError::PartitionLimit { .. } => ("partition_limit", S::SERVICE_UNAVAILABLE),
             },
         }
     }
@@ -91,7 +92,8 @@ impl ProxyError {
             ProxyError::Limit(
                 LimitError::QueueFull { retry_after }
                 | LimitError::QueueTimeout { retry_after }
-                | LimitError::ClusterUnavailable { retry_after },
+                | LimitError::ClusterUnavailable { retry_after }
+                | LimitError::PartitionLimit { retry_after },
             )
             | ProxyError::BreakerOpen { retry_after } => Some(*retry_after),
             _ => None,
@@ -345,6 +347,12 @@ mod tests {
             (
                 LimitError::ClusterUnavailable { retry_after: d }.into(),
                 "cluster_unavailable",
+                503,
+                true,
+            ),
+            (
+                LimitError::PartitionLimit { retry_after: d }.into(),
+                "partition_limit",
                 503,
                 true,
             ),
