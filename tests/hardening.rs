@@ -1026,14 +1026,16 @@ async fn request_trailers_are_not_forwarded() {
     }
 }
 
-/// One address holding 200 idle connections to the admin listener (127.0.0.2, loopback
+/// One address holding 1,000 idle connections to the admin listener (127.0.0.2, loopback
 /// like every address here) takes only its own few places: `/livez` from another address
 /// answers at once, and the idle ones are closed when their head does not come.
 #[tokio::test]
 async fn idle_admin_connections_from_one_peer_lock_nobody_out() {
+    // A thousand sockets here: the soft open-file limit may be 1024.
+    let _ = sluice::rlimit::raise_nofile();
     let proxy = Proxy::start("").await;
     let mut held = Vec::new();
-    for _ in 0..200 {
+    for _ in 0..1000 {
         let socket = tokio::net::TcpSocket::new_v4().unwrap();
         socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
         if let Ok(s) = socket.connect(proxy.admin).await {

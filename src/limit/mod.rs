@@ -92,6 +92,8 @@ pub struct Plan {
     global: Vec<Arc<[Arc<GlobalLimit>]>>,
     /// Keyed partitions it may have live at once (see [`max_partitions`]).
     max_partitions: usize,
+    /// Whether any of its queues adapts its rate (`adaptive`).
+    adapts: bool,
 }
 
 /// The memory the partitions of one keyed upstream may take by default: its default
@@ -201,6 +203,7 @@ impl Plan {
             .iter()
             .map(|f| Arc::new(FamilyMetrics::new(metrics, &u.name, &f.name)))
             .collect();
+        let adapts = families.iter().any(|f| f.adaptive.is_some());
         static GENERATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Plan {
             name: Arc::from(u.name.as_str()),
@@ -216,6 +219,7 @@ impl Plan {
             metrics: handles,
             global,
             max_partitions: max_partitions(u),
+            adapts,
         }
     }
 
