@@ -214,7 +214,17 @@ impl Redis {
             ]),
         };
         if !self.sentinel() {
+            // A replica's full sync writes the primary's RDB to disk even without
+            // `save`: in the temporary directory, never in the repository.
+            let file = format!("dump-{}.rdb", self.port);
+            let dir = std::env::temp_dir();
             cmd.args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .args([
+                    "--dir",
+                    dir.to_str().unwrap_or("/tmp"),
+                    "--dbfilename",
+                    &file,
+                ])
                 .args(&self.extra);
         }
         let child = cmd
