@@ -565,3 +565,100 @@ async fn slow_heads_and_idle_connections_are_closed_after_the_header_timeout() {
         "an idle keep-alive connection was closed after {waited:?}"
     );
 }
+
+/// An upstream that answers every request `200 ok` and keeps each request head it read.
+async fn recording_upstream() -> (
+    std::net::SocketAddr,
+    std::sync::Arc<parking_lot::Mutex<Vec<String>>>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let heads = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let kept = heads.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let kept = kept.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    while let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..i]).to_string();
+                        buf.drain(..i + 4);
+                        kept.lock().push(head);
+                        let ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
+                        if s.write_all(ok).await.is_err() {
+                            return;
+                        }
+                    }
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+            });
+        }
+    });
+    (addr, heads)
+}
+
+/// Request targets reach a plain-HTTP upstream in the form RFC 9112 §3.2 asks for: `/`
+/// before a query when the URL has no path, and `Via` names the version the client spoke.
+/// (`OPTIONS http://host` goes as `OPTIONS /`: hyper's URI parser reads an empty path as
+/// `/`, so the asterisk form of RFC 9112 §3.2.4 cannot be told from a request for `/`.)
+#[tokio::test]
+async fn request_targets_and_via_are_forwarded_as_rfc_9112_asks() {
+    let (up, heads) = recording_upstream().await;
+    let proxy = Proxy::start("").await;
+    let cases = [
+        (
+            "GET",
+            format!("http://{up}?x=1"),
+            "1.1",
+            "GET /?x=1 HTTP/1.1",
+        ),
+        (
+            "OPTIONS",
+            format!("http://{up}/"),
+            "1.1",
+            "OPTIONS / HTTP/1.1",
+        ),
+        (
+            "OPTIONS",
+            format!("http://{up}?x=1"),
+            "1.1",
+            "OPTIONS /?x=1 HTTP/1.1",
+        ),
+        (
+            "GET",
+            format!("http://{up}/a?b"),
+            "1.0",
+            "GET /a?b HTTP/1.1",
+        ),
+    ];
+    for (i, (method, url, version, line)) in cases.iter().enumerate() {
+        let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+        s.write_all(
+            format!("{method} {url} HTTP/{version}\r\nHost: {up}\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let resp = read_response(&mut s).await;
+        assert_eq!(resp.status, 200, "{method} {url}: {}", resp.head);
+        // The upstream answered in HTTP/1.1: that is the version its Via names.
+        assert_eq!(
+            resp.header("via").as_deref(),
+            Some("1.1 sluice"),
+            "{}",
+            resp.head
+        );
+        let head = heads.lock()[i].clone();
+        assert_eq!(head.lines().next(), Some(*line), "{head}");
+        let via = head
+            .lines()
+            .find_map(|l| l.strip_prefix("via: ").or_else(|| l.strip_prefix("Via: ")))
+            .unwrap_or_else(|| panic!("no Via in {head}"));
+        assert_eq!(via, format!("{version} sluice"), "{head}");
+    }
+}

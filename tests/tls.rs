@@ -389,3 +389,63 @@ async fn silent_intercepted_connections_are_closed() {
         );
     }
 }
+
+/// Intercepted clients that offer only ALPN `http/1.0`, or no ALPN at all, are served:
+/// the handshake completes and a request inside gets sluice's answer in the version it
+/// was asked in (here a 502, since nothing listens behind 127.0.0.1:443).
+#[tokio::test]
+async fn intercepted_clients_offering_http_1_0_or_no_alpn_are_served() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let proxy = Proxy::start(&format!(
+        "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
+         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n\
+         retry = {{ max_attempts = 1 }}\n"
+    ))
+    .await;
+    use rustls_pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls_pki_types::CertificateDer::from_pem_file(&ca_cert).unwrap())
+        .unwrap();
+    for (alpn, request, answer) in [
+        (
+            Some(b"http/1.0".to_vec()),
+            "GET / HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n",
+            "HTTP/1.0 502",
+        ),
+        (
+            None,
+            "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+            "HTTP/1.1 502",
+        ),
+    ] {
+        let mut config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots.clone())
+        .with_no_client_auth();
+        config.alpn_protocols = alpn.iter().cloned().collect();
+        let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+        let tunnel = intercepted_tunnel(&proxy).await;
+        let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
+        let mut tls = connector
+            .connect(name, tunnel)
+            .await
+            .unwrap_or_else(|e| panic!("{alpn:?}: {e}"));
+        assert_eq!(tls.get_ref().1.alpn_protocol(), alpn.as_deref());
+        tls.write_all(request.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut got)).await;
+        let text = String::from_utf8_lossy(&got);
+        assert!(text.starts_with(answer), "{alpn:?}: {text}");
+        assert!(
+            text.to_ascii_lowercase()
+                .contains("sluice-reason: upstream_unreachable"),
+            "{text}"
+        );
+    }
+}

@@ -156,10 +156,17 @@ fn host_value(text: String) -> Result<Authority, ProxyError> {
         .map_err(|_| ProxyError::BadRequest("the URL's host is not a valid Host value".into()))
 }
 
+/// The request target an origin server gets: an empty path is `/`, before a query too
+/// (RFC 9112 §3.2.1: `http://host?x=1` is `/?x=1`). The URI parser already reads
+/// `http://host` as `http://host/`, so an `OPTIONS` for the server as a whole cannot be
+/// told from one for `/` and goes as `OPTIONS /`, not `OPTIONS *` (RFC 9112 §3.2.4).
 fn path_and_query(uri: &Uri) -> PathAndQuery {
-    uri.path_and_query()
-        .cloned()
-        .unwrap_or_else(|| PathAndQuery::from_static("/"))
+    match uri.path_and_query() {
+        Some(pq) if pq.as_str().starts_with('/') || pq.as_str() == "*" => pq.clone(),
+        Some(pq) if !pq.as_str().is_empty() => PathAndQuery::try_from(format!("/{}", pq.as_str()))
+            .unwrap_or_else(|_| PathAndQuery::from_static("/")),
+        _ => PathAndQuery::from_static("/"),
+    }
 }
 
 /// The plain functions here return `async move` blocks rather than being `async fn`s: an
@@ -344,6 +351,7 @@ fn to_upstream(
     target: &Target,
 ) -> Result<(Request<Body>, Option<std::time::Duration>), ProxyError> {
     let (mut parts, body) = req.into_parts();
+    let received = parts.version;
     strip_hop_by_hop(&mut parts.headers);
     // One look at the names rather than a hashed lookup for each: a client sends `Host`
     // as the URL has it (as curl and HTTP_PROXY clients do), and rarely `Expect` or
@@ -376,7 +384,7 @@ fn to_upstream(
         })?;
         parts.headers.insert(header::HOST, host);
     }
-    append_via(&mut parts.headers);
+    append_via(&mut parts.headers, received);
     // A plain absolute-form request already names exactly what is forwarded; only TLS
     // origination, requests inside a tunnel and URLs with user info need a new URI.
     let unchanged = !target.https
@@ -408,7 +416,7 @@ fn to_upstream(
 fn from_upstream(resp: Response<Body>) -> Response<Body> {
     let (mut parts, body) = resp.into_parts();
     strip_hop_by_hop(&mut parts.headers);
-    append_via(&mut parts.headers);
+    append_via(&mut parts.headers, parts.version);
     Response::from_parts(parts, body)
 }
 

@@ -84,9 +84,17 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// RFC 9110 §7.6.3: a proxy adds itself to `Via` on what it forwards.
-pub fn append_via(headers: &mut HeaderMap) {
-    headers.append(header::VIA, HeaderValue::from_static("1.1 sluice"));
+/// RFC 9110 §7.6.3: a proxy adds itself to `Via` on what it forwards, with the version
+/// of the protocol it received the message in.
+pub fn append_via(headers: &mut HeaderMap, received: http::Version) {
+    let via = match received {
+        http::Version::HTTP_09 => "0.9 sluice",
+        http::Version::HTTP_10 => "1.0 sluice",
+        http::Version::HTTP_2 => "2 sluice",
+        http::Version::HTTP_3 => "3 sluice",
+        _ => "1.1 sluice",
+    };
+    headers.append(header::VIA, HeaderValue::from_static(via));
 }
 
 #[cfg(test)]

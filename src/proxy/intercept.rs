@@ -169,7 +169,10 @@ pub(crate) async fn serve(
         Ok(c) => c,
         Err(e) => return failed("TLS configuration failed", e.to_string()),
     };
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    // In the server's order of preference; a client that offers only `http/1.0` is served
+    // HTTP/1.1 semantics in HTTP/1.0 messages, as hyper does for an HTTP/1.0 request, and
+    // one that offers nothing gets no ALPN and HTTP/1.1 or h2 by its first bytes.
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec(), b"http/1.0".to_vec()];
     let tls = match tokio::time::timeout_at(since + handshake, start.into_stream(Arc::new(config)))
         .await
     {
