@@ -90,6 +90,11 @@ async fn a_post_without_an_idempotency_key_is_sent_exactly_once() {
     assert_eq!(resp.status(), 503, "the upstream's answer, not retried");
     assert!(resp.headers().get("sluice-attempts").is_none());
     assert_eq!(arrivals(&up, "/seq/c/503,200").len(), 1);
+    // Without a body as well: an empty body can always be sent again, but the POST may
+    // have taken effect.
+    let resp = client.post(up.url("/seq/c2/503,200")).send().await.unwrap();
+    assert_eq!(resp.status(), 503, "an empty POST, not retried");
+    assert_eq!(arrivals(&up, "/seq/c2/503,200").len(), 1);
 
     let resp = client
         .post(up.url("/seq/d/503,200"))

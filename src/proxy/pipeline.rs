@@ -107,9 +107,15 @@ pub fn run<'a>(
             head.headers
                 .insert(retry.idempotency_header.clone(), idempotency_key());
         }
-        let safe =
-            is_idempotent(&head.method) || head.headers.contains_key(&retry.idempotency_header);
+        // A request that asks to switch protocols is sent once: what the upstream does
+        // with the connection after a 101 is beyond a retry.
+        let safe = (is_idempotent(&head.method)
+            || head.headers.contains_key(&retry.idempotency_header))
+            && !head.headers.contains_key(http::header::UPGRADE);
         let keep = safe && retry.max_attempts > 1;
+        // Only a safe request has attempts after the first: an empty body is always
+        // there to send again, but a POST without a key may have taken effect.
+        let attempts = if safe { retry.max_attempts } else { 1 };
         let body = Replay::new(body, keep, config.proxy.max_replay_body, &app.replay_budget);
         let deadline = start + policy.total_timeout;
         let queued = Queued {
@@ -119,7 +125,8 @@ pub fn run<'a>(
         let result = tokio::time::timeout_at(
             deadline,
             retry_loop(
-                app, config, upstreams, route, policy, head, &body, start, deadline, &queued,
+                app, config, upstreams, route, policy, attempts, head, &body, start, deadline,
+                &queued,
             ),
         )
         .await
@@ -240,6 +247,7 @@ async fn retry_loop(
     upstreams: Option<&PinnedConns>,
     route: &Route,
     policy: &Policy,
+    attempts: u32,
     mut head: Head,
     body: &Replay,
     start: Instant,
@@ -289,7 +297,7 @@ async fn retry_loop(
         let feedback = permit.as_ref().and_then(Permit::feedback);
         // The attempt no other can follow (the body cannot be replayed, or it is the last
         // one allowed) takes the head; the others send a copy and keep it for the next.
-        let (req, kept) = if !body.replayable() || attempt_no >= retry.max_attempts {
+        let (req, kept) = if !body.replayable() || attempt_no >= attempts {
             (head.into_request(body.for_attempt()), None)
         } else {
             (head.request(body.for_attempt()), Some(head))
@@ -306,7 +314,7 @@ async fn retry_loop(
         )
         .await;
         let now = Instant::now();
-        let may_retry = body.replayable() && attempt_no < retry.max_attempts;
+        let may_retry = body.replayable() && attempt_no < attempts;
 
         let (wants_retry, hint, outcome) = match result {
             Ok(resp) => {
