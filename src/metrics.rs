@@ -40,6 +40,11 @@ pub struct Metrics {
     pub tls_handshake_failures: prometheus::IntCounter,
     /// Live partitions (sets of buckets) over all upstreams, as of the last sweep.
     pub partitions: IntGauge,
+    /// `{upstream, result}`: requests that asked to switch protocols (`Upgrade`), by
+    /// result: `switched`, `refused` (the upstream answered otherwise), `failed`.
+    pub upgrades: IntCounterVec,
+    /// `{upstream}`: switched connections open now.
+    pub upgraded: IntGaugeVec,
     /// `{upstream}`: its live partitions, as of the last sweep (or the scrape, when few).
     pub upstream_partitions: IntGaugeVec,
     /// `{upstream}`: a keyed upstream's `max_partitions`.
@@ -285,6 +290,21 @@ impl Metrics {
             "sluice_partitions",
             "Live partitions (one per upstream and key value) as of the last idle sweep",
         )?;
+        let upgrades = IntCounterVec::new(
+            Opts::new(
+                "sluice_upgrades_total",
+                "Requests that asked to switch protocols (WebSocket), by result: switched, \
+                 refused (the upstream answered otherwise) or failed",
+            ),
+            &["upstream", "result"],
+        )?;
+        let upgraded = IntGaugeVec::new(
+            Opts::new(
+                "sluice_upgraded_connections",
+                "Connections switched to another protocol (WebSocket) open now",
+            ),
+            &["upstream"],
+        )?;
         let upstream_partitions = IntGaugeVec::new(
             Opts::new(
                 "sluice_upstream_partitions",
@@ -454,6 +474,8 @@ impl Metrics {
         registry.register(Box::new(family_breaker_state.clone()))?;
         registry.register(Box::new(partitions.clone()))?;
         registry.register(Box::new(upstream_partitions.clone()))?;
+        registry.register(Box::new(upgrades.clone()))?;
+        registry.register(Box::new(upgraded.clone()))?;
         registry.register(Box::new(max_partitions.clone()))?;
         registry.register(Box::new(configured_rate.clone()))?;
         registry.register(Box::new(effective_rate.clone()))?;
@@ -502,6 +524,8 @@ impl Metrics {
             partitions,
             upstream_partitions,
             max_partitions,
+            upgrades,
+            upgraded,
             configured_rate,
             effective_rate,
             learned_partitions,

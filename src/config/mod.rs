@@ -92,6 +92,8 @@ pub struct ProxyConfig {
     /// A CONNECT tunnel with no bytes either way for this long is closed.
     #[serde(serialize_with = "ser_duration")]
     pub tunnel_idle_timeout: Duration,
+    /// Protocols a forwarded request may switch to (`Upgrade`), lower case.
+    pub upgrades: Vec<String>,
     /// How long a write to a client may stay blocked (nginx's `send_timeout`).
     #[serde(serialize_with = "ser_duration")]
     pub send_timeout: Duration,
@@ -953,6 +955,31 @@ fn check_proxy(p: &spec::ProxySpec) -> Result<ProxyConfig> {
         tunnel_idle_timeout: p
             .tunnel_idle_timeout
             .map_or(Duration::from_secs(300), |d| d.0),
+        upgrades: match &p.upgrades {
+            None => vec!["websocket".to_string()],
+            Some(list) => {
+                let mut names = Vec::new();
+                for name in list.get_ref() {
+                    let lower = name.to_ascii_lowercase();
+                    let token = !lower.is_empty()
+                        && lower
+                            .bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b));
+                    if !token || lower == "h2c" {
+                        return Err(invalid(
+                            list.span(),
+                            format!(
+                                "upgrades names protocols a request may switch to, such as \
+                                 \"websocket\"; {name:?} is not one (h2c never is: upstreams \
+                                 are spoken to in HTTP/1.1)"
+                            ),
+                        ));
+                    }
+                    names.push(lower);
+                }
+                names
+            }
+        },
         send_timeout: p.send_timeout.map_or(Duration::from_secs(30), |d| d.0),
         drain_timeout: p.drain_timeout.map_or(Duration::from_secs(25), |d| d.0),
         shutdown_delay: p.shutdown_delay.map_or(Duration::ZERO, |d| d.0),

@@ -51,6 +51,7 @@ pub struct ProxySpec {
     pub max_replay_memory: Option<Bytes>,
     pub max_connections: Option<std::num::NonZeroU64>,
     pub tunnel_idle_timeout: Option<PosDur>,
+    pub upgrades: Option<Spanned<Vec<String>>>,
     pub send_timeout: Option<PosDur>,
     pub drain_timeout: Option<Dur>,
     pub shutdown_delay: Option<Dur>,

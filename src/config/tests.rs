@@ -652,3 +652,24 @@ fn max_partitions_needs_a_key_and_a_positive_count() {
         crate::limit::PARTITION_MEMORY / crate::limit::partition_bytes(u)
     );
 }
+
+#[test]
+fn upgrades_name_protocols_and_never_h2c() {
+    let c = Config::parse("", "s.toml").unwrap();
+    assert_eq!(c.proxy.upgrades, ["websocket"]);
+    let c = Config::parse(
+        "[proxy]\nupgrades = [\"WebSocket\", \"x-tail\"]\n",
+        "s.toml",
+    )
+    .unwrap();
+    assert_eq!(c.proxy.upgrades, ["websocket", "x-tail"]);
+    let c = Config::parse("[proxy]\nupgrades = []\n", "s.toml").unwrap();
+    assert!(c.proxy.upgrades.is_empty());
+    for bad in ["h2c", "web socket", ""] {
+        let e = err(&format!("[proxy]\nupgrades = [{bad:?}]\n"));
+        assert!(
+            e.starts_with("s.toml:2:12: ") && e.contains("upgrades"),
+            "{e}"
+        );
+    }
+}

@@ -6,22 +6,19 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::error::ProxyError;
 use super::forward::{Record, finish};
 use super::lifecycle::Lifecycle;
+use super::splice::Ended;
 use super::{Body, empty};
 use crate::app::App;
 use crate::config::{TlsMode, Unmatched};
@@ -123,89 +120,16 @@ pub(crate) async fn tunnel(
             }
         };
         let mut client = TokioIo::new(client);
-        let mut upstream_io = Activity::new(upstream_io);
-        let last = upstream_io.last.clone();
-        tokio::select! {
-            r = tokio::io::copy_bidirectional(&mut client, &mut upstream_io) => match r {
-                Ok((up, down)) => tracing::debug!(bytes_up = up, bytes_down = down, "tunnel closed"),
-                Err(e) => tracing::debug!(error = %e, "tunnel ended with an error"),
-            },
-            () = idle_for(&last, idle) => tracing::debug!(?idle, "tunnel closed: idle"),
-            _ = stop.cancelled() => tracing::debug!("tunnel cut at the end of the drain"),
+        match super::splice::splice(&mut client, upstream_io, idle, &stop).await {
+            Ended::Closed(up, down) => {
+                tracing::debug!(bytes_up = up, bytes_down = down, "tunnel closed")
+            }
+            Ended::Failed(e) => tracing::debug!(error = %e, "tunnel ended with an error"),
+            Ended::Idle => tracing::debug!(?idle, "tunnel closed: idle"),
+            Ended::Cut => tracing::debug!("tunnel cut at the end of the drain"),
         }
     });
     done(Ok(ok_response()))
-}
-
-/// The upstream side of a tunnel, noting when bytes last went either way (everything the
-/// client sends is written here, everything it receives is read here).
-struct Activity {
-    inner: TcpStream,
-    /// Milliseconds from `base` to the last transfer.
-    last: Arc<(Instant, AtomicU64)>,
-}
-
-impl Activity {
-    fn new(inner: TcpStream) -> Activity {
-        Activity {
-            inner,
-            last: Arc::new((Instant::now(), AtomicU64::new(0))),
-        }
-    }
-
-    fn moved(&self) {
-        let ms = u64::try_from(self.last.0.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.last.1.store(ms, Ordering::Relaxed);
-    }
-}
-
-impl AsyncRead for Activity {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            self.moved();
-        }
-        r
-    }
-}
-
-impl AsyncWrite for Activity {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.moved();
-        }
-        r
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
-
-/// Completes once nothing has moved for `idle`: sleeps until the last transfer plus `idle`,
-/// then looks again (one timer per idle period, not per transfer).
-async fn idle_for(last: &(Instant, AtomicU64), idle: Duration) {
-    loop {
-        let at = last.0 + Duration::from_millis(last.1.load(Ordering::Relaxed)) + idle;
-        if Instant::now() >= at {
-            return;
-        }
-        tokio::time::sleep_until(at).await;
-    }
 }
 
 fn ok_response() -> Response<Body> {

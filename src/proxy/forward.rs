@@ -8,15 +8,16 @@ use std::net::IpAddr;
 
 use http::header::{self, HeaderValue};
 use http::uri::{Authority, PathAndQuery};
-use http::{Method, Request, Response, Uri, Version};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 use tokio_util::either::Either;
 
 use super::error::ProxyError;
 use super::headers::{append_via, strip_hop_by_hop};
+use super::lifecycle::Lifecycle;
 use super::pinned::PinnedConns;
-use super::{Body, empty, pipeline, stream};
+use super::{Body, empty, pipeline, stream, upgrade};
 use crate::app::App;
 use crate::app::Live;
 use crate::config::{Scheme, Unmatched};
@@ -52,12 +53,13 @@ impl Target {
     pub fn from_uri(uri: &Uri) -> Result<Target, ProxyError> {
         let scheme = uri.scheme_str().ok_or(ProxyError::NotProxyRequest)?;
         match scheme {
-            "http" => {}
-            "https" => {
-                return Err(ProxyError::BadRequest(
-                    "https:// URLs go through a CONNECT tunnel (HTTPS_PROXY), not a plain request"
-                        .into(),
-                ));
+            // `ws://` as some WebSocket clients send it to a proxy: HTTP until the 101.
+            "http" | "ws" => {}
+            "https" | "wss" => {
+                return Err(ProxyError::BadRequest(format!(
+                    "{scheme}:// URLs go through a CONNECT tunnel (HTTPS_PROXY), not a plain \
+                     request"
+                )));
             }
             other => {
                 return Err(ProxyError::BadRequest(format!(
@@ -172,14 +174,21 @@ fn path_and_query(uri: &Uri) -> PathAndQuery {
 /// The plain functions here return `async move` blocks rather than being `async fn`s: an
 /// `async fn` stores a second copy of each argument it moves on, and a request's future is
 /// copied whole at every level that builds it (docs/BENCHMARKS.md).
-pub fn forward<'a>(
+pub(crate) fn forward<'a>(
     app: &'a App,
+    lc: &'a Lifecycle,
     upstreams: &'a PinnedConns,
     req: Request<Incoming>,
 ) -> impl Future<Output = Response<Body>> + 'a {
     let start = Instant::now();
     match Target::from_uri(req.uri()) {
-        Ok(target) => Either::Left(route_and_send(app, Some(upstreams), req, target, start)),
+        Ok(target) => Either::Left(route_and_send(
+            app,
+            Some((upstreams, lc)),
+            req,
+            target,
+            start,
+        )),
         Err(e) => Either::Right(std::future::ready(unaddressable(app, &req, start, e))),
     }
 }
@@ -217,12 +226,13 @@ pub fn intercepted<'a>(
     }
 }
 
-/// `upstreams`: the client connection's own plain-HTTP upstream connections, when it has
-/// them (not inside an intercepted tunnel, whose upstream is reached over TLS).
+/// `upstreams`: the client connection's own plain-HTTP upstream connections and its
+/// lifecycle, when it has them (not inside an intercepted tunnel, whose upstream is
+/// reached over TLS). Only there may a request switch protocols (see `upgrade`).
 #[allow(clippy::manual_async_fn, reason = "see above: arguments stored once")]
 fn route_and_send<'a>(
     app: &'a App,
-    upstreams: Option<&'a PinnedConns>,
+    own: Option<(&'a PinnedConns, &'a Lifecycle)>,
     req: Request<Incoming>,
     mut target: Target,
     start: Instant,
@@ -253,16 +263,20 @@ fn route_and_send<'a>(
             };
             finish(&config, &record, result)
         };
+        let upgrades = own
+            .filter(|_| !target.https)
+            .map(|_| &config.proxy.upgrades[..]);
         // Not a `match` around the await: its scrutinee (the request, 240 bytes) would
         // stay in the future while the upstream answers.
-        let (req, max_wait) = match admit(app, &config, route.as_ref(), &target, req) {
-            Ok(admitted) => admitted,
-            Err(e) => return done(Err(e)),
-        };
+        let (req, max_wait, switching) =
+            match admit(app, &config, route.as_ref(), &target, req, upgrades) {
+                Ok(admitted) => admitted,
+                Err(e) => return done(Err(e)),
+            };
         let (result, waited) = pipeline::run(
             app,
             &config,
-            upstreams,
+            own.map(|(u, _)| u),
             route.as_ref(),
             req,
             max_wait,
@@ -270,6 +284,18 @@ fn route_and_send<'a>(
         )
         .await;
         let mut resp = done(result.map(from_upstream));
+        if let (Some(switching), Some((_, lc))) = (switching, own) {
+            let (upstream, _) = crate::route::labels(&config.config, route.as_ref());
+            if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+                let idle = config.proxy.tunnel_idle_timeout;
+                resp = upgrade::switch(lc, &app.metrics, upstream, idle, resp, *switching);
+            } else {
+                app.metrics
+                    .upgrades
+                    .with_label_values(&[upstream, "refused"])
+                    .inc();
+            }
+        }
         if let Some(waited) = waited {
             // Whole milliseconds: what a client needs to decide whether to shed work.
             let ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX);
@@ -333,7 +359,8 @@ fn admit(
     route: Option<&Route>,
     target: &Target,
     req: Request<Incoming>,
-) -> Result<(Request<Body>, Option<std::time::Duration>), ProxyError> {
+    upgrades: Option<&[String]>,
+) -> Result<Admitted, ProxyError> {
     if route.is_none() && config.proxy.unmatched == Unmatched::Deny {
         return Err(ProxyError::UnmatchedDenied);
     }
@@ -343,16 +370,42 @@ fn admit(
             .check(&config.egress_rules, target.host(), ip, target.port)
             .map_err(ProxyError::Egress)?;
     }
-    to_upstream(req, target)
+    to_upstream(req, target, upgrades)
 }
+
+/// The request as the upstream will see it, the client's `sluice-max-wait`, and the
+/// protocol switch it asks for, if `upgrades` allows it (boxed: rare, and the request's
+/// future holds it while the upstream answers).
+type Admitted = (
+    Request<Body>,
+    Option<std::time::Duration>,
+    Option<Box<upgrade::Switching>>,
+);
 
 fn to_upstream(
     req: Request<Incoming>,
     target: &Target,
-) -> Result<(Request<Body>, Option<std::time::Duration>), ProxyError> {
+    upgrades: Option<&[String]>,
+) -> Result<Admitted, ProxyError> {
     let (mut parts, body) = req.into_parts();
     let received = parts.version;
+    let protocol = upgrades.and_then(|allowed| {
+        upgrade::asked(&parts.headers).filter(|p| upgrade::allowed(p, allowed))
+    });
     strip_hop_by_hop(&mut parts.headers);
+    let switching = match protocol {
+        Some(protocol) => {
+            let client = parts.extensions.remove::<hyper::upgrade::OnUpgrade>();
+            client.map(|client| {
+                parts
+                    .headers
+                    .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+                parts.headers.insert(header::UPGRADE, protocol.clone());
+                Box::new(upgrade::Switching { protocol, client })
+            })
+        }
+        None => None,
+    };
     // One look at the names rather than a hashed lookup for each: a client sends `Host`
     // as the URL has it (as curl and HTTP_PROXY clients do), and rarely `Expect` or
     // `sluice-max-wait`.
@@ -410,7 +463,7 @@ fn to_upstream(
     } else {
         stream(body)
     };
-    Ok((Request::from_parts(parts, body), max_wait))
+    Ok((Request::from_parts(parts, body), max_wait, switching))
 }
 
 fn from_upstream(resp: Response<Body>) -> Response<Body> {

@@ -19,7 +19,9 @@ pub mod pinned;
 pub mod pipeline;
 pub mod replay;
 pub mod server;
+pub mod splice;
 pub(crate) mod timer;
+pub mod upgrade;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;

@@ -36,6 +36,7 @@ use super::h1::Error as H1Error;
 use super::h1::conn::{Conn, Failed, Home, Outgoing, UpstreamBody, exchange};
 use super::outbound::Outbound;
 use super::timer::{ConnTimer, Deadline};
+use super::upgrade::UpstreamSide;
 use crate::egress::{Resolver, Rules};
 use crate::route::{authority_parts, normalize_host};
 
@@ -250,6 +251,7 @@ impl PinnedConns {
             .filter(|pq| !pq.as_str().is_empty())
             .cloned()
             .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        let asked = req.headers().contains_key(http::header::UPGRADE);
         let absolute = std::mem::take(req.uri_mut());
         let mut out = Box::new(Outgoing::new(req, target));
         async move {
@@ -275,6 +277,15 @@ impl PinnedConns {
                     key,
                 };
                 match exchange(conn, out, owner).await {
+                    // The request asked to switch (see `upgrade`): the connection goes to
+                    // the forward path, which joins it to the client's.
+                    Ok(resp) if resp.status() == StatusCode::SWITCHING_PROTOCOLS && asked => {
+                        let (mut parts, mut body) = resp.into_parts();
+                        if let Some((io, rest)) = body.take_upgraded() {
+                            parts.extensions.insert(UpstreamSide::new(io, rest));
+                        }
+                        return Ok(Response::from_parts(parts, Either::Left(body)));
+                    }
                     // The connection went with the response, which is dropped: it closes.
                     Ok(resp) if resp.status() == StatusCode::SWITCHING_PROTOCOLS => {
                         return Err(AttemptError::unasked_upgrade());

@@ -502,7 +502,7 @@ fn handle(
             // otherwise size every plain request's future.
             Box::pin(connect::tunnel(&conn.app, &conn.lc, req, conn.peer)).await
         } else {
-            forward::forward(&conn.app, &conn.upstreams, req).await
+            forward::forward(&conn.app, &conn.lc, &conn.upstreams, req).await
         })
     }
 }

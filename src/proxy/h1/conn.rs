@@ -354,7 +354,9 @@ fn response<H: Home>(
         },
         home,
     };
-    if matches!(body.read, Reading::Done) {
+    // After a 101 the connection is in another protocol: it stays with the body for
+    // `take_upgraded`, or closes with it.
+    if matches!(body.read, Reading::Done) && status != 101 {
         body.finish();
     }
     let mut resp = Response::new(body);
@@ -388,6 +390,16 @@ impl<H> std::fmt::Debug for UpstreamBody<H> {
             .field("done", &matches!(self.read, Reading::Done))
             .field("goes_home", &self.home.is_some())
             .finish()
+    }
+}
+
+impl<H> UpstreamBody<H> {
+    /// After a `101`: the connection in its new protocol, and what the upstream already
+    /// sent in it behind the head.
+    pub fn take_upgraded(&mut self) -> Option<(TcpStream, BytesMut)> {
+        self.sending = None;
+        self.home = None;
+        self.conn.take().map(|c| (c.io, c.buf))
     }
 }
 

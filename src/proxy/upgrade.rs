@@ -1,0 +1,170 @@
+//! Switching protocols through the forward proxy (WebSocket): a request that asks for a
+//! protocol `proxy.upgrades` allows keeps its `Upgrade` and `Connection: upgrade`, pays
+//! its limits like any request and is sent once. After the upstream's `101`, the client's
+//! connection and the upstream's are spliced as a CONNECT tunnel is (idle timeout, cut at
+//! the end of the drain), and a concurrency permit the request holds stays held until
+//! both close. `h2c` is never passed on: sluice speaks HTTP/1.1 to upstreams.
+
+use std::sync::Arc;
+
+use bytes::BytesMut;
+use http::header::{self, HeaderMap, HeaderValue};
+use http::{Response, StatusCode};
+use hyper::upgrade::OnUpgrade;
+use hyper_util::rt::TokioIo;
+use parking_lot::Mutex;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+
+use super::lifecycle::Lifecycle;
+use super::splice::{Ended, splice};
+use super::{Body, empty};
+use crate::metrics::Metrics;
+
+/// The protocol a request asks to switch to: its `Upgrade` value, when `Connection`
+/// names `upgrade` too.
+pub fn asked(headers: &HeaderMap) -> Option<HeaderValue> {
+    let says_upgrade = headers.get_all(header::CONNECTION).iter().any(|v| {
+        v.to_str().is_ok_and(|s| {
+            s.split(',')
+                .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+        })
+    });
+    says_upgrade
+        .then(|| headers.get(header::UPGRADE).cloned())
+        .flatten()
+}
+
+/// Whether the first protocol `offer` names (without its version) is one of `allowed`.
+/// `h2c` never is.
+pub fn allowed(offer: &HeaderValue, allowed: &[String]) -> bool {
+    let first = offer
+        .to_str()
+        .ok()
+        .and_then(|s| s.split(',').next())
+        .and_then(|p| p.split('/').next())
+        .map_or("", str::trim);
+    !first.is_empty()
+        && !first.eq_ignore_ascii_case("h2c")
+        && allowed.iter().any(|a| a.eq_ignore_ascii_case(first))
+}
+
+/// A request on its way to switching: the protocol, and the client's side once hyper has
+/// written the `101`.
+pub struct Switching {
+    pub protocol: HeaderValue,
+    pub client: OnUpgrade,
+}
+
+/// The upstream's side of a switched connection and what it already sent in the new
+/// protocol, handed from the upstream client to the forward path in the response's
+/// extensions (which must be `Clone`).
+#[derive(Clone, Default)]
+pub struct UpstreamSide(Arc<Mutex<Option<(TcpStream, BytesMut)>>>);
+
+impl UpstreamSide {
+    pub fn new(io: TcpStream, rest: BytesMut) -> UpstreamSide {
+        UpstreamSide(Arc::new(Mutex::new(Some((io, rest)))))
+    }
+
+    fn take(&self) -> Option<(TcpStream, BytesMut)> {
+        self.0.lock().take()
+    }
+}
+
+/// The upstream answered `101` to `switching`: the client gets the `101` (with the
+/// upstream's fields and the protocol), and a task joins the two connections. `resp` is
+/// the upstream's response; its body, which holds the request's permits, is held until
+/// the splice ends. Without the upstream's side (it went elsewhere), a 502.
+pub(crate) fn switch(
+    lc: &Lifecycle,
+    metrics: &Metrics,
+    upstream: &str,
+    idle: std::time::Duration,
+    resp: Response<Body>,
+    switching: Switching,
+) -> Response<Body> {
+    let (mut parts, held) = resp.into_parts();
+    let Some((io, rest)) = parts
+        .extensions
+        .remove::<UpstreamSide>()
+        .and_then(|s| s.take())
+    else {
+        metrics
+            .upgrades
+            .with_label_values(&[upstream, "failed"])
+            .inc();
+        let mut r = Response::new(empty());
+        *r.status_mut() = StatusCode::BAD_GATEWAY;
+        return r;
+    };
+    parts
+        .headers
+        .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    parts.headers.insert(header::UPGRADE, switching.protocol);
+    let open = metrics.upgraded.with_label_values(&[upstream]);
+    let counted = metrics.upgrades.clone();
+    let (upstream, stop) = (upstream.to_string(), lc.stop.clone());
+    lc.tracker.spawn(async move {
+        let _held = held;
+        let client = match switching.client.await {
+            Ok(c) => c,
+            Err(e) => {
+                counted.with_label_values(&[&upstream, "failed"]).inc();
+                tracing::debug!(error = %e, "the client's side of an upgrade failed");
+                return;
+            }
+        };
+        counted.with_label_values(&[&upstream, "switched"]).inc();
+        open.inc();
+        let mut client = TokioIo::new(client);
+        // What the upstream sent right behind its 101 goes first.
+        let ended = match client.write_all(&rest).await {
+            Ok(()) => splice(&mut client, io, idle, &stop).await,
+            Err(e) => Ended::Failed(e),
+        };
+        open.dec();
+        match ended {
+            Ended::Closed(up, down) => {
+                tracing::debug!(
+                    bytes_up = up,
+                    bytes_down = down,
+                    "upgraded connection closed"
+                );
+            }
+            Ended::Failed(e) => {
+                tracing::debug!(error = %e, "upgraded connection ended with an error")
+            }
+            Ended::Idle => tracing::debug!(?idle, "upgraded connection closed: idle"),
+            Ended::Cut => tracing::debug!("upgraded connection cut at the end of the drain"),
+        }
+    });
+    Response::from_parts(parts, empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_asks_and_what_is_allowed() {
+        let mut h = HeaderMap::new();
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        assert_eq!(asked(&h), None, "no Connection: upgrade");
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, Upgrade"),
+        );
+        assert_eq!(asked(&h), Some(HeaderValue::from_static("websocket")));
+        let ws = vec!["websocket".to_string()];
+        assert!(allowed(&HeaderValue::from_static("WebSocket"), &ws));
+        assert!(!allowed(&HeaderValue::from_static("h2c"), &ws));
+        let h2c = vec!["h2c".to_string()];
+        assert!(
+            !allowed(&HeaderValue::from_static("h2c"), &h2c),
+            "never h2c"
+        );
+        assert!(!allowed(&HeaderValue::from_static("foo/2, websocket"), &ws));
+        assert!(!allowed(&HeaderValue::from_static(""), &ws));
+    }
+}

@@ -1,0 +1,230 @@
+//! WebSockets through the forward proxy: a real WebSocket server (tokio-tungstenite)
+//! behind sluice, and a client that sends its handshake to the proxy in absolute form,
+//! as aiohttp and `HTTP_PROXY` clients do, then speaks WebSocket frames on the same
+//! connection.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::protocol::Role;
+
+/// A WebSocket server that sends every message back.
+async fn echo_server() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Ok(mut ws) = tokio_tungstenite::accept_async(s).await else {
+                    return;
+                };
+                while let Some(Ok(m)) = ws.next().await {
+                    if (m.is_text() || m.is_binary()) && ws.send(m).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Sends a WebSocket handshake for `url` to the proxy; the status line and head of the
+/// answer, and the WebSocket on that connection after a 101.
+async fn open(
+    proxy: &Proxy,
+    url: &str,
+    host: SocketAddr,
+    protocol: &str,
+) -> (u16, String, Option<WebSocketStream<TcpStream>>) {
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        format!(
+            "GET {url} HTTP/1.1\r\nHost: {host}\r\nUpgrade: {protocol}\r\nConnection: Upgrade\r\n\
+             Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    // Byte by byte: nothing past the head may be taken from the WebSocket.
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut b))
+            .await
+            .expect("an answer in time")
+            .unwrap();
+        assert_eq!(n, 1, "closed after {}", String::from_utf8_lossy(&head));
+        head.push(b[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_string();
+    let status: u16 = head[9..12].parse().unwrap();
+    let ws = if status == 101 {
+        Some(WebSocketStream::from_raw_socket(s, Role::Client, None).await)
+    } else {
+        None
+    };
+    (status, head, ws)
+}
+
+async fn echoes(ws: &mut WebSocketStream<TcpStream>, m: Message) {
+    ws.send(m.clone()).await.unwrap();
+    let back = tokio::time::timeout(Duration::from_secs(10), ws.next())
+        .await
+        .expect("the echo in time")
+        .unwrap()
+        .unwrap();
+    assert_eq!(back, m);
+}
+
+/// A WebSocket through the forward proxy (`ws://` and `http://` URLs alike): the upgrade
+/// is matched to its upstream, holds that upstream's concurrency permit until it closes,
+/// and is counted.
+#[tokio::test]
+async fn websockets_pass_through_and_hold_their_concurrency_permit() {
+    let up = echo_server().await;
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"chat\"\nhosts = [\"127.0.0.1:{}\"]\nmax_wait = \"300ms\"\n\
+         limits = [{{ kind = \"concurrency\", max = 1 }}]\n",
+        up.port()
+    ))
+    .await;
+    let (status, head, ws) = open(&proxy, &format!("ws://{up}/chat"), up, "websocket").await;
+    assert_eq!(status, 101, "{head}");
+    let lower = head.to_ascii_lowercase();
+    assert!(lower.contains("upgrade: websocket"), "{head}");
+    assert!(lower.contains("connection: upgrade"), "{head}");
+    assert!(lower.contains("sec-websocket-accept:"), "{head}");
+    let mut ws = ws.unwrap();
+    echoes(&mut ws, Message::text("hello")).await;
+    echoes(&mut ws, Message::binary(vec![0u8, 1, 2, 255])).await;
+
+    // The open WebSocket holds the only permit: a second one waits, then is refused.
+    let (status, head, _) = open(&proxy, &format!("http://{up}/chat"), up, "websocket").await;
+    assert_eq!(status, 429, "{head}");
+    assert!(head.contains("queue_timeout"), "{head}");
+
+    ws.close(None).await.unwrap();
+    drop(ws);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            let m = proxy.metrics().await;
+            metric(&m, r#"sluice_upgraded_connections{upstream="chat"}"#) == Some(0.0)
+        })
+        .await
+    );
+    let (status, head, ws) = open(&proxy, &format!("http://{up}/chat"), up, "websocket").await;
+    assert_eq!(status, 101, "the permit came back: {head}");
+    let mut ws = ws.unwrap();
+    echoes(&mut ws, Message::text("again")).await;
+    let m = proxy.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"sluice_upgrades_total{result="switched",upstream="chat"}"#
+        ),
+        Some(2.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, r#"sluice_upgraded_connections{upstream="chat"}"#),
+        Some(1.0),
+        "{m}"
+    );
+}
+
+/// A switched connection is a tunnel: silent for `tunnel_idle_timeout`, it is closed.
+#[tokio::test]
+async fn a_silent_websocket_is_closed_after_the_tunnel_idle_timeout() {
+    let up = echo_server().await;
+    let proxy = Proxy::start("tunnel_idle_timeout = \"1s\"\n").await;
+    let (status, head, ws) = open(&proxy, &format!("http://{up}/"), up, "websocket").await;
+    assert_eq!(status, 101, "{head}");
+    let mut ws = ws.unwrap();
+    let t = tokio::time::Instant::now();
+    let end = tokio::time::timeout(Duration::from_secs(10), ws.next()).await;
+    assert!(matches!(end, Ok(None | Some(Err(_)))), "closed: {end:?}");
+    assert!(
+        t.elapsed() >= Duration::from_millis(800),
+        "{:?}",
+        t.elapsed()
+    );
+}
+
+/// An upstream that answers every request 503 and counts the heads it read.
+async fn failing_upstream() -> (SocketAddr, std::sync::Arc<parking_lot::Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let heads = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let kept = heads.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let kept = kept.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                kept.lock().push(String::from_utf8_lossy(&buf).to_string());
+                let _ = s
+                    .write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                    .await;
+            });
+        }
+    });
+    (addr, heads)
+}
+
+/// An upgrade request is never retried (a 503 to a GET would be), and a protocol
+/// `upgrades` does not allow, or `h2c`, is not passed on.
+#[tokio::test]
+async fn an_upgrade_is_sent_once_and_other_protocols_are_not_passed_on() {
+    let (up, heads) = failing_upstream().await;
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"down\"\nhosts = [\"127.0.0.1:{}\"]\n\
+         retry = {{ max_attempts = 3, backoff = {{ base = \"10ms\", max = \"10ms\" }} }}\n",
+        up.port()
+    ))
+    .await;
+    let (status, head, _) = open(&proxy, &format!("http://{up}/"), up, "websocket").await;
+    assert_eq!(status, 503, "{head}");
+    assert_eq!(heads.lock().len(), 1, "sent once");
+    assert!(
+        heads.lock()[0]
+            .to_ascii_lowercase()
+            .contains("upgrade: websocket")
+    );
+    for protocol in ["h2c", "custom/1"] {
+        heads.lock().clear();
+        let (status, head, _) = open(&proxy, &format!("http://{up}/"), up, protocol).await;
+        assert_eq!(status, 503, "{head}");
+        let seen = heads.lock().clone();
+        assert!(
+            seen.iter()
+                .all(|h| !h.to_ascii_lowercase().contains("upgrade")),
+            "{protocol}: {seen:?}"
+        );
+    }
+    let m = proxy.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"sluice_upgrades_total{result="refused",upstream="down"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+}
