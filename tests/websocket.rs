@@ -76,7 +76,10 @@ async fn open(
     (status, head, ws)
 }
 
-async fn echoes(ws: &mut WebSocketStream<TcpStream>, m: Message) {
+async fn echoes<S>(ws: &mut WebSocketStream<S>, m: Message)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     ws.send(m.clone()).await.unwrap();
     let back = tokio::time::timeout(Duration::from_secs(10), ws.next())
         .await
@@ -227,4 +230,156 @@ async fn an_upgrade_is_sent_once_and_other_protocols_are_not_passed_on() {
         Some(1.0),
         "{m}"
     );
+}
+
+/// A `wss://` WebSocket through an intercepted tunnel: sluice terminates the client's TLS,
+/// sends the handshake to the upstream over its own verified TLS (HTTP/1.1: there is no
+/// upgrade in HTTP/2), and joins the two after the 101. The client is tungstenite's own
+/// handshake, the server tungstenite's accept over rustls.
+#[tokio::test]
+async fn a_wss_websocket_passes_through_interception() {
+    support::crypto();
+    let dir = tempfile::tempdir().unwrap();
+    let certs = support::certs::for_localhost(dir.path(), &[b"h2", b"http/1.1"]);
+    let acceptor = tokio_rustls::TlsAcceptor::from(certs.server);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let Ok(mut ws) = tokio_tungstenite::accept_async(tls).await else {
+                    return;
+                };
+                while let Some(Ok(m)) = ws.next().await {
+                    if m.is_text() && ws.send(m).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let proxy = Proxy::start(&format!(
+        "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
+         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n\
+         upstream_ca = {:?}\nlimits = [{{ kind = \"concurrency\", max = 2 }}]\n",
+        certs.ca_path
+    ))
+    .await;
+
+    let mut tunnel = TcpStream::connect(proxy.addr).await.unwrap();
+    tunnel
+        .write_all(format!("CONNECT {up} HTTP/1.1\r\nHost: {up}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(tunnel.read(&mut b).await.unwrap(), 1);
+        head.push(b[0]);
+    }
+    assert!(head.starts_with(b"HTTP/1.1 200"));
+    use rustls_pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls_pki_types::CertificateDer::from_pem_file(&ca_cert).unwrap())
+        .unwrap();
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let tls = connector.connect(name, tunnel).await.unwrap();
+    let (mut ws, resp) = tokio_tungstenite::client_async(format!("wss://{up}/chat"), tls)
+        .await
+        .unwrap_or_else(|e| panic!("the handshake through interception: {e}"));
+    assert_eq!(resp.status(), 101);
+    echoes(&mut ws, Message::text("through interception")).await;
+    let m = proxy.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"sluice_upgrades_total{result="switched",upstream="secure"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+}
+
+/// Inside an intercepted tunnel spoken in HTTP/2, sluice does not offer RFC 8441's
+/// extended CONNECT (it sends no SETTINGS_ENABLE_CONNECT_PROTOCOL), so an HTTP/2 client
+/// cannot open a WebSocket there and opens an HTTP/1.1 connection for it instead, which
+/// `a_wss_websocket_passes_through_interception` covers. Here hyper's HTTP/2 client is
+/// refused before anything is sent, and an ordinary request on the same connection works.
+#[tokio::test]
+async fn extended_connect_is_not_offered_inside_intercepted_h2() {
+    support::crypto();
+    let dir = tempfile::tempdir().unwrap();
+    let up = support::certs::tls_upstream(dir.path()).await;
+    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let proxy = Proxy::start(&format!(
+        "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
+         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n\
+         upstream_ca = {:?}\n",
+        up.ca_path
+    ))
+    .await;
+    let mut tunnel = TcpStream::connect(proxy.addr).await.unwrap();
+    let target = up.addr;
+    tunnel
+        .write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(tunnel.read(&mut b).await.unwrap(), 1);
+        head.push(b[0]);
+    }
+    use rustls_pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls_pki_types::CertificateDer::from_pem_file(&ca_cert).unwrap())
+        .unwrap();
+    let mut config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let tls = connector.connect(name, tunnel).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tls),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    // The server's SETTINGS arrive with its first answer.
+    let plain = http::Request::get(format!("https://{target}/"))
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .unwrap();
+    let resp = send.send_request(plain).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut connect = http::Request::connect(format!("https://{target}/chat"))
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .unwrap();
+    connect
+        .extensions_mut()
+        .insert(hyper::ext::Protocol::from_static("websocket"));
+    let refused = send.send_request(connect).await;
+    assert!(refused.is_err(), "{refused:?}");
+    assert_eq!(up.seen.lock().len(), 1, "only the plain request reached the upstream");
 }

@@ -10,11 +10,15 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use super::error::{AttemptError, find_cause};
 use super::outbound::Outbound;
 use super::pinned::UpstreamResponse;
+use super::upgrade::UpstreamSide;
 use crate::egress::{Connector, EgressError, Resolver};
 
 #[derive(Clone)]
 pub struct UpstreamClient {
     inner: Client<HttpsConnector<Connector>, Outbound>,
+    /// For requests that ask to switch protocols (`Upgrade`): HTTP/1.1 only, since the
+    /// mechanism does not exist in HTTP/2, and no pool, since the connection leaves.
+    upgrading: Client<HttpsConnector<Connector>, Outbound>,
 }
 
 impl UpstreamClient {
@@ -22,23 +26,35 @@ impl UpstreamClient {
     /// offers it by ALPN), trusting what `tls` trusts.
     pub fn new(resolver: Resolver, tls: rustls::ClientConfig) -> UpstreamClient {
         let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
+            .with_tls_config(tls.clone())
             .https_or_http()
             .enable_http1()
             .enable_http2()
-            .wrap_connector(Connector(resolver));
+            .wrap_connector(Connector(resolver.clone()));
         let inner = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .timer(TokioTimer::new())
             .pool_idle_timeout(super::IDLE_TIMEOUT)
             .set_host(false)
             .build(https);
-        UpstreamClient { inner }
+        let http1 = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(Connector(resolver));
+        let upgrading = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(0)
+            .timer(TokioTimer::new())
+            .set_host(false)
+            .build(http1);
+        UpstreamClient { inner, upgrading }
     }
 
     /// The response; the pool keeps its connections (compare `PinnedConns::send`).
     pub async fn send(&self, req: Request<Outbound>) -> Result<UpstreamResponse, AttemptError> {
-        let resp = self.inner.request(req).await.map_err(|e| {
+        let asked = req.headers().contains_key(http::header::UPGRADE);
+        let client = if asked { &self.upgrading } else { &self.inner };
+        let mut resp = client.request(req).await.map_err(|e| {
             if let Some(egress) = find_cause::<EgressError>(&e).map(EgressError::copy) {
                 AttemptError::from_egress(egress)
             } else if find_cause::<rustls::Error>(&e).is_some() {
@@ -52,7 +68,12 @@ impl UpstreamClient {
             }
         })?;
         if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
-            return Err(AttemptError::unasked_upgrade());
+            if !asked {
+                return Err(AttemptError::unasked_upgrade());
+            }
+            // The forward path joins it to the client's side (see `upgrade`).
+            let side = UpstreamSide::hyper(hyper::upgrade::on(&mut resp));
+            resp.extensions_mut().insert(side);
         }
         Ok(resp.map(Either::Right))
     }

@@ -182,13 +182,7 @@ pub(crate) fn forward<'a>(
 ) -> impl Future<Output = Response<Body>> + 'a {
     let start = Instant::now();
     match Target::from_uri(req.uri()) {
-        Ok(target) => Either::Left(route_and_send(
-            app,
-            Some((upstreams, lc)),
-            req,
-            target,
-            start,
-        )),
+        Ok(target) => Either::Left(route_and_send(app, Some(upstreams), lc, req, target, start)),
         Err(e) => Either::Right(std::future::ready(unaddressable(app, &req, start, e))),
     }
 }
@@ -213,26 +207,28 @@ fn unaddressable(
 
 /// A request inside an intercepted tunnel to `host:port`: routed and limited exactly like
 /// plain HTTP, sent on over verified TLS.
-pub fn intercepted<'a>(
+pub(crate) fn intercepted<'a>(
     app: &'a App,
+    lc: &'a Lifecycle,
     req: Request<Incoming>,
     host: &str,
     port: u16,
 ) -> impl Future<Output = Response<Body>> + 'a {
     let start = Instant::now();
     match Target::in_tunnel(host, port, req.uri()) {
-        Ok(target) => Either::Left(route_and_send(app, None, req, target, start)),
+        Ok(target) => Either::Left(route_and_send(app, None, lc, req, target, start)),
         Err(e) => Either::Right(std::future::ready(unaddressable(app, &req, start, e))),
     }
 }
 
-/// `upstreams`: the client connection's own plain-HTTP upstream connections and its
-/// lifecycle, when it has them (not inside an intercepted tunnel, whose upstream is
-/// reached over TLS). Only there may a request switch protocols (see `upgrade`).
+/// `upstreams`: the client connection's own plain-HTTP upstream connections, when it has
+/// them (not inside an intercepted tunnel, whose upstream is reached over TLS); `lc`: its
+/// lifecycle, which a switched protocol (see `upgrade`) lives in.
 #[allow(clippy::manual_async_fn, reason = "see above: arguments stored once")]
 fn route_and_send<'a>(
     app: &'a App,
-    own: Option<(&'a PinnedConns, &'a Lifecycle)>,
+    upstreams: Option<&'a PinnedConns>,
+    lc: &'a Lifecycle,
     req: Request<Incoming>,
     mut target: Target,
     start: Instant,
@@ -263,9 +259,7 @@ fn route_and_send<'a>(
             };
             finish(&config, &record, result)
         };
-        let upgrades = own
-            .filter(|_| !target.https)
-            .map(|_| &config.proxy.upgrades[..]);
+        let upgrades = Some(&config.proxy.upgrades[..]);
         // Not a `match` around the await: its scrutinee (the request, 240 bytes) would
         // stay in the future while the upstream answers.
         let (req, max_wait, switching) =
@@ -276,7 +270,7 @@ fn route_and_send<'a>(
         let (result, waited) = pipeline::run(
             app,
             &config,
-            own.map(|(u, _)| u),
+            upstreams,
             route.as_ref(),
             req,
             max_wait,
@@ -284,7 +278,7 @@ fn route_and_send<'a>(
         )
         .await;
         let mut resp = done(result.map(from_upstream));
-        if let (Some(switching), Some((_, lc))) = (switching, own) {
+        if let Some(switching) = switching {
             let (upstream, _) = crate::route::labels(&config.config, route.as_ref());
             if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
                 let idle = config.proxy.tunnel_idle_timeout;

@@ -181,10 +181,10 @@ pub(crate) async fn serve(
         Err(_) => return failed("client TLS handshake timed out", format!("{handshake:?}")),
     };
 
-    let svc_app = app.clone();
+    let (svc_app, svc_lc) = (app.clone(), lc.clone());
     let svc = service_fn(move |req: Request<Incoming>| {
-        let (app, host) = (svc_app.clone(), host.clone());
-        async move { Ok::<_, Infallible>(forward::intercepted(&app, req, &host, port).await) }
+        let (app, lc, host) = (svc_app.clone(), svc_lc.clone(), host.clone());
+        async move { Ok::<_, Infallible>(forward::intercepted(&app, &lc, req, &host, port).await) }
     });
     let mut builder = auto::Builder::new(TokioExecutor::new());
     // Without a timer hyper skips its header-read timeout silently.
@@ -193,7 +193,8 @@ pub(crate) async fn serve(
         .timer(TokioTimer::new())
         .header_read_timeout(super::lifecycle::HEADER_READ_TIMEOUT);
     builder.http2().timer(TokioTimer::new());
-    let conn = builder.serve_connection(TokioIo::new(tls), svc);
+    // With upgrades: a WebSocket handshake inside the tunnel switches like a plain one.
+    let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), svc);
     tokio::select! {
         result = lc.until_drained(conn) => {
             if let Err(e) = result {

@@ -60,6 +60,20 @@ where
     }
 }
 
+impl<I, S, E> Graceful for hyper_util::server::conn::auto::UpgradeableConnection<'_, I, S, E>
+where
+    Self: Future,
+    S: hyper::service::Service<Request<Incoming>, Response = Response<Body>>,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S::Future: 'static,
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    E: hyper::rt::bounds::Http2ServerConnExec<S::Future, Body>,
+{
+    fn graceful_shutdown(self: Pin<&mut Self>) {
+        hyper_util::server::conn::auto::UpgradeableConnection::graceful_shutdown(self)
+    }
+}
+
 impl Lifecycle {
     /// Serves a connection; when the drain starts it finishes the exchange in progress and
     /// closes, and when the drain time is up it is cut.

@@ -282,7 +282,7 @@ impl PinnedConns {
                     Ok(resp) if resp.status() == StatusCode::SWITCHING_PROTOCOLS && asked => {
                         let (mut parts, mut body) = resp.into_parts();
                         if let Some((io, rest)) = body.take_upgraded() {
-                            parts.extensions.insert(UpstreamSide::new(io, rest));
+                            parts.extensions.insert(UpstreamSide::own(io, rest));
                         }
                         return Ok(Response::from_parts(parts, Either::Left(body)));
                     }

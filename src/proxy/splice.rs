@@ -10,7 +10,6 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -26,14 +25,15 @@ pub(crate) enum Ended {
 
 /// Joins `client` and `upstream` until either closes, nothing moves either way for
 /// `idle`, or `stop` is cancelled.
-pub(crate) async fn splice<C>(
+pub(crate) async fn splice<C, U>(
     client: &mut C,
-    upstream: TcpStream,
+    upstream: U,
     idle: Duration,
     stop: &CancellationToken,
 ) -> Ended
 where
     C: AsyncRead + AsyncWrite + Unpin,
+    U: AsyncRead + AsyncWrite + Unpin,
 {
     let mut upstream = Activity::new(upstream);
     let last = upstream.last.clone();
@@ -49,14 +49,14 @@ where
 
 /// The upstream side of a tunnel, noting when bytes last went either way (everything the
 /// client sends is written here, everything it receives is read here).
-pub(crate) struct Activity {
-    inner: TcpStream,
+pub(crate) struct Activity<S> {
+    inner: S,
     /// Milliseconds from `base` to the last transfer.
     last: Arc<(Instant, AtomicU64)>,
 }
 
-impl Activity {
-    fn new(inner: TcpStream) -> Activity {
+impl<S> Activity<S> {
+    fn new(inner: S) -> Activity<S> {
         Activity {
             inner,
             last: Arc::new((Instant::now(), AtomicU64::new(0))),
@@ -69,7 +69,7 @@ impl Activity {
     }
 }
 
-impl AsyncRead for Activity {
+impl<S: AsyncRead + Unpin> AsyncRead for Activity<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -84,7 +84,7 @@ impl AsyncRead for Activity {
     }
 }
 
-impl AsyncWrite for Activity {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Activity<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,

@@ -56,18 +56,29 @@ pub struct Switching {
     pub client: OnUpgrade,
 }
 
-/// The upstream's side of a switched connection and what it already sent in the new
-/// protocol, handed from the upstream client to the forward path in the response's
-/// extensions (which must be `Clone`).
-#[derive(Clone, Default)]
-pub struct UpstreamSide(Arc<Mutex<Option<(TcpStream, BytesMut)>>>);
+/// The upstream's side of a switched connection, handed from the upstream client to the
+/// forward path in the response's extensions (which must be `Clone`).
+#[derive(Clone)]
+pub struct UpstreamSide(Arc<Mutex<Option<Side>>>);
+
+enum Side {
+    /// From the own HTTP/1.1 client: the socket, and what the upstream already sent in
+    /// the new protocol behind its head.
+    Own(TcpStream, BytesMut),
+    /// From hyper's client (TLS upstreams), once it lets the connection go.
+    Hyper(OnUpgrade),
+}
 
 impl UpstreamSide {
-    pub fn new(io: TcpStream, rest: BytesMut) -> UpstreamSide {
-        UpstreamSide(Arc::new(Mutex::new(Some((io, rest)))))
+    pub fn own(io: TcpStream, rest: BytesMut) -> UpstreamSide {
+        UpstreamSide(Arc::new(Mutex::new(Some(Side::Own(io, rest)))))
     }
 
-    fn take(&self) -> Option<(TcpStream, BytesMut)> {
+    pub fn hyper(on: OnUpgrade) -> UpstreamSide {
+        UpstreamSide(Arc::new(Mutex::new(Some(Side::Hyper(on)))))
+    }
+
+    fn take(&self) -> Option<Side> {
         self.0.lock().take()
     }
 }
@@ -85,7 +96,7 @@ pub(crate) fn switch(
     switching: Switching,
 ) -> Response<Body> {
     let (mut parts, held) = resp.into_parts();
-    let Some((io, rest)) = parts
+    let Some(side) = parts
         .extensions
         .remove::<UpstreamSide>()
         .and_then(|s| s.take())
@@ -115,13 +126,29 @@ pub(crate) fn switch(
                 return;
             }
         };
-        counted.with_label_values(&[&upstream, "switched"]).inc();
-        open.inc();
         let mut client = TokioIo::new(client);
-        // What the upstream sent right behind its 101 goes first.
-        let ended = match client.write_all(&rest).await {
-            Ok(()) => splice(&mut client, io, idle, &stop).await,
-            Err(e) => Ended::Failed(e),
+        let ended = match side {
+            Side::Own(io, rest) => {
+                counted.with_label_values(&[&upstream, "switched"]).inc();
+                open.inc();
+                // What the upstream sent right behind its 101 goes first.
+                match client.write_all(&rest).await {
+                    Ok(()) => splice(&mut client, io, idle, &stop).await,
+                    Err(e) => Ended::Failed(e),
+                }
+            }
+            Side::Hyper(on) => match on.await {
+                Ok(io) => {
+                    counted.with_label_values(&[&upstream, "switched"]).inc();
+                    open.inc();
+                    splice(&mut client, TokioIo::new(io), idle, &stop).await
+                }
+                Err(e) => {
+                    counted.with_label_values(&[&upstream, "failed"]).inc();
+                    tracing::debug!(error = %e, "the upstream's side of an upgrade failed");
+                    return;
+                }
+            },
         };
         open.dec();
         match ended {
