@@ -449,3 +449,160 @@ async fn intercepted_clients_offering_http_1_0_or_no_alpn_are_served() {
         );
     }
 }
+
+/// `Expect: 100-continue` inside interception behaves the same over HTTP/1.1 and HTTP/2:
+/// `100` comes once the request is admitted, and a request the queue refuses gets its
+/// 429 without a `100` (its body is never sent). curl waits 30 s for a `100` here, so a
+/// missing one would show as a stall.
+#[tokio::test]
+async fn expect_100_continue_inside_interception_over_h1_and_h2() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = tls_upstream(dir.path()).await;
+    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let proxy = Proxy::start(&format!(
+        "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
+         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n\
+         upstream_ca = {:?}\nmax_wait = \"100ms\"\n\
+         limits = [{{ kind = \"fixed_window\", permits = 2, window = \"1m\" }}]\n",
+        up.ca_path
+    ))
+    .await;
+    let upload = dir.path().join("upload");
+    std::fs::write(&upload, vec![b'x'; 200_000]).unwrap();
+    let run = |version: &str| {
+        let args = vec![
+            "-sS".to_string(),
+            "-v".into(),
+            "--max-time".into(),
+            "60".into(),
+            "--expect100-timeout".into(),
+            "30".into(),
+            version.into(),
+            "-x".into(),
+            proxy.url(),
+            "--cacert".into(),
+            ca_cert.display().to_string(),
+            "-H".into(),
+            "Expect: 100-continue".into(),
+            "--data-binary".into(),
+            format!("@{}", upload.display()),
+            "-w".into(),
+            "%{http_code}".into(),
+            format!("https://{}/upload", up.addr),
+        ];
+        curl(args)
+    };
+    // Two admitted (the window's two permits), one over each version; then one refused.
+    for version in ["--http1.1", "--http2"] {
+        let t = Instant::now();
+        let (ok, out, err) = run(version).await;
+        assert!(ok, "{version}: {err}");
+        assert!(out.ends_with("200"), "{version}: {out}");
+        assert!(
+            err.contains("< HTTP/1.1 100") || err.contains("< HTTP/2 100"),
+            "{version}: a 100 came: {err}"
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{version}: {:?}",
+            t.elapsed()
+        );
+    }
+    for version in ["--http1.1", "--http2"] {
+        let (ok, out, err) = run(version).await;
+        assert!(ok, "{version}: {err}");
+        assert!(out.ends_with("429"), "{version}: {out}");
+        assert!(
+            !err.contains("< HTTP/1.1 100") && !err.contains("< HTTP/2 100"),
+            "{version}: refused without a 100: {err}"
+        );
+    }
+}
+
+/// HTTP/2 inside interception is served by sluice's own loop over the `h2` crate: a
+/// client that opens streams and resets them at once (the "rapid reset" flood) is cut
+/// off by the connection's reset bounds and never reaches the upstream more than a
+/// handful of times, and other clients are served meanwhile.
+#[tokio::test]
+async fn a_rapid_reset_flood_inside_interception_is_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = tls_upstream(dir.path()).await;
+    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let proxy = Proxy::start(&format!(
+        "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
+         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n\
+         upstream_ca = {:?}\n",
+        up.ca_path
+    ))
+    .await;
+    use rustls_pki_types::pem::PemObject;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls_pki_types::CertificateDer::from_pem_file(&ca_cert).unwrap())
+        .unwrap();
+    let mut config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let mut tunnel = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let target = up.addr;
+    tunnel
+        .write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(tunnel.read(&mut b).await.unwrap(), 1);
+        head.push(b[0]);
+    }
+    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let tls = connector.connect(name, tunnel).await.unwrap();
+    let (mut send, conn) = h2::client::handshake(tls).await.unwrap();
+    let conn = tokio::spawn(conn);
+    let mut sent = 0;
+    for _ in 0..5000 {
+        let Ok(ready) = send.clone().ready().await else {
+            break;
+        };
+        send = ready;
+        let req = http::Request::get(format!("https://{target}/flood"))
+            .body(())
+            .unwrap();
+        let Ok((_, mut stream)) = send.send_request(req, true) else {
+            break;
+        };
+        stream.send_reset(h2::Reason::CANCEL);
+        sent += 1;
+    }
+    // The connection ends (GOAWAY) well before the flood could, or the flood's streams
+    // were cancelled before their requests were sent on.
+    let ended = tokio::time::timeout(Duration::from_secs(10), conn).await;
+    let reached = up.seen.lock().len();
+    eprintln!("rapid reset: {sent} streams opened and reset, {reached} reached the upstream, connection {ended:?}");
+    assert!(
+        sent < 5000 || matches!(ended, Ok(_)),
+        "{sent} streams opened and reset"
+    );
+    assert!(reached < 200, "{reached} of {sent} reset requests reached the upstream");
+    // Others are served.
+    let client = reqwest::Client::builder()
+        .proxy(reqwest::Proxy::all(proxy.url()).unwrap())
+        .add_root_certificate(
+            reqwest::Certificate::from_pem(&std::fs::read(&ca_cert).unwrap()).unwrap(),
+        )
+        .build()
+        .unwrap();
+    let r = client
+        .get(format!("https://{target}/after"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}

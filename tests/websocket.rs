@@ -381,5 +381,9 @@ async fn extended_connect_is_not_offered_inside_intercepted_h2() {
         .insert(hyper::ext::Protocol::from_static("websocket"));
     let refused = send.send_request(connect).await;
     assert!(refused.is_err(), "{refused:?}");
-    assert_eq!(up.seen.lock().len(), 1, "only the plain request reached the upstream");
+    assert_eq!(
+        up.seen.lock().len(),
+        1,
+        "only the plain request reached the upstream"
+    );
 }

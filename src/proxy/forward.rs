@@ -188,12 +188,7 @@ pub(crate) fn forward<'a>(
 }
 
 /// The answer to a request whose target cannot be read.
-fn unaddressable(
-    app: &App,
-    req: &Request<Incoming>,
-    start: Instant,
-    e: ProxyError,
-) -> Response<Body> {
+fn unaddressable<B>(app: &App, req: &Request<B>, start: Instant, e: ProxyError) -> Response<Body> {
     let config = app.config();
     let record = Record {
         route: None,
@@ -207,13 +202,17 @@ fn unaddressable(
 
 /// A request inside an intercepted tunnel to `host:port`: routed and limited exactly like
 /// plain HTTP, sent on over verified TLS.
-pub(crate) fn intercepted<'a>(
+pub(crate) fn intercepted<'a, B>(
     app: &'a App,
     lc: &'a Lifecycle,
-    req: Request<Incoming>,
+    req: Request<B>,
     host: &str,
     port: u16,
-) -> impl Future<Output = Response<Body>> + 'a {
+) -> impl Future<Output = Response<Body>> + 'a
+where
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<super::BoxError>,
+{
     let start = Instant::now();
     match Target::in_tunnel(host, port, req.uri()) {
         Ok(target) => Either::Left(route_and_send(app, None, lc, req, target, start)),
@@ -225,14 +224,18 @@ pub(crate) fn intercepted<'a>(
 /// them (not inside an intercepted tunnel, whose upstream is reached over TLS); `lc`: its
 /// lifecycle, which a switched protocol (see `upgrade`) lives in.
 #[allow(clippy::manual_async_fn, reason = "see above: arguments stored once")]
-fn route_and_send<'a>(
+fn route_and_send<'a, B>(
     app: &'a App,
     upstreams: Option<&'a PinnedConns>,
     lc: &'a Lifecycle,
-    req: Request<Incoming>,
+    req: Request<B>,
     mut target: Target,
     start: Instant,
-) -> impl Future<Output = Response<Body>> + 'a {
+) -> impl Future<Output = Response<Body>> + 'a
+where
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<super::BoxError>,
+{
     async move {
         let config = app.config();
         let method = req.method().clone();
@@ -347,14 +350,18 @@ fn parse_max_wait(value: &HeaderValue) -> Result<std::time::Duration, ProxyError
 
 /// The egress rules, then the request as the upstream will see it, and the client's
 /// `sluice-max-wait`.
-fn admit(
+fn admit<B>(
     app: &App,
     config: &Live,
     route: Option<&Route>,
     target: &Target,
-    req: Request<Incoming>,
+    req: Request<B>,
     upgrades: Option<&[String]>,
-) -> Result<Admitted, ProxyError> {
+) -> Result<Admitted, ProxyError>
+where
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<super::BoxError>,
+{
     if route.is_none() && config.proxy.unmatched == Unmatched::Deny {
         return Err(ProxyError::UnmatchedDenied);
     }
@@ -376,11 +383,15 @@ type Admitted = (
     Option<Box<upgrade::Switching>>,
 );
 
-fn to_upstream(
-    req: Request<Incoming>,
+fn to_upstream<B>(
+    req: Request<B>,
     target: &Target,
     upgrades: Option<&[String]>,
-) -> Result<Admitted, ProxyError> {
+) -> Result<Admitted, ProxyError>
+where
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<super::BoxError>,
+{
     let (mut parts, body) = req.into_parts();
     let received = parts.version;
     let protocol = upgrades.and_then(|allowed| {

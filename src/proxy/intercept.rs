@@ -19,10 +19,10 @@ use std::time::Duration;
 
 use http::Request;
 use hyper::body::Incoming;
+use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::upgrade::Upgraded;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use rustls::ServerConfig;
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
@@ -181,20 +181,35 @@ pub(crate) async fn serve(
         Err(_) => return failed("client TLS handshake timed out", format!("{handshake:?}")),
     };
 
+    if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
+        // HTTP/2 is served with the h2 crate, for `100 Continue` (see `h2server`).
+        let stop = lc.stop.clone();
+        tokio::select! {
+            result = super::h2server::serve(app.clone(), lc.clone(), tls, host, port) => {
+                if let Err(e) = result {
+                    tracing::debug!(client = %peer, error = %e, "intercepted connection ended with an error");
+                }
+            }
+            () = idle_for(since, &last, idle) => {
+                tracing::debug!(client = %peer, "intercepted connection idle: closed");
+            }
+            _ = stop.cancelled() => {}
+        }
+        return;
+    }
     let (svc_app, svc_lc) = (app.clone(), lc.clone());
     let svc = service_fn(move |req: Request<Incoming>| {
         let (app, lc, host) = (svc_app.clone(), svc_lc.clone(), host.clone());
         async move { Ok::<_, Infallible>(forward::intercepted(&app, &lc, req, &host, port).await) }
     });
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    // Without a timer hyper skips its header-read timeout silently.
-    builder
-        .http1()
+    // Without a timer hyper skips its header-read timeout silently. With upgrades: a
+    // WebSocket handshake inside the tunnel switches like a plain one. HTTP/2 is agreed
+    // by ALPN only (RFC 9113 §3.2), so a client that offered none speaks HTTP/1.
+    let conn = http1::Builder::new()
         .timer(TokioTimer::new())
-        .header_read_timeout(super::lifecycle::HEADER_READ_TIMEOUT);
-    builder.http2().timer(TokioTimer::new());
-    // With upgrades: a WebSocket handshake inside the tunnel switches like a plain one.
-    let conn = builder.serve_connection_with_upgrades(TokioIo::new(tls), svc);
+        .header_read_timeout(super::lifecycle::HEADER_READ_TIMEOUT)
+        .serve_connection(TokioIo::new(tls), svc)
+        .with_upgrades();
     tokio::select! {
         result = lc.until_drained(conn) => {
             if let Err(e) = result {

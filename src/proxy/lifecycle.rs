@@ -5,7 +5,6 @@
 use std::future::Future;
 use std::pin::Pin;
 
-use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use tokio_util::sync::CancellationToken;
@@ -15,8 +14,6 @@ use tokio_util::task::TaskTracker;
 /// it bounds both a head sent byte by byte and a keep-alive connection left idle (hyper's
 /// default, named here because operators ask). Plain and intercepted connections alike.
 pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
-
-use super::Body;
 
 /// What connection and tunnel tasks need to know about shutdown.
 #[derive(Clone)]
@@ -43,34 +40,6 @@ where
 {
     fn graceful_shutdown(self: Pin<&mut Self>) {
         http1::UpgradeableConnection::graceful_shutdown(self)
-    }
-}
-
-impl<I, S, E> Graceful for hyper_util::server::conn::auto::Connection<'_, I, S, E>
-where
-    Self: Future,
-    S: hyper::service::Service<Request<Incoming>, Response = Response<Body>>,
-    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    S::Future: 'static,
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + 'static,
-    E: hyper::rt::bounds::Http2ServerConnExec<S::Future, Body>,
-{
-    fn graceful_shutdown(self: Pin<&mut Self>) {
-        hyper_util::server::conn::auto::Connection::graceful_shutdown(self)
-    }
-}
-
-impl<I, S, E> Graceful for hyper_util::server::conn::auto::UpgradeableConnection<'_, I, S, E>
-where
-    Self: Future,
-    S: hyper::service::Service<Request<Incoming>, Response = Response<Body>>,
-    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    S::Future: 'static,
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-    E: hyper::rt::bounds::Http2ServerConnExec<S::Future, Body>,
-{
-    fn graceful_shutdown(self: Pin<&mut Self>) {
-        hyper_util::server::conn::auto::UpgradeableConnection::graceful_shutdown(self)
     }
 }
 

@@ -11,6 +11,7 @@ pub mod connect;
 pub mod error;
 pub mod forward;
 pub mod h1;
+pub mod h2server;
 pub mod headers;
 pub mod intercept;
 pub(crate) mod lifecycle;

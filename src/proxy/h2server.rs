@@ -1,0 +1,251 @@
+//! HTTP/2 inside an intercepted tunnel, served with the `h2` crate rather than through
+//! hyper: hyper's HTTP/2 server cannot send `100 Continue`, and a client that sends
+//! `Expect: 100-continue` over HTTP/2 (curl and Go after a 1 s timeout, Java's HttpClient
+//! never) waits for it before sending its body. Here a request's `100` goes out when its
+//! body is first read, which the pipeline does once the request is admitted: a request
+//! the queue refuses gets its refusal without a `100`, as over HTTP/1.1.
+//!
+//! The connection's limits are hyper's defaults for its HTTP/2 server (concurrent streams,
+//! header list size, windows, the reset-stream bounds that stop rapid-reset floods); a
+//! stream the client resets is dropped at once, cancelling its request.
+
+use std::future::poll_fn;
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use h2::server::SendResponse;
+use h2::{Reason, RecvStream, SendStream};
+use http::{HeaderMap, Request, Response, StatusCode, header};
+use http_body::{Body as HttpBody, Frame};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::oneshot;
+
+use super::forward;
+use super::lifecycle::Lifecycle;
+use super::{Body, BoxError};
+use crate::app::App;
+
+/// hyper's defaults for its HTTP/2 server, kept so that the limits the hardening review
+/// probed (CONTINUATION floods, rapid reset) stay what they were.
+const MAX_CONCURRENT_STREAMS: u32 = 200;
+const MAX_HEADER_LIST_SIZE: u32 = 16 << 10;
+const WINDOW: u32 = 1 << 20;
+const MAX_SEND_BUFFER: usize = 400 << 10;
+const MAX_PENDING_RESETS: usize = 20;
+const MAX_LOCAL_RESETS: usize = 1024;
+/// How long a stream answered before its request ended waits for the client to end it.
+const LINGER: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Serves the HTTP/2 connection `io` (TLS already terminated, `h2` agreed by ALPN) until
+/// the client closes it, the drain asks it to finish, or an error ends it.
+pub(crate) async fn serve<I>(
+    app: std::sync::Arc<App>,
+    lc: Lifecycle,
+    io: I,
+    host: String,
+    port: u16,
+) -> Result<(), h2::Error>
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let mut conn = h2::server::Builder::new()
+        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
+        .max_header_list_size(MAX_HEADER_LIST_SIZE)
+        .initial_window_size(WINDOW)
+        .initial_connection_window_size(WINDOW)
+        .max_send_buffer_size(MAX_SEND_BUFFER)
+        .max_pending_accept_reset_streams(MAX_PENDING_RESETS)
+        .max_local_error_reset_streams(Some(MAX_LOCAL_RESETS))
+        .handshake::<_, Bytes>(io)
+        .await?;
+    let drain = lc.drain.child_token();
+    let mut draining = false;
+    loop {
+        let next = tokio::select! {
+            next = conn.accept() => next,
+            _ = drain.cancelled(), if !draining => {
+                // GOAWAY: streams already open finish, no new ones start.
+                conn.graceful_shutdown();
+                draining = true;
+                continue;
+            }
+        };
+        let Some(next) = next else {
+            return Ok(());
+        };
+        let (req, respond) = next?;
+        let (app, stream_lc, host) = (app.clone(), lc.clone(), host.clone());
+        lc.tracker.spawn(async move {
+            answer(&app, &stream_lc, req, respond, &host, port).await;
+        });
+    }
+}
+
+/// One stream: the request through the forward path, its `100` when its body is first
+/// read, then the response, sent as the client's window allows.
+async fn answer(
+    app: &App,
+    lc: &Lifecycle,
+    req: Request<RecvStream>,
+    mut respond: SendResponse<Bytes>,
+    host: &str,
+    port: u16,
+) {
+    let expects = req
+        .headers()
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    let (first_read, mut wants_continue) = oneshot::channel();
+    let received = Arc::new(AtomicBool::new(req.body().is_end_stream()));
+    let req = req.map(|recv| Incoming {
+        recv,
+        first_read: expects.then_some(first_read),
+        trailers: false,
+        received: received.clone(),
+    });
+    let mut forwarded = pin!(forward::intercepted(app, lc, req, host, port));
+    let mut continued = !expects;
+    let resp = loop {
+        tokio::select! {
+            resp = &mut forwarded => break resp,
+            read = &mut wants_continue, if !continued => {
+                continued = true;
+                if read.is_ok() {
+                    let mut head = Response::new(());
+                    *head.status_mut() = StatusCode::CONTINUE;
+                    let _ = respond.send_informational(head);
+                }
+            }
+            // The client reset the stream: its request is cancelled with it.
+            _ = poll_fn(|cx| respond.poll_reset(cx)) => return,
+        }
+    };
+    let (mut parts, body) = resp.into_parts();
+    strip_connection_fields(&mut parts.headers);
+    let end = body.is_end_stream();
+    let Ok(mut send) = respond.send_response(Response::from_parts(parts, ()), end) else {
+        return;
+    };
+    if !end {
+        relay(body, &mut send).await;
+    }
+    // Answered before the client finished its request (a refusal without `100`, an
+    // upstream that answered early): the stream is reset with NO_ERROR once nothing
+    // holds it (RFC 9113 §8.1). Held a moment first, until the client resets or closes
+    // it itself: some clients (curl 7.88) drop a response whose RST_STREAM they read
+    // in the same batch.
+    if !received.load(Ordering::Relaxed) {
+        let _ = tokio::time::timeout(LINGER, poll_fn(|cx| send.poll_reset(cx))).await;
+    }
+}
+
+/// Fields HTTP/2 forbids (RFC 9113 §8.2.2); the forward path has removed the hop-by-hop
+/// ones already, except on its own answers.
+fn strip_connection_fields(headers: &mut HeaderMap) {
+    for name in [
+        header::CONNECTION,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::HeaderName::from_static("keep-alive"),
+        header::HeaderName::from_static("proxy-connection"),
+    ] {
+        headers.remove(name);
+    }
+}
+
+/// The response body onto the stream, no faster than the client's window opens.
+async fn relay(body: Body, send: &mut SendStream<Bytes>) {
+    let mut body = pin!(body);
+    loop {
+        let frame = tokio::select! {
+            frame = poll_fn(|cx| body.as_mut().poll_frame(cx)) => frame,
+            _ = poll_fn(|cx| send.poll_reset(cx)) => return,
+        };
+        match frame {
+            None => {
+                let _ = send.send_data(Bytes::new(), true);
+                return;
+            }
+            Some(Err(e)) => {
+                tracing::debug!(error = %e, "response body failed: stream reset");
+                send.send_reset(Reason::INTERNAL_ERROR);
+                return;
+            }
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(mut data) => {
+                    while !data.is_empty() {
+                        send.reserve_capacity(data.len());
+                        let room = match poll_fn(|cx| send.poll_capacity(cx)).await {
+                            Some(Ok(n)) => n,
+                            _ => return,
+                        };
+                        if send
+                            .send_data(data.split_to(room.min(data.len())), false)
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                }
+                Err(frame) => {
+                    if let Ok(trailers) = frame.into_trailers() {
+                        let _ = send.send_trailers(trailers);
+                        return;
+                    }
+                }
+            },
+        }
+    }
+}
+
+/// A request body read from its stream. Read bytes are released to the client's window
+/// as they are taken, so an upload moves at the pace its upstream reads it.
+struct Incoming {
+    recv: RecvStream,
+    /// Told when the body is first read: the request was admitted, its `100` may go.
+    first_read: Option<oneshot::Sender<()>>,
+    trailers: bool,
+    /// Set once the client has sent all of it.
+    received: Arc<AtomicBool>,
+}
+
+impl HttpBody for Incoming {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(tx) = self.first_read.take() {
+            let _ = tx.send(());
+        }
+        if !self.trailers {
+            match self.recv.poll_data(cx) {
+                Poll::Ready(Some(Ok(data))) => {
+                    let _ = self.recv.flow_control().release_capacity(data.len());
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(Box::new(e)))),
+                Poll::Ready(None) => {
+                    self.trailers = true;
+                    self.received.store(true, Ordering::Relaxed);
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        match self.recv.poll_trailers(cx) {
+            Poll::Ready(Ok(Some(t))) => Poll::Ready(Some(Ok(Frame::trailers(t)))),
+            Poll::Ready(Ok(None)) => Poll::Ready(None),
+            Poll::Ready(Err(e)) => Poll::Ready(Some(Err(Box::new(e)))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.recv.is_end_stream()
+    }
+}
