@@ -170,6 +170,13 @@ async fn main() {
         }
         b.build().expect("client")
     };
+    // HTTP/2 by ALPN inside the tunnel: the 32 clients share one connection, as an
+    // HTTP/2 client does.
+    let through_h2 = reqwest::Client::builder()
+        .proxy(reqwest::Proxy::all(format!("http://{PROXY}")).expect("proxy"))
+        .tls_certs_only([sluice_ca.clone()])
+        .build()
+        .expect("client");
     let targets = [
         (
             "plain HTTP through sluice, keep-alive",
@@ -179,6 +186,11 @@ async fn main() {
         (
             "intercepted HTTPS, keep-alive",
             through(true),
+            format!("https://{tls_addr}/"),
+        ),
+        (
+            "intercepted HTTPS over HTTP/2, one connection",
+            through_h2,
             format!("https://{tls_addr}/"),
         ),
         (
