@@ -585,12 +585,17 @@ async fn a_rapid_reset_flood_inside_interception_is_bounded() {
     // were cancelled before their requests were sent on.
     let ended = tokio::time::timeout(Duration::from_secs(10), conn).await;
     let reached = up.seen.lock().len();
-    eprintln!("rapid reset: {sent} streams opened and reset, {reached} reached the upstream, connection {ended:?}");
+    eprintln!(
+        "rapid reset: {sent} streams opened and reset, {reached} reached the upstream, connection {ended:?}"
+    );
     assert!(
         sent < 5000 || matches!(ended, Ok(_)),
         "{sent} streams opened and reset"
     );
-    assert!(reached < 200, "{reached} of {sent} reset requests reached the upstream");
+    assert!(
+        reached < 200,
+        "{reached} of {sent} reset requests reached the upstream"
+    );
     // Others are served.
     let client = reqwest::Client::builder()
         .proxy(reqwest::Proxy::all(proxy.url()).unwrap())
