@@ -589,7 +589,7 @@ async fn a_rapid_reset_flood_inside_interception_is_bounded() {
         "rapid reset: {sent} streams opened and reset, {reached} reached the upstream, connection {ended:?}"
     );
     assert!(
-        sent < 5000 || matches!(ended, Ok(_)),
+        sent < 5000 || ended.is_ok(),
         "{sent} streams opened and reset"
     );
     assert!(
