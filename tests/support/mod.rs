@@ -60,7 +60,8 @@ impl Seen {
 }
 
 /// A hyper server answering by path:
-/// `/echo` streams the request body back; `/read` reads the whole body, then answers its
+/// `/echo` streams the request body back; `/inspect/...` answers JSON describing the
+/// request (method, path, query, fields, body length and SHA-256); `/read` reads the whole body, then answers its
 /// length (400 if it broke); `/chunked/N` sends N chunks without a length;
 /// `/big/N` sends N KiB; `/status/NNN` answers that status; `/slow/MS` waits before answering; `/drip/N/MS`
 /// sends N chunks MS milliseconds apart; anything else
@@ -113,6 +114,45 @@ impl Upstream {
         }
     }
 
+    /// The same server behind TLS with `config` (HTTP/2 or 1.1 by ALPN).
+    pub async fn start_tls(config: Arc<rustls::ServerConfig>) -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let connections = Arc::new(AtomicUsize::new(0));
+        let (s, c) = (seen.clone(), connections.clone());
+        let acceptor = tokio_rustls::TlsAcceptor::from(config);
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                c.fetch_add(1, Ordering::SeqCst);
+                let (s, acceptor) = (s.clone(), acceptor.clone());
+                tokio::spawn(async move {
+                    let Ok(tls) = acceptor.accept(stream).await else {
+                        return;
+                    };
+                    let svc = service_fn(move |req| {
+                        let s = s.clone();
+                        async move { Ok::<_, Infallible>(respond(req, &s).await) }
+                    });
+                    let _ = hyper_util::server::conn::auto::Builder::new(
+                        hyper_util::rt::TokioExecutor::new(),
+                    )
+                    .serve_connection(TokioIo::new(tls), svc)
+                    .await;
+                });
+            }
+        });
+        Upstream {
+            addr,
+            seen,
+            connections,
+            task,
+        }
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
     }
@@ -139,15 +179,58 @@ async fn respond(req: Request<Incoming>, seen: &Mutex<Vec<Seen>>) -> Response<Te
             .collect(),
     });
     let path = req.uri().path().to_string();
+    let head_only = req.method() == http::Method::HEAD;
+    // By path: over HTTP/2 the URI is in absolute form.
     let nth = seen
         .lock()
         .iter()
-        .filter(|x| x.uri.split('?').next() == Some(path.as_str()))
+        .filter(|x| {
+            x.uri
+                .parse::<http::Uri>()
+                .is_ok_and(|u| u.path() == path.as_str())
+        })
         .count();
     let mut parts = path.trim_start_matches('/').splitn(2, '/');
     let (head, arg) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let mut resp = match head {
         "echo" => Response::new(req.into_body().map_err(Into::into).boxed()),
+        "inspect" => {
+            // What arrived, as JSON: method, path, query, fields, and the body's length
+            // and SHA-256.
+            use sha2::Digest;
+            let (parts, body) = req.into_parts();
+            let body = body
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            let headers: serde_json::Map<String, serde_json::Value> = parts
+                .headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), String::from_utf8_lossy(v.as_bytes()).into()))
+                .collect();
+            let digest: String = sha2::Sha256::digest(&body)
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            let v = serde_json::json!({
+                "method": parts.method.as_str(),
+                "path": parts.uri.path(),
+                "query": parts.uri.query(),
+                "version": format!("{:?}", parts.version),
+                "headers": headers,
+                "body_len": body.len(),
+                "body_sha256": digest,
+            });
+            let mut r = Response::new(
+                Full::new(Bytes::from(v.to_string()))
+                    .map_err(|n| match n {})
+                    .boxed(),
+            );
+            r.headers_mut()
+                .insert("content-type", "application/json".parse().unwrap());
+            r
+        }
         "read" => match req.into_body().collect().await {
             Ok(b) => Response::new(
                 Full::new(Bytes::from(b.to_bytes().len().to_string()))
@@ -209,6 +292,10 @@ async fn respond(req: Request<Incoming>, seen: &Mutex<Vec<Seen>>) -> Response<Te
         }
         _ => text("hello"),
     };
+    // No content for HEAD, 204 and 304, as RFC 9110 says (HTTP/2 clients check).
+    if head_only || matches!(resp.status().as_u16(), 204 | 304) {
+        *resp.body_mut() = Full::new(Bytes::new()).map_err(|n| match n {}).boxed();
+    }
     let h = resp.headers_mut();
     h.insert("connection", "x-upstream-private".parse().unwrap());
     h.insert("x-upstream-private", "secret-hop".parse().unwrap());
