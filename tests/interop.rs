@@ -52,22 +52,18 @@ where
     }
 }
 
-fn python_clients_present() -> bool {
-    Command::new("python3")
-        .args(["-c", "import requests, httpx, h2, aiohttp, websockets"])
-        .status()
-        .is_ok_and(|s| s.success())
+/// Everything a client suite runs against: the upstreams, sluice, and the plan file that
+/// tells the suite where they are.
+struct World {
+    _dir: tempfile::TempDir,
+    _upstreams: Vec<Upstream>,
+    _proxy: Proxy,
+    plan: std::path::PathBuf,
+    /// sluice's CA and the upstreams', for clients that trust a bundle file.
+    bundle: std::path::PathBuf,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn real_clients_in_every_mode() {
-    if !python_clients_present() {
-        eprintln!(
-            "SKIPPED: the Python clients (requests, httpx[http2], aiohttp, websockets) are not \
-             installed; scripts/test installs them"
-        );
-        return;
-    }
+async fn world() -> World {
     crypto();
     let dir = tempfile::tempdir().unwrap();
     let certs = certs::for_localhost(dir.path(), &[b"h2", b"http/1.1"]);
@@ -81,10 +77,11 @@ async fn real_clients_in_every_mode() {
     let up_ca = certs.ca_path.display().to_string();
     let upstream = |name: &str, addr: SocketAddr, mode: &str| {
         format!(
-            "[[upstream]]\nname = \"{name}\"\nhosts = [\"127.0.0.1:{}\"]\ntls = \"{mode}\"\n\
+            "[[upstream]]\nname = \"{name}\"\nhosts = [\"127.0.0.1:{0}\", \"localhost:{0}\"]\n\
+             tls = \"{mode}\"\n\
              upstream_ca = {up_ca:?}\n\
              retry = {{ backoff = {{ base = \"50ms\", max = \"200ms\" }} }}\n",
-            addr.port()
+            addr.port(),
         )
     };
     let config = format!(
@@ -103,29 +100,60 @@ async fn real_clients_in_every_mode() {
         "upstream_ca": certs.ca_path,
         "denied_url": "http://169.254.169.254/latest/meta-data/",
         "modes": {
-            "forward": { "base": format!("http://{}", plain.addr), "ws": format!("ws://{ws}/") },
+            "forward": {
+                "base": format!("http://{}", plain.addr),
+                "base_named": format!("http://localhost:{}", plain.addr.port()),
+                "ws": format!("ws://{ws}/"),
+                "ws_named": format!("ws://localhost:{}/", ws.port()),
+            },
             "intercept": {
                 "base": format!("https://{}", intercepted.addr),
+                "base_named": format!("https://localhost:{}", intercepted.addr.port()),
                 "ws": format!("wss://{wss_intercepted}/"),
+                "ws_named": format!("wss://localhost:{}/", wss_intercepted.port()),
             },
             "tunnel": {
                 "base": format!("https://{}", tunnelled.addr),
+                "base_named": format!("https://localhost:{}", tunnelled.addr.port()),
                 "ws": format!("wss://{wss_tunnelled}/"),
+                "ws_named": format!("wss://localhost:{}/", wss_tunnelled.port()),
             },
         },
     });
     let plan_path = dir.path().join("plan.json");
     std::fs::write(&plan_path, plan.to_string()).unwrap();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/interop/python_clients.py");
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new("python3")
-            .arg(script)
-            .arg(&plan_path)
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
+    let bundle = dir.path().join("bundle.pem");
+    let pems = [
+        std::fs::read_to_string(&ca_cert).unwrap(),
+        std::fs::read_to_string(&certs.ca_path).unwrap(),
+    ];
+    std::fs::write(&bundle, pems.join("\n")).unwrap();
+    World {
+        _dir: dir,
+        _upstreams: vec![plain, intercepted, tunnelled],
+        _proxy: proxy,
+        plan: plan_path,
+        bundle,
+    }
+}
+
+/// Runs a client suite (`program` and its arguments, then the plan) and asserts every
+/// check it reports, and that each of `clients` ran in every mode.
+async fn suite(
+    world: &World,
+    program: &str,
+    args: &[&str],
+    env: &[(&str, &std::path::Path)],
+    clients: &[&str],
+) {
+    let mut cmd = Command::new(program);
+    cmd.args(args).arg(&world.plan);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
+        .await
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -148,15 +176,65 @@ async fn real_clients_in_every_mode() {
         .collect();
     eprintln!("{} checks, {} failed", results.len(), failed.len());
     assert!(failed.is_empty(), "{}", failed.join("\n"));
-    // Every client ran in every mode.
-    for client in ["requests", "httpx", "urllib", "aiohttp", "websockets"] {
+    for client in clients {
         for mode in ["forward", "intercept", "tunnel"] {
             assert!(
                 results
                     .iter()
-                    .any(|r| r["client"] == client && r["mode"] == mode),
+                    .any(|r| r["client"] == *client && r["mode"] == mode),
                 "{client} in {mode} mode"
             );
         }
     }
+}
+
+fn present(program: &str, args: &[&str]) -> bool {
+    Command::new(program)
+        .args(args)
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_clients_in_every_mode() {
+    if !present(
+        "python3",
+        &["-c", "import requests, httpx, h2, aiohttp, websockets"],
+    ) {
+        eprintln!(
+            "SKIPPED: the Python clients (requests, httpx[http2], aiohttp, websockets) are not \
+             installed; scripts/test installs them"
+        );
+        return;
+    }
+    let world = world().await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/interop/python_clients.py");
+    suite(
+        &world,
+        "python3",
+        &[script],
+        &[],
+        &["requests", "httpx", "urllib", "aiohttp", "websockets"],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_clients_in_every_mode() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/interop/node");
+    if !std::path::Path::new(dir)
+        .join("node_modules/undici")
+        .exists()
+    {
+        eprintln!(
+            "SKIPPED: interop/node has no node_modules (undici, axios, ws); scripts/test runs \
+             `npm ci` there when Node.js is installed"
+        );
+        return;
+    }
+    let world = world().await;
+    let script = format!("{dir}/clients.mjs");
+    // As docs/https.md tells Node users to trust sluice's CA.
+    let env = [("NODE_EXTRA_CA_CERTS", world.bundle.as_path())];
+    suite(&world, "node", &[&script], &env, &["undici", "axios", "ws"]).await;
 }

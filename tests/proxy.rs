@@ -662,3 +662,73 @@ async fn request_targets_and_via_are_forwarded_as_rfc_9112_asks() {
         assert_eq!(via, format!("{version} sluice"), "{head}");
     }
 }
+
+/// Plain HTTP sent through a CONNECT tunnel (`curl --proxytunnel`, and Node's undici for
+/// every http:// URL) to an upstream sluice knows is served like the forward proxy's
+/// requests: a 429 is retried and the answer says so. A protocol whose server speaks
+/// first is left a blind tunnel.
+#[tokio::test]
+async fn plain_http_through_connect_is_served_like_the_forward_proxy() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n\
+         retry = {{ backoff = {{ base = \"10ms\", max = \"10ms\" }} }}\n",
+        up.addr.port()
+    ))
+    .await;
+    let url = up.url("/seq/tunnelled/429,200");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("curl")
+            .args(["-sS", "-i", "--max-time", "20", "--proxytunnel", "-x"])
+            .arg(format!("http://{}", proxy.addr))
+            .arg(&url)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_ascii_lowercase();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The CONNECT's 200, then the request's answer after one retry.
+    assert!(text.contains("sluice-attempts: 2"), "{text}");
+    assert!(text.trim_end().ends_with("scripted"), "{text}");
+    assert_eq!(up.seen().len(), 2);
+
+    // A server that greets first: its greeting comes through the tunnel untouched.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let greeter = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        s.write_all(b"220 hello\r\n").await.unwrap();
+        let mut b = [0u8; 64];
+        let n = s.read(&mut b).await.unwrap();
+        s.write_all(&b[..n]).await.unwrap();
+    });
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"greeter\"\nhosts = [\"127.0.0.1:{}\"]\n",
+        greeter.port()
+    ))
+    .await;
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(format!("CONNECT {greeter} HTTP/1.1\r\nHost: {greeter}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let mut b = [0u8; 1];
+    while !got.ends_with(b"220 hello\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut b))
+            .await
+            .expect("the greeting in time")
+            .unwrap();
+        assert_eq!(n, 1, "{}", String::from_utf8_lossy(&got));
+        got.push(b[0]);
+    }
+    s.write_all(b"EHLO x\r\n").await.unwrap();
+    let mut echo = [0u8; 8];
+    s.read_exact(&mut echo).await.unwrap();
+    assert_eq!(&echo, b"EHLO x\r\n");
+}

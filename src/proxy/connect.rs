@@ -23,6 +23,7 @@ use super::{Body, empty};
 use crate::app::App;
 use crate::config::{TlsMode, Unmatched};
 use crate::route::{authority_parts, normalize_host};
+use tokio::io::AsyncRead;
 
 pub(crate) async fn tunnel(
     app: &Arc<App>,
@@ -110,8 +111,9 @@ pub(crate) async fn tunnel(
     };
     let stop = lc.stop.clone();
     let idle = config.proxy.tunnel_idle_timeout;
+    let matched = route.is_some();
+    let (app, tunnel_lc, host_name) = (app.clone(), lc.clone(), host.clone());
     lc.tracker.spawn(async move {
-        let _permit = permit;
         let client = match on_upgrade.await {
             Ok(c) => c,
             Err(e) => {
@@ -120,6 +122,29 @@ pub(crate) async fn tunnel(
             }
         };
         let mut client = TokioIo::new(client);
+        // A client that sends plain HTTP through CONNECT (Node's undici does, for
+        // http:// URLs too) to an upstream sluice knows: its requests are served as the
+        // forward proxy serves them, limits and retries included.
+        let mut first = [0u8; 8];
+        let sniffed = if matched {
+            sniff(&mut client, &upstream_io, &mut first, idle).await
+        } else {
+            Sniffed::Nothing
+        };
+        if let Sniffed::Http(n) = sniffed {
+            drop(upstream_io);
+            let io = super::rewind::Rewind::new(first[..n].to_vec(), client);
+            super::intercept::serve_plain(app, tunnel_lc, io, host_name, port, peer).await;
+            return;
+        }
+        let _permit = permit;
+        let mut upstream_io = upstream_io;
+        if let Sniffed::Other(n) = sniffed {
+            use tokio::io::AsyncWriteExt;
+            if upstream_io.write_all(&first[..n]).await.is_err() {
+                return;
+            }
+        }
         match super::splice::splice(&mut client, upstream_io, idle, &stop).await {
             Ended::Closed(up, down) => {
                 tracing::debug!(bytes_up = up, bytes_down = down, "tunnel closed")
@@ -130,6 +155,56 @@ pub(crate) async fn tunnel(
         }
     });
     done(Ok(ok_response()))
+}
+
+/// What the client sent first through a tunnel, if it spoke before the upstream did.
+enum Sniffed {
+    /// The start of an HTTP/1 request line: these many bytes of it.
+    Http(usize),
+    /// Anything else (a TLS ClientHello, another protocol): these many bytes.
+    Other(usize),
+    /// The upstream spoke first, the client closed, or nothing came within `idle`.
+    Nothing,
+}
+
+/// Reads the client's first bytes, unless the upstream speaks first (a protocol where the
+/// server greets, which is left alone).
+async fn sniff<C: AsyncRead + Unpin>(
+    client: &mut C,
+    upstream: &TcpStream,
+    buf: &mut [u8; 8],
+    idle: Duration,
+) -> Sniffed {
+    use tokio::io::AsyncReadExt;
+    let read = async {
+        let mut n = 0;
+        // A method and its space, or as much as comes in one go.
+        while n < buf.len() {
+            match client.read(&mut buf[n..]).await {
+                Ok(0) | Err(_) => break,
+                Ok(m) => n += m,
+            }
+            if buf[..n].contains(&b' ') || buf[0] == 0x16 {
+                break;
+            }
+        }
+        n
+    };
+    let n = tokio::select! {
+        n = read => n,
+        _ = upstream.readable() => return Sniffed::Nothing,
+        () = tokio::time::sleep(idle) => return Sniffed::Nothing,
+    };
+    let line = &buf[..n];
+    let method = line
+        .iter()
+        .position(|&b| b == b' ')
+        .is_some_and(|sp| sp > 0 && line[..sp].iter().all(u8::is_ascii_uppercase));
+    match n {
+        0 => Sniffed::Nothing,
+        n if method => Sniffed::Http(n),
+        n => Sniffed::Other(n),
+    }
 }
 
 fn ok_response() -> Response<Body> {

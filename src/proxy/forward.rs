@@ -110,18 +110,20 @@ impl Target {
     }
 
     /// The target of a request inside an intercepted tunnel to `host:port`.
-    fn in_tunnel(host: &str, port: u16, uri: &Uri) -> Result<Target, ProxyError> {
+    /// `https`: TLS inside the tunnel (interception), else plain HTTP sent through it.
+    fn in_tunnel(host: &str, port: u16, uri: &Uri, https: bool) -> Result<Target, ProxyError> {
         let bare = if host.contains(':') {
             format!("[{host}]")
         } else {
             host.to_string()
         };
+        let default_port = if https { 443 } else { 80 };
         Ok(Target {
-            https: true,
+            https,
             host: Normal::Own(host.to_string()),
             ip: host.parse().ok(),
             port,
-            host_header: host_value(if port == 443 {
+            host_header: host_value(if port == default_port {
                 bare
             } else {
                 format!("{bare}:{port}")
@@ -200,21 +202,21 @@ fn unaddressable<B>(app: &App, req: &Request<B>, start: Instant, e: ProxyError) 
     finish(&config, &record, Err(e))
 }
 
-/// A request inside an intercepted tunnel to `host:port`: routed and limited exactly like
-/// plain HTTP, sent on over verified TLS.
+/// A request inside a tunnel to `host:port`: intercepted (`https`, sent on over verified
+/// TLS) or plain HTTP a client sent through CONNECT; routed and limited exactly like a
+/// request to the forward proxy.
 pub(crate) fn intercepted<'a, B>(
     app: &'a App,
     lc: &'a Lifecycle,
     req: Request<B>,
-    host: &str,
-    port: u16,
+    (host, port, https): (&str, u16, bool),
 ) -> impl Future<Output = Response<Body>> + 'a
 where
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     B::Error: Into<super::BoxError>,
 {
     let start = Instant::now();
-    match Target::in_tunnel(host, port, req.uri()) {
+    match Target::in_tunnel(host, port, req.uri(), https) {
         Ok(target) => Either::Left(route_and_send(app, None, lc, req, target, start)),
         Err(e) => Either::Right(std::future::ready(unaddressable(app, &req, start, e))),
     }

@@ -106,7 +106,7 @@ async fn answer(
         trailers: false,
         received: received.clone(),
     });
-    let mut forwarded = pin!(forward::intercepted(app, lc, req, host, port));
+    let mut forwarded = pin!(forward::intercepted(app, lc, req, (host, port, true)));
     let mut continued = !expects;
     let resp = loop {
         tokio::select! {

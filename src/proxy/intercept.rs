@@ -200,7 +200,9 @@ pub(crate) async fn serve(
     let (svc_app, svc_lc) = (app.clone(), lc.clone());
     let svc = service_fn(move |req: Request<Incoming>| {
         let (app, lc, host) = (svc_app.clone(), svc_lc.clone(), host.clone());
-        async move { Ok::<_, Infallible>(forward::intercepted(&app, &lc, req, &host, port).await) }
+        async move {
+            Ok::<_, Infallible>(forward::intercepted(&app, &lc, req, (&host, port, true)).await)
+        }
     });
     // Without a timer hyper skips its header-read timeout silently. With upgrades: a
     // WebSocket handshake inside the tunnel switches like a plain one. HTTP/2 is agreed
@@ -218,6 +220,51 @@ pub(crate) async fn serve(
         }
         () = idle_for(since, &last, idle) => {
             tracing::debug!(client = %peer, "intercepted connection idle: closed");
+        }
+    }
+}
+
+/// Plain HTTP a client sent through a CONNECT tunnel to `host:port` (see
+/// `connect::tunnel`): served as HTTP/1.1 with hyper, each request routed and limited as
+/// the forward proxy's are, and sent to the upstream in plain HTTP.
+pub(crate) async fn serve_plain<I>(
+    app: Arc<App>,
+    lc: Lifecycle,
+    io: I,
+    host: String,
+    port: u16,
+    peer: SocketAddr,
+) where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let idle = app.config().proxy.tunnel_idle_timeout;
+    let since = Instant::now();
+    let last = Arc::new(AtomicU64::new(0));
+    let io = Watched {
+        inner: io,
+        since,
+        last: last.clone(),
+    };
+    let (svc_app, svc_lc) = (app.clone(), lc.clone());
+    let svc = service_fn(move |req: Request<Incoming>| {
+        let (app, lc, host) = (svc_app.clone(), svc_lc.clone(), host.clone());
+        async move {
+            Ok::<_, Infallible>(forward::intercepted(&app, &lc, req, (&host, port, false)).await)
+        }
+    });
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(super::lifecycle::HEADER_READ_TIMEOUT)
+        .serve_connection(TokioIo::new(io), svc)
+        .with_upgrades();
+    tokio::select! {
+        result = lc.until_drained(conn) => {
+            if let Err(e) = result {
+                tracing::debug!(client = %peer, error = %e, "plain HTTP tunnel ended with an error");
+            }
+        }
+        () = idle_for(since, &last, idle) => {
+            tracing::debug!(client = %peer, "plain HTTP tunnel idle: closed");
         }
     }
 }

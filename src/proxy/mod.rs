@@ -19,6 +19,7 @@ pub mod outbound;
 pub mod pinned;
 pub mod pipeline;
 pub mod replay;
+pub mod rewind;
 pub mod server;
 pub mod splice;
 pub(crate) mod timer;

@@ -42,7 +42,10 @@ pub fn for_localhost(dir: &Path, alpn: &[&[u8]]) -> TestCerts {
     let issuer = Issuer::new(ca_params, ca_key);
     let key = KeyPair::generate().unwrap();
     let mut params = CertificateParams::default();
-    params.subject_alt_names = vec![SanType::IpAddress("127.0.0.1".parse().unwrap())];
+    params.subject_alt_names = vec![
+        SanType::IpAddress("127.0.0.1".parse().unwrap()),
+        SanType::DnsName("localhost".try_into().unwrap()),
+    ];
     let cert = params.signed_by(&key, &issuer).unwrap();
     let cert_path = dir.join("server-cert.pem");
     let key_path = dir.join("server-key.pem");
