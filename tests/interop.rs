@@ -238,3 +238,35 @@ async fn node_clients_in_every_mode() {
     let env = [("NODE_EXTRA_CA_CERTS", world.bundle.as_path())];
     suite(&world, "node", &[&script], &env, &["undici", "axios", "ws"]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn java_http_client_in_every_mode() {
+    if !present("javac", &["-version"]) {
+        eprintln!("SKIPPED: no JDK (javac) on this machine; Java's HttpClient was not run");
+        return;
+    }
+    let world = world().await;
+    let classes = world._dir.path().join("classes");
+    let source = concat!(env!("CARGO_MANIFEST_DIR"), "/interop/java/Clients.java");
+    let compiled = Command::new("javac")
+        .arg("-d")
+        .arg(&classes)
+        .arg(source)
+        .output()
+        .unwrap();
+    assert!(
+        compiled.status.success(),
+        "{}",
+        String::from_utf8_lossy(&compiled.stderr)
+    );
+    let cp = classes.display().to_string();
+    let env = [("SLUICE_INTEROP_BUNDLE", world.bundle.as_path())];
+    suite(
+        &world,
+        "java",
+        &["-cp", &cp, "Clients"],
+        &env,
+        &["java HttpClient"],
+    )
+    .await;
+}
