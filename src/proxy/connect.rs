@@ -157,6 +157,9 @@ pub(crate) async fn tunnel(
     done(Ok(ok_response()))
 }
 
+/// How long the rest of a request line's method may take after its first bytes.
+const SNIFF_MORE: Duration = Duration::from_millis(200);
+
 /// What the client sent first through a tunnel, if it spoke before the upstream did.
 enum Sniffed {
     /// The start of an HTTP/1 request line: these many bytes of it.
@@ -177,15 +180,18 @@ async fn sniff<C: AsyncRead + Unpin>(
 ) -> Sniffed {
     use tokio::io::AsyncReadExt;
     let read = async {
-        let mut n = 0;
-        // A method and its space, or as much as comes in one go.
-        while n < buf.len() {
-            match client.read(&mut buf[n..]).await {
-                Ok(0) | Err(_) => break,
-                Ok(m) => n += m,
-            }
-            if buf[..n].contains(&b' ') || buf[0] == 0x16 {
-                break;
+        let mut n = match client.read(&mut buf[..]).await {
+            Ok(m) => m,
+            Err(_) => 0,
+        };
+        // A method split over several reads: more is read only while what came could still
+        // begin a request line, and only briefly (a client's request line comes in one
+        // write; another protocol must not wait on us).
+        while n > 0 && n < buf.len() && buf[..n].iter().all(u8::is_ascii_uppercase) {
+            let more = tokio::time::timeout(SNIFF_MORE, client.read(&mut buf[n..])).await;
+            match more {
+                Ok(Ok(m)) if m > 0 => n += m,
+                _ => break,
             }
         }
         n
