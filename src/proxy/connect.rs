@@ -180,10 +180,7 @@ async fn sniff<C: AsyncRead + Unpin>(
 ) -> Sniffed {
     use tokio::io::AsyncReadExt;
     let read = async {
-        let mut n = match client.read(&mut buf[..]).await {
-            Ok(m) => m,
-            Err(_) => 0,
-        };
+        let mut n = client.read(&mut buf[..]).await.unwrap_or_default();
         // A method split over several reads: more is read only while what came could still
         // begin a request line, and only briefly (a client's request line comes in one
         // write; another protocol must not wait on us).
