@@ -109,8 +109,8 @@ def sync_suite(client, mode, base, get, post, head, stream_first_chunk):
 def requests_suite(mode, base):
     s = requests.Session()
     s.proxies = {"http": PROXY, "https": PROXY}
-    # Given with each request: set only on the session, the CA was not used here
-    # (requests 2.34.2 failed verification against it).
+    # Given with each request: REQUESTS_CA_BUNDLE in the environment (set on many
+    # machines) takes precedence over a session's `verify`, as requests documents.
     verify = CA[mode] or True
 
     def get(u):
