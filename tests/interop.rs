@@ -270,3 +270,18 @@ async fn java_http_client_in_every_mode() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn go_net_http_in_every_mode() {
+    if !present("go", &["version"]) {
+        eprintln!(
+            "SKIPPED: no Go toolchain on this machine, and scripts/test does not install one \
+             (Debian's golang-go takes 335 MB); Go's net/http was not run"
+        );
+        return;
+    }
+    let world = world().await;
+    let source = concat!(env!("CARGO_MANIFEST_DIR"), "/interop/go/clients.go");
+    let env = [("SLUICE_INTEROP_BUNDLE", world.bundle.as_path())];
+    suite(&world, "go", &["run", source], &env, &["go net/http"]).await;
+}
