@@ -537,3 +537,14 @@ async fn the_shutdown_delay_from_the_environment_keeps_serving_after_sigterm() {
         "waited the delay"
     );
 }
+
+/// The image's baked config, used when a pod mounts none, is no relay for anyone outside
+/// the pod: its proxy listens on loopback only (the application beside it shares that),
+/// while probes and metrics stay reachable on every address.
+#[test]
+fn the_image_config_is_no_open_relay() {
+    let text = include_str!("../config/container.toml");
+    let c = sluice::Config::parse(text, "container.toml").unwrap();
+    assert!(c.proxy.listen.ip().is_loopback(), "{}", c.proxy.listen);
+    assert!(c.proxy.admin.ip().is_unspecified(), "{}", c.proxy.admin);
+}
