@@ -11,46 +11,7 @@ mod support;
 use std::net::SocketAddr;
 use std::process::Command;
 
-use futures_util::{SinkExt, StreamExt};
 use support::*;
-use tokio::net::TcpListener;
-
-/// A WebSocket server that sends every message back, over TLS when `tls` is given.
-async fn ws_echo(tls: Option<std::sync::Arc<rustls::ServerConfig>>) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = listener.accept().await {
-            let tls = tls.clone();
-            tokio::spawn(async move {
-                match tls {
-                    Some(config) => {
-                        let acceptor = tokio_rustls::TlsAcceptor::from(config);
-                        if let Ok(s) = acceptor.accept(tcp).await {
-                            echo(s).await;
-                        }
-                    }
-                    None => echo(tcp).await,
-                }
-            });
-        }
-    });
-    addr
-}
-
-async fn echo<S>(s: S)
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-{
-    let Ok(mut ws) = tokio_tungstenite::accept_async(s).await else {
-        return;
-    };
-    while let Some(Ok(m)) = ws.next().await {
-        if (m.is_text() || m.is_binary()) && ws.send(m).await.is_err() {
-            return;
-        }
-    }
-}
 
 /// Everything a client suite runs against: the upstreams, sluice, and the plan file that
 /// tells the suite where they are.

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use support::Proxy;
 use support::certs::tls_upstream;
+use support::connect_tunnel;
 use tokio::time::Instant;
 
 /// Runs curl with `args`, returning (exit ok, stdout, stderr).
@@ -310,23 +311,7 @@ async fn a_generated_ca_is_trusted_through_the_bundle_it_writes() {
 
 /// A CONNECT to an intercepted host, answered 200, on a plain TCP stream.
 async fn intercepted_tunnel(proxy: &Proxy) -> tokio::net::TcpStream {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    s.write_all(b"CONNECT 127.0.0.1:443 HTTP/1.1\r\nHost: 127.0.0.1:443\r\n\r\n")
-        .await
-        .unwrap();
-    let mut head = Vec::new();
-    let mut b = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        assert_eq!(s.read(&mut b).await.unwrap(), 1, "the proxy answers");
-        head.push(b[0]);
-    }
-    assert!(
-        head.starts_with(b"HTTP/1.1 200"),
-        "{}",
-        String::from_utf8_lossy(&head)
-    );
-    s
+    connect_tunnel(proxy.addr, "127.0.0.1:443").await
 }
 
 /// How long until the peer closes `s` (a read returns nothing or fails), at most 10 s.
@@ -362,21 +347,8 @@ async fn silent_intercepted_connections_are_closed() {
         "closed for the silence: {took:?}"
     );
 
-    use rustls_pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    roots
-        .add(rustls_pki_types::CertificateDer::from_pem_file(&ca_cert).unwrap())
-        .unwrap();
     for alpn in [b"http/1.1".to_vec(), b"h2".to_vec()] {
-        let mut config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots.clone())
-        .with_no_client_auth();
-        config.alpn_protocols = vec![alpn.clone()];
-        let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+        let connector = support::certs::connector(&ca_cert, &[&alpn]);
         let tunnel = intercepted_tunnel(&proxy).await;
         let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
         let mut tls = connector.connect(name, tunnel).await.unwrap();
@@ -535,33 +507,9 @@ async fn a_rapid_reset_flood_inside_interception_is_bounded() {
         up.ca_path
     ))
     .await;
-    use rustls_pki_types::pem::PemObject;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut roots = rustls::RootCertStore::empty();
-    roots
-        .add(rustls_pki_types::CertificateDer::from_pem_file(&ca_cert).unwrap())
-        .unwrap();
-    let mut config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    config.alpn_protocols = vec![b"h2".to_vec()];
-    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
-    let mut tunnel = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let connector = support::certs::connector(&ca_cert, &[b"h2"]);
     let target = up.addr;
-    tunnel
-        .write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut head = Vec::new();
-    let mut b = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        assert_eq!(tunnel.read(&mut b).await.unwrap(), 1);
-        head.push(b[0]);
-    }
+    let tunnel = connect_tunnel(proxy.addr, target).await;
     let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
     let tls = connector.connect(name, tunnel).await.unwrap();
     let (mut send, conn) = h2::client::handshake(tls).await.unwrap();

@@ -16,27 +16,6 @@ use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::protocol::Role;
 
-/// A WebSocket server that sends every message back.
-async fn echo_server() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((s, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let Ok(mut ws) = tokio_tungstenite::accept_async(s).await else {
-                    return;
-                };
-                while let Some(Ok(m)) = ws.next().await {
-                    if (m.is_text() || m.is_binary()) && ws.send(m).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    addr
-}
-
 /// Sends a WebSocket handshake for `url` to the proxy; the status line and head of the
 /// answer, and the WebSocket on that connection after a 101.
 async fn open(
@@ -94,7 +73,7 @@ where
 /// and is counted.
 #[tokio::test]
 async fn websockets_pass_through_and_hold_their_concurrency_permit() {
-    let up = echo_server().await;
+    let up = ws_echo(None).await;
     let proxy = Proxy::start(&format!(
         "[[upstream]]\nname = \"chat\"\nhosts = [\"127.0.0.1:{}\"]\nmax_wait = \"300ms\"\n\
          limits = [{{ kind = \"concurrency\", max = 1 }}]\n",
@@ -148,7 +127,7 @@ async fn websockets_pass_through_and_hold_their_concurrency_permit() {
 /// A switched connection is a tunnel: silent for `tunnel_idle_timeout`, it is closed.
 #[tokio::test]
 async fn a_silent_websocket_is_closed_after_the_tunnel_idle_timeout() {
-    let up = echo_server().await;
+    let up = ws_echo(None).await;
     let proxy = Proxy::start("tunnel_idle_timeout = \"1s\"\n").await;
     let (status, head, ws) = open(&proxy, &format!("http://{up}/"), up, "websocket").await;
     assert_eq!(status, 101, "{head}");
@@ -241,27 +220,7 @@ async fn a_wss_websocket_passes_through_interception() {
     support::crypto();
     let dir = tempfile::tempdir().unwrap();
     let certs = support::certs::for_localhost(dir.path(), &[b"h2", b"http/1.1"]);
-    let acceptor = tokio_rustls::TlsAcceptor::from(certs.server);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let up = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = listener.accept().await {
-            let acceptor = acceptor.clone();
-            tokio::spawn(async move {
-                let Ok(tls) = acceptor.accept(tcp).await else {
-                    return;
-                };
-                let Ok(mut ws) = tokio_tungstenite::accept_async(tls).await else {
-                    return;
-                };
-                while let Some(Ok(m)) = ws.next().await {
-                    if m.is_text() && ws.send(m).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
+    let up = ws_echo(Some(certs.server.clone())).await;
     let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
     let proxy = Proxy::start(&format!(
         "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
@@ -271,31 +230,8 @@ async fn a_wss_websocket_passes_through_interception() {
     ))
     .await;
 
-    let mut tunnel = TcpStream::connect(proxy.addr).await.unwrap();
-    tunnel
-        .write_all(format!("CONNECT {up} HTTP/1.1\r\nHost: {up}\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut head = Vec::new();
-    let mut b = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        assert_eq!(tunnel.read(&mut b).await.unwrap(), 1);
-        head.push(b[0]);
-    }
-    assert!(head.starts_with(b"HTTP/1.1 200"));
-    use rustls_pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    roots
-        .add(rustls_pki_types::CertificateDer::from_pem_file(&ca_cert).unwrap())
-        .unwrap();
-    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tunnel = connect_tunnel(proxy.addr, up).await;
+    let connector = support::certs::connector(&ca_cert, &[]);
     let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
     let tls = connector.connect(name, tunnel).await.unwrap();
     let (mut ws, resp) = tokio_tungstenite::client_async(format!("wss://{up}/chat"), tls)
@@ -332,32 +268,9 @@ async fn extended_connect_is_not_offered_inside_intercepted_h2() {
         up.ca_path
     ))
     .await;
-    let mut tunnel = TcpStream::connect(proxy.addr).await.unwrap();
     let target = up.addr;
-    tunnel
-        .write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut head = Vec::new();
-    let mut b = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        assert_eq!(tunnel.read(&mut b).await.unwrap(), 1);
-        head.push(b[0]);
-    }
-    use rustls_pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    roots
-        .add(rustls_pki_types::CertificateDer::from_pem_file(&ca_cert).unwrap())
-        .unwrap();
-    let mut config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    config.alpn_protocols = vec![b"h2".to_vec()];
-    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tunnel = connect_tunnel(proxy.addr, target).await;
+    let connector = support::certs::connector(&ca_cert, &[b"h2"]);
     let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
     let tls = connector.connect(name, tunnel).await.unwrap();
     let (mut send, conn) = hyper::client::conn::http2::handshake(

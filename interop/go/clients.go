@@ -128,8 +128,8 @@ func suite(c *http.Client, mode, base string) {
 			}
 			v := inspect(b)
 			took := time.Since(t)
-			// ExpectContinueTimeout is 5 s: a missing 100 shows as a wait that long.
-			return r.StatusCode == 200 && v["body_sha256"] == mbSha && took < 4*time.Second,
+			// ExpectContinueTimeout is 30 s: a missing 100 shows as a wait that long.
+			return r.StatusCode == 200 && v["body_sha256"] == mbSha && took < 15*time.Second,
 				fmt.Sprintf("%s %d in %v", r.Proto, r.StatusCode, took), nil
 		})
 	}
@@ -206,9 +206,9 @@ func main() {
 		Proxy:                 http.ProxyURL(proxy),
 		TLSClientConfig:       &tls.Config{RootCAs: roots},
 		ForceAttemptHTTP2:     true,
-		ExpectContinueTimeout: 5 * time.Second,
+		ExpectContinueTimeout: 30 * time.Second,
 	}
-	client := &http.Client{Transport: transport, Timeout: 30 * time.Second}
+	client := &http.Client{Transport: transport, Timeout: 60 * time.Second}
 	for _, mode := range []string{"forward", "intercept", "tunnel"} {
 		suite(client, mode, plan.Modes[mode].Base)
 	}

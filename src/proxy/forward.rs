@@ -264,14 +264,12 @@ where
             };
             finish(&config, &record, result)
         };
-        let upgrades = Some(&config.proxy.upgrades[..]);
         // Not a `match` around the await: its scrutinee (the request, 240 bytes) would
         // stay in the future while the upstream answers.
-        let (req, max_wait, switching) =
-            match admit(app, &config, route.as_ref(), &target, req, upgrades) {
-                Ok(admitted) => admitted,
-                Err(e) => return done(Err(e)),
-            };
+        let (req, max_wait, switching) = match admit(app, &config, route.as_ref(), &target, req) {
+            Ok(admitted) => admitted,
+            Err(e) => return done(Err(e)),
+        };
         let (result, waited) = pipeline::run(
             app,
             &config,
@@ -358,7 +356,6 @@ fn admit<B>(
     route: Option<&Route>,
     target: &Target,
     req: Request<B>,
-    upgrades: Option<&[String]>,
 ) -> Result<Admitted, ProxyError>
 where
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
@@ -373,7 +370,7 @@ where
             .check(&config.egress_rules, target.host(), ip, target.port)
             .map_err(ProxyError::Egress)?;
     }
-    to_upstream(req, target, upgrades)
+    to_upstream(req, target, &config.proxy.upgrades)
 }
 
 /// The request as the upstream will see it, the client's `sluice-max-wait`, and the
@@ -388,7 +385,7 @@ type Admitted = (
 fn to_upstream<B>(
     req: Request<B>,
     target: &Target,
-    upgrades: Option<&[String]>,
+    upgrades: &[String],
 ) -> Result<Admitted, ProxyError>
 where
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
@@ -396,9 +393,7 @@ where
 {
     let (mut parts, body) = req.into_parts();
     let received = parts.version;
-    let protocol = upgrades.and_then(|allowed| {
-        upgrade::asked(&parts.headers).filter(|p| upgrade::allowed(p, allowed))
-    });
+    let protocol = upgrade::asked(&parts.headers).filter(|p| upgrade::allowed(p, upgrades));
     strip_hop_by_hop(&mut parts.headers);
     let switching = match protocol {
         Some(protocol) => {

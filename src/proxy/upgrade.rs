@@ -24,15 +24,15 @@ use crate::metrics::Metrics;
 /// The protocol a request asks to switch to: its `Upgrade` value, when `Connection`
 /// names `upgrade` too.
 pub fn asked(headers: &HeaderMap) -> Option<HeaderValue> {
+    // One lookup on the path of every request: most carry no `Upgrade`.
+    let protocol = headers.get(header::UPGRADE)?;
     let says_upgrade = headers.get_all(header::CONNECTION).iter().any(|v| {
         v.to_str().is_ok_and(|s| {
             s.split(',')
                 .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
         })
     });
-    says_upgrade
-        .then(|| headers.get(header::UPGRADE).cloned())
-        .flatten()
+    says_upgrade.then(|| protocol.clone())
 }
 
 /// Whether the first protocol `offer` names (without its version) is one of `allowed`.

@@ -120,3 +120,21 @@ pub async fn tls_upstream(dir: &Path) -> TlsUpstream {
         seen,
     }
 }
+
+/// A TLS client trusting only the CA in `ca` (PEM), offering `alpn`.
+pub fn connector(ca: &Path, alpn: &[&[u8]]) -> tokio_rustls::TlsConnector {
+    use rustls_pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls_pki_types::CertificateDer::from_pem_file(ca).unwrap())
+        .unwrap();
+    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+}

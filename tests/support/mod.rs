@@ -83,65 +83,49 @@ type TestBody = http_body_util::combinators::BoxBody<Bytes, BoxError>;
 
 impl Upstream {
     pub async fn start() -> Upstream {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let connections = Arc::new(AtomicUsize::new(0));
-        let (s, c) = (seen.clone(), connections.clone());
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    return;
-                };
-                c.fetch_add(1, Ordering::SeqCst);
-                let s = s.clone();
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req| {
-                        let s = s.clone();
-                        async move { Ok::<_, Infallible>(respond(req, &s).await) }
-                    });
-                    let _ = http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-            }
-        });
-        Upstream {
-            addr,
-            seen,
-            connections,
-            task,
-        }
+        Upstream::serve(None).await
     }
 
     /// The same server behind TLS with `config` (HTTP/2 or 1.1 by ALPN).
     pub async fn start_tls(config: Arc<rustls::ServerConfig>) -> Upstream {
+        Upstream::serve(Some(tokio_rustls::TlsAcceptor::from(config))).await
+    }
+
+    async fn serve(tls: Option<tokio_rustls::TlsAcceptor>) -> Upstream {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let connections = Arc::new(AtomicUsize::new(0));
         let (s, c) = (seen.clone(), connections.clone());
-        let acceptor = tokio_rustls::TlsAcceptor::from(config);
         let task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
                     return;
                 };
                 c.fetch_add(1, Ordering::SeqCst);
-                let (s, acceptor) = (s.clone(), acceptor.clone());
+                let (s, tls) = (s.clone(), tls.clone());
                 tokio::spawn(async move {
-                    let Ok(tls) = acceptor.accept(stream).await else {
-                        return;
-                    };
                     let svc = service_fn(move |req| {
                         let s = s.clone();
                         async move { Ok::<_, Infallible>(respond(req, &s).await) }
                     });
-                    let _ = hyper_util::server::conn::auto::Builder::new(
-                        hyper_util::rt::TokioExecutor::new(),
-                    )
-                    .serve_connection(TokioIo::new(tls), svc)
-                    .await;
+                    match tls {
+                        None => {
+                            let _ = http1::Builder::new()
+                                .serve_connection(TokioIo::new(stream), svc)
+                                .await;
+                        }
+                        Some(acceptor) => {
+                            let Ok(stream) = acceptor.accept(stream).await else {
+                                return;
+                            };
+                            let _ = hyper_util::server::conn::auto::Builder::new(
+                                hyper_util::rt::TokioExecutor::new(),
+                            )
+                            .serve_connection(TokioIo::new(stream), svc)
+                            .await;
+                        }
+                    }
                 });
             }
         });
@@ -347,6 +331,65 @@ fn text(s: &'static str) -> Response<TestBody> {
             .map_err(|n| match n {})
             .boxed(),
     )
+}
+
+/// A CONNECT to `target` through the proxy at `proxy`, answered 200, on a plain TCP
+/// stream; nothing past the answer's head is read.
+pub async fn connect_tunnel(proxy: SocketAddr, target: impl std::fmt::Display) -> TcpStream {
+    let mut s = TcpStream::connect(proxy).await.unwrap();
+    s.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(s.read(&mut b).await.unwrap(), 1, "the proxy answers");
+        head.push(b[0]);
+    }
+    assert!(
+        head.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    s
+}
+
+/// A WebSocket server that sends every message back, over TLS when `tls` is given.
+pub async fn ws_echo(tls: Option<std::sync::Arc<rustls::ServerConfig>>) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let tls = tls.clone();
+            tokio::spawn(async move {
+                match tls {
+                    Some(config) => {
+                        let acceptor = tokio_rustls::TlsAcceptor::from(config);
+                        if let Ok(s) = acceptor.accept(tcp).await {
+                            ws_echo_one(s).await;
+                        }
+                    }
+                    None => ws_echo_one(tcp).await,
+                }
+            });
+        }
+    });
+    addr
+}
+
+async fn ws_echo_one<S>(s: S)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let Ok(mut ws) = tokio_tungstenite::accept_async(s).await else {
+        return;
+    };
+    while let Some(Ok(m)) = futures_util::StreamExt::next(&mut ws).await {
+        if (m.is_text() || m.is_binary()) && futures_util::SinkExt::send(&mut ws, m).await.is_err()
+        {
+            return;
+        }
+    }
 }
 
 /// A TCP server that echoes every byte back, for tunnels.
