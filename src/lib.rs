@@ -42,6 +42,7 @@ pub mod admin;
 pub mod app;
 pub mod cluster;
 pub mod config;
+pub mod cpus;
 pub mod egress;
 pub mod explain;
 pub mod limit;

@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 
 use sluice::config::Overrides;
+use sluice::cpus;
 use sluice::proxy::server::Workers;
 use sluice::{App, Config, Server};
 
@@ -70,12 +71,18 @@ enum Command {
         #[command(flatten)]
         config: ConfigArg,
         /// Threads that serve clients, each with its own event loop (default: one per
-        /// CPU this process may use).
+        /// CPU of --cpu-request-millicores, else one per CPU this process may use: its
+        /// affinity, bounded by a cgroup CPU quota).
         #[arg(long, env = "SLUICE_WORKERS", value_parser = clap::value_parser!(u16).range(1..=1024))]
         workers: Option<u16>,
-        /// `auto`: when there are exactly as many workers as CPUs this process may run on
-        /// (a machine or a dedicated cpuset of its own), each worker is kept on one of
-        /// them; `off`: the scheduler places them.
+        /// The container's CPU request in millicores, rounded up to whole workers (in a
+        /// pod: the downward API's `resourceFieldRef` `requests.cpu` with divisor `1m`);
+        /// 0 means none.
+        #[arg(long, env = "SLUICE_CPU_REQUEST_MILLICORES", value_name = "MILLICORES")]
+        cpu_request_millicores: Option<u64>,
+        /// `auto`: each worker is kept on one CPU when the process has a cpuset of its own
+        /// (narrower than the machine) with one CPU per worker; `on`: also on the whole
+        /// machine, for a host that runs nothing else; `off`: the scheduler places them.
         #[arg(long, env = "SLUICE_PIN_WORKERS", value_enum, default_value = "auto")]
         pin_workers: PinArg,
         /// Proxy listener, over the file's [proxy] listen (e.g. 0.0.0.0:3128 in a pod).
@@ -127,6 +134,7 @@ fn main() -> ExitCode {
         Command::Run {
             config,
             workers,
+            cpu_request_millicores,
             pin_workers,
             listen,
             admin,
@@ -134,6 +142,7 @@ fn main() -> ExitCode {
         } => run(
             &config.config,
             workers,
+            cpu_request_millicores,
             pin_workers,
             Overrides {
                 listen,
@@ -292,10 +301,17 @@ fn explain(path: &Path, method: &str, url: &str, headers: &[String]) -> anyhow::
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 enum PinArg {
     Auto,
+    On,
     Off,
 }
 
-fn run(path: &Path, workers: Option<u16>, pin: PinArg, overrides: Overrides) -> anyhow::Result<()> {
+fn run(
+    path: &Path,
+    workers: Option<u16>,
+    cpu_request_millis: Option<u64>,
+    pin: PinArg,
+    overrides: Overrides,
+) -> anyhow::Result<()> {
     let config = Config::load(path)?;
     match sluice::rlimit::raise_nofile() {
         Ok((before, after)) if after > before => {
@@ -311,11 +327,13 @@ fn run(path: &Path, workers: Option<u16>, pin: PinArg, overrides: Overrides) -> 
     for w in config.warnings() {
         tracing::warn!(config = %path.display(), "{w}");
     }
-    let count = workers.map_or_else(
-        || std::thread::available_parallelism().map_or(1, |n| n.get()),
-        usize::from,
-    );
-    let (workers, pinned) = Workers::start(count, matches!(pin, PinArg::Auto))
+    let pin = match pin {
+        PinArg::Auto => cpus::Pin::Auto,
+        PinArg::On => cpus::Pin::On,
+        PinArg::Off => cpus::Pin::Off,
+    };
+    let plan = cpus::plan(&cpus::Machine::probe(), workers, cpu_request_millis, pin);
+    let (workers, pinned) = Workers::start(plan.workers, plan.cpus.clone())
         .context("cannot start the worker threads")?;
     let pinned = pinned.map_or_else(|| "no".to_string(), |cpus| format!("{cpus:?}"));
     // This thread runs what is not per client: signals, reloads, the admin listener, the
@@ -330,7 +348,7 @@ fn run(path: &Path, workers: Option<u16>, pin: PinArg, overrides: Overrides) -> 
             .overrides(overrides)
             .build()?;
         let server = Server::bind(app).await?.serve_on(workers.handles());
-        tracing::info!(proxy = %server.proxy_addr(), admin = %server.admin_addr(), config = %path.display(), workers = count, pinned_to_cpus = %pinned, "listening");
+        tracing::info!(proxy = %server.proxy_addr(), admin = %server.admin_addr(), config = %path.display(), workers = plan.workers, workers_from = %plan.workers_why, pinned_to_cpus = %pinned, pinning = %plan.pin_why, "listening");
         server.run(shutdown_signal()).await;
         Ok(())
     })

@@ -247,52 +247,117 @@ fn worker_cpus(pid: u32) -> Vec<Vec<usize>> {
     workers
 }
 
-/// As many workers as CPUs: each is kept on its own. More workers than CPUs, or
-/// `--pin-workers off`: the scheduler places them anywhere the process may run.
+/// Workers are pinned one per CPU only when the process has a cpuset narrower than the
+/// machine (here made with `taskset`) or `--pin-workers on`; the `listening` line says
+/// how many workers, why, and whether they were pinned.
 #[cfg(target_os = "linux")]
 #[tokio::test]
-async fn workers_are_pinned_one_per_cpu_when_they_cover_the_cpus() {
+async fn workers_are_pinned_only_to_a_cpuset_of_their_own_or_when_asked() {
     support::crypto();
     let ours = allowed_cpus(&std::fs::read_to_string("/proc/self/status").unwrap());
+    let online = allowed_cpus(&format!(
+        "Cpus_allowed_list: {}",
+        std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap()
+    ))
+    .len();
+    let narrower = ours.len() < online;
     let n = ours.len().to_string();
     let more = (ours.len() + 1).to_string();
-    for (args, pinned) in [
-        (vec!["run", "--workers", &n], true),
-        (vec!["run", "--workers", &n, "--pin-workers", "off"], false),
-        (vec!["run", "--workers", &more], false),
-    ] {
-        let mut sluice = Sluice::spawn(
+    let first = ours[0].to_string();
+    // (taskset CPU, arguments, the CPUs pinned, workers_from)
+    type Case<'a> = (Option<&'a str>, Vec<&'a str>, Option<Vec<usize>>, &'a str);
+    let mut cases: Vec<Case> = vec![
+        (
+            None,
+            vec!["--workers", &n],
+            narrower.then(|| ours.clone()),
+            "set by --workers",
+        ),
+        (
+            None,
+            vec!["--workers", &n, "--pin-workers", "on"],
+            Some(ours.clone()),
+            "set by --workers",
+        ),
+        (
+            None,
+            vec!["--workers", &n, "--pin-workers", "off"],
+            None,
+            "set by --workers",
+        ),
+        (
+            None,
+            vec!["--workers", &more, "--pin-workers", "on"],
+            None,
+            "set by --workers",
+        ),
+        (
+            None,
+            vec!["--cpu-request-millicores", "50"],
+            None,
+            "CPU request 50m",
+        ),
+    ];
+    if online > 1 {
+        cases.push((
+            Some(&first),
+            vec![],
+            Some(vec![ours[0]]),
+            "cpuset of 1 of the machine's",
+        ));
+    } else {
+        eprintln!("one CPU online: no cpuset narrower than the machine to try");
+    }
+    for (taskset, args, pinned, why) in cases {
+        let mut command = std::process::Command::new("sh");
+        command.arg("-c");
+        match taskset {
+            Some(cpu) => command.arg(format!("exec taskset -c {cpu} \"$0\" \"$@\"")),
+            None => command.arg("exec \"$0\" \"$@\""),
+        };
+        command.arg(env!("CARGO_BIN_EXE_sluice"));
+        let run = [
+            &["run"][..],
+            &args[..],
             &[
-                &args[..],
-                &[
-                    "-c",
-                    "config/sluice.toml",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--admin",
-                    "127.0.0.1:0",
-                ],
-            ]
-            .concat(),
-        );
+                "-c",
+                "config/sluice.toml",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin",
+                "127.0.0.1:0",
+            ],
+        ]
+        .concat();
+        let mut sluice = Sluice::spawn_shell(command, &run);
         let (_, admin) = sluice.listening().await;
         assert!(sluice.ready(admin).await);
         let mut workers = worker_cpus(sluice.pid());
-        if pinned {
-            workers.sort();
-            let each: Vec<Vec<usize>> = ours.iter().map(|&c| vec![c]).collect();
-            assert_eq!(workers, each, "{args:?}: one CPU each");
-        } else {
-            assert!(workers.iter().all(|w| *w == ours), "{args:?}: {workers:?}");
+        workers.sort();
+        let allowed = taskset.map_or(ours.clone(), |_| vec![ours[0]]);
+        match &pinned {
+            Some(cpus) => {
+                let each: Vec<Vec<usize>> = cpus.iter().map(|&c| vec![c]).collect();
+                assert_eq!(workers, each, "{taskset:?} {args:?}: one CPU each");
+            }
+            None => assert!(
+                workers.iter().all(|w| *w == allowed),
+                "{args:?}: {workers:?}"
+            ),
         }
         sluice.signal("TERM");
         let (code, lines) = sluice.exit().await;
         assert_eq!(code, Some(0));
         let listening = lines.iter().find(|l| l.contains("listening")).unwrap();
-        assert_eq!(
-            listening.contains("pinned_to_cpus=no"),
-            !pinned,
+        let said = match &pinned {
+            Some(cpus) => format!("pinned_to_cpus={cpus:?}"),
+            None => "pinned_to_cpus=no".to_string(),
+        };
+        assert!(listening.contains(&said), "{args:?}: {said} in {listening}");
+        assert!(
+            listening.contains(&format!("workers_from={why}")),
             "{listening}"
         );
+        assert!(listening.contains("pinning="), "{listening}");
     }
 }

@@ -50,15 +50,18 @@ pub struct Workers {
 }
 
 impl Workers {
-    /// Starts `count` workers. With `pin`, when there are exactly as many workers as CPUs
-    /// this process may run on, worker `i` runs only on the `i`-th of them: two unpinned
-    /// workers that the scheduler puts on one CPU take turns for time slices until it
-    /// moves one, and every connection of both waits meanwhile (docs/BENCHMARKS.md,
-    /// "Where the slow requests came from").
+    /// Starts `count` workers; with `cpus`, worker `i` runs only on `cpus[i]`: two
+    /// unpinned workers that the scheduler puts on one CPU take turns for time slices
+    /// until it moves one, and every connection of both waits meanwhile
+    /// (docs/BENCHMARKS.md, "Where the slow requests came from"). [`crate::cpus::plan`]
+    /// decides when that pays.
     /// Returns the workers and the CPUs they were pinned to, if all of them were.
-    pub fn start(count: usize, pin: bool) -> io::Result<(Workers, Option<Vec<usize>>)> {
+    pub fn start(
+        count: usize,
+        cpus: Option<Vec<usize>>,
+    ) -> io::Result<(Workers, Option<Vec<usize>>)> {
         let count = count.max(1);
-        let cpus = if pin { one_cpu_each(count) } else { None };
+        let cpus = cpus.filter(|c| c.len() >= count);
         let done = CancellationToken::new();
         let mut workers = Workers {
             handles: Vec::new(),
@@ -105,22 +108,6 @@ impl Drop for Workers {
             let _ = t.join();
         }
     }
-}
-
-/// The CPUs this process may run on, when there are exactly `count` of them.
-#[cfg(target_os = "linux")]
-fn one_cpu_each(count: usize) -> Option<Vec<usize>> {
-    use rustix::thread::{CpuSet, sched_getaffinity};
-    let allowed = sched_getaffinity(None).ok()?;
-    let cpus: Vec<usize> = (0..CpuSet::MAX_CPU)
-        .filter(|&c| allowed.is_set(c))
-        .collect();
-    (cpus.len() == count).then_some(cpus)
-}
-
-#[cfg(not(target_os = "linux"))]
-fn one_cpu_each(_: usize) -> Option<Vec<usize>> {
-    None
 }
 
 /// Keeps the calling thread on `cpu`; a refusal leaves it where the scheduler puts it.
