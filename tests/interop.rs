@@ -152,6 +152,8 @@ async fn suite(
 fn present(program: &str, args: &[&str]) -> bool {
     Command::new(program)
         .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
         .status()
         .is_ok_and(|s| s.success())
 }
@@ -245,4 +247,213 @@ async fn go_net_http_in_every_mode() {
     let source = concat!(env!("CARGO_MANIFEST_DIR"), "/interop/go/clients.go");
     let env = [("SLUICE_INTEROP_BUNDLE", world.bundle.as_path())];
     suite(&world, "go", &["run", source], &env, &["go net/http"]).await;
+}
+
+/// The NO_PROXY the shipped manifests give the application (deploy/proxy-env, as
+/// rendered in deploy/example/rendered.yaml), with the kubelet's `$(VAR)` expansion of
+/// the API server's address.
+fn shipped_no_proxy(api_server: &str) -> String {
+    let rendered = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/example/rendered.yaml"
+    ))
+    .unwrap();
+    let value_of = |name: &str| {
+        let mut lines = rendered.lines();
+        lines.find(|l| l.trim() == format!("- name: {name}"));
+        let value = lines.next().unwrap().trim();
+        value.strip_prefix("value: ").unwrap().to_string()
+    };
+    let upper = value_of("NO_PROXY");
+    assert_eq!(upper, value_of("no_proxy"), "both spellings alike");
+    upper.replace("$(KUBERNETES_SERVICE_HOST)", api_server)
+}
+
+/// Which hosts each client sends past sluice with the shipped NO_PROXY: the cloud
+/// metadata and credential endpoints, the API server and namespace-qualified service
+/// names go direct for every client; bare service names cannot be matched by any
+/// client (docs/kubernetes.md says to list them); the pod and service ranges go direct
+/// only for the clients that read CIDRs. Each client decides with its own code
+/// (`interop/no_proxy.py`), sluice's access log confirms what reached it, and nothing
+/// leaves loopback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_no_proxy_sends_infrastructure_direct() {
+    if !present("python3", &["-c", "import requests, httpx, aiohttp"])
+        || !present("wget", &["--version"])
+    {
+        eprintln!(
+            "SKIPPED: wget or the Python clients (requests, httpx, aiohttp) are not \
+             installed; scripts/test installs them"
+        );
+        return;
+    }
+    crypto();
+    const CLIENTS: [&str; 6] = ["curl", "wget", "urllib", "requests", "httpx", "aiohttp"];
+    // P: through sluice, D: direct, 4: sluice answered 400 (httpx 0.28 writes an IPv6
+    // literal without its brackets in the request line). The last column is Java's
+    // default ProxySelector with the docs' JAVA_TOOL_OPTIONS, where a JDK is installed.
+    let expected: &[(&str, &str)] = &[
+        ("api.example.com", "PPPPPPP"),
+        ("169.254.169.254", "DDDDDDD"),
+        ("169.254.170.2", "DDDDDDD"),
+        ("169.254.170.23", "DDDDDDD"),
+        ("[fd00:ec2::254]", "DDPDDDD"),
+        ("metadata.google.internal", "DDDDDDD"),
+        ("metadata", "DDDDDDD"),
+        ("168.63.129.16", "DDDDDDD"),
+        ("10.96.0.1", "DDDDDDD"),
+        ("kubernetes", "DDDDDDD"),
+        ("kubernetes.default", "DDDDDDD"),
+        ("kubernetes.default.svc", "DDDDDDD"),
+        ("billing.shop.svc", "DDDDDDD"),
+        ("billing.shop.svc.cluster.local", "DDDDDDD"),
+        ("billing", "PPPPPPP"),
+        ("billing.shop", "PPPPPPP"),
+        ("10.244.1.7", "DPPDPPD"),
+        ("172.20.3.4", "DPPDPPD"),
+        ("100.64.3.4", "DPPDPPP"),
+        ("[fd12::7]", "PPPP4PP"),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("sluice.toml");
+    // Every host refused with 403, so nothing is forwarded anywhere.
+    std::fs::write(&config, "[proxy]\nunmatched = \"deny\"\n").unwrap();
+    let mut sluice = Sluice::spawn(&[
+        "run",
+        "-c",
+        config.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+        "--log-format",
+        "json",
+    ]);
+    let (proxy, admin) = sluice.listening().await;
+    assert!(sluice.ready(admin).await);
+    let plan = serde_json::json!({
+        "proxy": format!("http://127.0.0.1:{proxy}"),
+        "no_proxy": shipped_no_proxy("10.96.0.1"),
+        "hosts": expected.iter().map(|(h, _)| *h).collect::<Vec<_>>(),
+    });
+    let plan_path = dir.path().join("plan.json");
+    std::fs::write(&plan_path, plan.to_string()).unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/interop/no_proxy.py");
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("python3")
+            .arg(script)
+            .arg(&plan_path)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "interop/no_proxy.py broke: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: std::collections::HashMap<(String, String), String> = stdout
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .map(|v| {
+            let via = v["via"].as_str().unwrap();
+            let code = match via {
+                "proxy" => "P".to_string(),
+                "direct" => "D".to_string(),
+                "error: 400" => "4".to_string(),
+                other => other.to_string(),
+            };
+            let key = (
+                v["client"].as_str().unwrap().to_string(),
+                v["host"].as_str().unwrap().to_string(),
+            );
+            (key, code)
+        })
+        .collect();
+    sluice.signal("TERM");
+    let (_, lines) = sluice.exit().await;
+    let seen: std::collections::HashSet<(String, String)> = lines
+        .iter()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["target"] == "sluice::access")
+        .filter_map(|v| {
+            let client = v["path"].as_str()?.strip_prefix("/probe/")?.to_string();
+            Some((client, v["host"].as_str()?.to_string()))
+        })
+        .collect();
+    let mut table = format!("{:32} {}\n", "host", CLIENTS.join(" "));
+    let mut wrong = Vec::new();
+    for (host, want) in expected {
+        table.push_str(&format!("{host:32}"));
+        for (client, want) in CLIENTS.iter().zip(want.chars()) {
+            let key = (client.to_string(), host.to_string());
+            let via = got.get(&key).map_or("missing", String::as_str);
+            table.push_str(&format!(" {via:>w$}", w = client.len()));
+            if via != want.to_string() {
+                wrong.push(format!("{client} {host}: {via}, expected {want}"));
+            }
+            // sluice logs the host without an IPv6 literal's brackets.
+            let logged = (
+                client.to_string(),
+                host.trim_matches(['[', ']']).to_string(),
+            );
+            if (via == "P") != seen.contains(&logged) {
+                wrong.push(format!(
+                    "{client} {host}: {via}, but sluice's log disagrees"
+                ));
+            }
+        }
+        table.push('\n');
+    }
+    eprintln!("{table}");
+    let hosts: Vec<&str> = expected.iter().map(|(h, _)| *h).collect();
+    match java_no_proxy(&hosts).await {
+        None => eprintln!("SKIPPED: Java's column (no JDK here)"),
+        Some(java) => {
+            for ((host, want), got) in expected.iter().zip(java) {
+                let want = want.chars().last().unwrap().to_string();
+                if got != format!("{host} {want}") {
+                    wrong.push(format!("java: {got}, expected {want}"));
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}\n{table}", wrong.join("\n"));
+}
+
+/// Java's verdict for each host ("HOST P" or "HOST D"), with the `JAVA_TOOL_OPTIONS` of
+/// docs/kubernetes.md ("Java"), or None without a JDK.
+async fn java_no_proxy(hosts: &[&str]) -> Option<Vec<String>> {
+    if !present("java", &["-version"]) {
+        return None;
+    }
+    let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/kubernetes.md"))
+        .unwrap();
+    let options = docs
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("value: \"-Dhttp.proxyHost"))
+        .map(|rest| format!("-Dhttp.proxyHost{}", rest.trim_end_matches('"')))
+        .expect("the JAVA_TOOL_OPTIONS block in docs/kubernetes.md");
+    let source = concat!(env!("CARGO_MANIFEST_DIR"), "/interop/java/NoProxy.java");
+    let mut cmd = Command::new("java");
+    cmd.arg(source).args(hosts).env(
+        "JAVA_TOOL_OPTIONS",
+        options.replace("$(KUBERNETES_SERVICE_HOST)", "10.96.0.1"),
+    );
+    let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(String::from)
+            .collect(),
+    )
 }
