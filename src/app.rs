@@ -345,6 +345,9 @@ impl App {
             .config_reloads
             .with_label_values(&[outcome])
             .inc();
+        self.metrics
+            .config_last_reload_successful
+            .set(i64::from(result.is_ok()));
         match &result {
             Ok(s) if !s.changed => {
                 tracing::info!(sha256 = %s.sha256, "config reload: file unchanged")

@@ -80,6 +80,8 @@ pub struct Metrics {
     pub config_reloads: IntCounterVec,
     /// `{sha256}`: 1 for the config in force.
     pub config_info: IntGaugeVec,
+    /// 1 when the last reload (or the start) loaded the file, 0 when it was refused.
+    pub config_last_reload_successful: prometheus::IntGauge,
     pub log_lines_dropped: prometheus::IntCounter,
 }
 
@@ -416,6 +418,11 @@ impl Metrics {
             ),
             &["sha256"],
         )?;
+        let config_last_reload_successful = prometheus::IntGauge::new(
+            "sluice_config_last_reload_successful",
+            "1 when the last reload (or the start) loaded the config file, 0 when it was refused",
+        )?;
+        config_last_reload_successful.set(1);
         let cluster_calls = HistogramVec::new(
             HistogramOpts::new(
                 "sluice_cluster_call_duration_seconds",
@@ -466,6 +473,7 @@ impl Metrics {
         }
         registry.register(Box::new(config_reloads.clone()))?;
         registry.register(Box::new(config_info.clone()))?;
+        registry.register(Box::new(config_last_reload_successful.clone()))?;
         registry.register(Box::new(tls_handshake_failures.clone()))?;
         registry.register(Box::new(upstream_429.clone()))?;
         registry.register(Box::new(edge_429.clone()))?;
@@ -546,6 +554,7 @@ impl Metrics {
             cluster_wait,
             config_reloads,
             config_info,
+            config_last_reload_successful,
         })
     }
 

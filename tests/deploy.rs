@@ -387,18 +387,22 @@ async fn runs_as_the_image_does_with_a_generated_ca_and_a_shared_trust_volume() 
     assert_eq!(code, Some(0), "{log:?}");
 }
 
-/// Every metric the alert rules and the dashboard in deploy/monitoring name exists in
+/// Every metric the alert rules and the dashboard in deploy/monitoring-rules name exists in
 /// sluice's /metrics, once traffic has made each series appear: a renamed metric breaks
 /// this test, not a team's alerts in production.
 #[tokio::test]
 async fn the_monitoring_names_only_metrics_sluice_exports() {
     let up = Upstream::start().await;
+    let no_redis = closed_port().await;
     let proxy = Proxy::start(&format!(
         "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\nmax_queue = 1\n\
          retry = {{ max_attempts = 2, backoff = {{ base = \"10ms\", max = \"20ms\" }} }}\n\
          limits = [{{ kind = \"concurrency\", max = 1 }}]\n\
-         [[upstream.family]]\nname = \"all\"\npaths = [\"/**\"]\nbreaker = {{ min_requests = 100 }}\n",
-        up.addr.port()
+         [[upstream.family]]\nname = \"all\"\npaths = [\"/**\"]\nbreaker = {{ min_requests = 100 }}\n\
+         [cluster]\nredis = \"redis://127.0.0.1:{}\"\non_redis_error = \"local\"\nreplicas = 2\n",
+        up.addr.port(),
+        // Shared limits whose Redis is not there: sluice_cluster_mode says "local".
+        no_redis.port()
     ))
     .await;
     let client = proxy.client();
@@ -426,7 +430,7 @@ async fn the_monitoring_names_only_metrics_sluice_exports() {
     proxy.admin_post("/reload").await;
     let exported = proxy.metrics().await;
 
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/monitoring");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/monitoring-rules");
     let mut used = std::collections::BTreeSet::new();
     for file in ["prometheusrule.yaml", "dashboard.json"] {
         let text = std::fs::read_to_string(dir.join(file)).unwrap();
