@@ -99,6 +99,23 @@ enum Command {
     },
     /// Validate a config file: exit 0 when valid, 1 with file:line:col: message otherwise.
     Check(ConfigArg),
+    /// Wait until sluice is ready (its admin /readyz answers 200): exit 0 then, 1 at the
+    /// timeout. For a container that must not start before its sidecar (a postStart
+    /// hook, or an application's entrypoint).
+    WaitReady {
+        /// The admin listener to ask; an unspecified address (0.0.0.0) is asked on
+        /// loopback.
+        #[arg(
+            long,
+            env = "SLUICE_ADMIN",
+            value_name = "IP:PORT",
+            default_value = "127.0.0.1:9901"
+        )]
+        admin: SocketAddr,
+        /// How long to wait, e.g. 60s.
+        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+        timeout: std::time::Duration,
+    },
     /// Certificate authority for TLS interception.
     Ca {
         #[command(subcommand)]
@@ -151,6 +168,7 @@ fn main() -> ExitCode {
             },
         ),
         Command::Check(c) => check(&c.config),
+        Command::WaitReady { admin, timeout } => wait_ready(admin, timeout),
         Command::Ca {
             command: CaCommand::New { out },
         } => ca_new(&out),
@@ -352,6 +370,46 @@ fn run(
         server.run(shutdown_signal()).await;
         Ok(())
     })
+}
+
+/// Polls `GET /readyz` on `admin` every 100 ms until it answers 200 or `timeout` passes.
+fn wait_ready(mut admin: SocketAddr, timeout: std::time::Duration) -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    if admin.ip().is_unspecified() {
+        let loopback: std::net::IpAddr = if admin.is_ipv4() {
+            std::net::Ipv4Addr::LOCALHOST.into()
+        } else {
+            std::net::Ipv6Addr::LOCALHOST.into()
+        };
+        admin.set_ip(loopback);
+    }
+    let deadline = tokio::time::Instant::now() + timeout;
+    let ask = || -> std::io::Result<bool> {
+        let mut conn =
+            std::net::TcpStream::connect_timeout(&admin, std::time::Duration::from_secs(1))?;
+        conn.set_read_timeout(Some(std::time::Duration::from_secs(1)))?;
+        conn.write_all(b"GET /readyz HTTP/1.1\r\nHost: sluice\r\nConnection: close\r\n\r\n")?;
+        let mut head = [0u8; 12];
+        conn.read_exact(&mut head)?;
+        Ok(&head[9..12] == b"200")
+    };
+    loop {
+        let last = match ask() {
+            Ok(true) => {
+                eprintln!("sluice at {admin} is ready");
+                return Ok(());
+            }
+            Ok(false) => "it answered, not ready yet".to_string(),
+            Err(e) => e.to_string(),
+        };
+        if tokio::time::Instant::now() >= deadline {
+            anyhow::bail!(
+                "sluice at {admin} was not ready after {} ({last})",
+                humantime::format_duration(timeout)
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
 }
 
 /// Resolves on the first SIGTERM or SIGINT.

@@ -361,3 +361,47 @@ async fn workers_are_pinned_only_to_a_cpuset_of_their_own_or_when_asked() {
         assert!(listening.contains("pinning="), "{listening}");
     }
 }
+
+/// `sluice wait-ready` returns once the admin listener's /readyz answers 200 (as a
+/// postStart hook it holds the next container back until then), and fails with the
+/// reason at its timeout.
+#[tokio::test]
+async fn wait_ready_waits_for_readyz() {
+    support::crypto();
+    let closed = support::closed_port().await;
+    let out = tokio::process::Command::new(BIN)
+        .args([
+            "wait-ready",
+            "--admin",
+            &closed.to_string(),
+            "--timeout",
+            "300ms",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not ready after 300ms"), "{err}");
+
+    let mut sluice = Sluice::spawn(&[
+        "run",
+        "-c",
+        "config/sluice.toml",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+    ]);
+    let (_, admin) = sluice.listening().await;
+    // An unspecified address is asked on loopback, as SLUICE_ADMIN=0.0.0.0:9901 in a pod.
+    let out = tokio::process::Command::new(BIN)
+        .args(["wait-ready", "--timeout", "30s"])
+        .env("SLUICE_ADMIN", format!("0.0.0.0:{admin}"))
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    sluice.signal("TERM");
+    let _ = sluice.exit().await;
+}

@@ -352,6 +352,27 @@ async fn runs_as_the_image_does_non_root_read_only_with_a_secret_mounted_ca() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("defaultMode"), "{err}");
+
+    // A Secret volume without fsGroup: the key is root's, 0400, and uid 65532 cannot
+    // read it. The refusal names fsGroup.
+    chown(stamp.join("ca-key.pem"), Some(0), Some(0)).unwrap();
+    set_mode(&stamp.join("ca-key.pem"), 0o400);
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid", "65532", "--regid", "65532", "--clear-groups"])
+        .arg(&image.bin)
+        .args(["run", "-c"])
+        .arg(&config)
+        .env("SLUICE_LISTEN", "127.0.0.1:0")
+        .env("SLUICE_ADMIN", "127.0.0.1:0")
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("permission denied") && err.contains("fsGroup") && err.contains("uid 0"),
+        "{err}"
+    );
 }
 
 /// The pod without hand-made certificates: sluice, as uid 65532 with a read-only config,

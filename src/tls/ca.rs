@@ -118,7 +118,7 @@ impl Authority {
             return Err(TlsError::KeyTooOpen(key_path.display().to_string()));
         }
         let cert_pem = read_capped(cert_path, PEM_CAP).map_err(io_err(cert_path))?;
-        let key_pem = read_capped(key_path, PEM_CAP).map_err(io_err(key_path))?;
+        let key_pem = read_capped(key_path, PEM_CAP).map_err(|e| unreadable(key_path, e))?;
         let invalid = |path: &Path, message: String| TlsError::Invalid {
             path: path.display().to_string(),
             message,
@@ -252,6 +252,23 @@ pub fn pem_certs(pem: &str) -> Vec<CertificateDer<'static>> {
     CertificateDer::pem_slice_iter(pem.as_bytes())
         .filter_map(Result::ok)
         .collect()
+}
+
+/// A key file sluice may not read: in a pod, almost always a Secret volume without
+/// `fsGroup`, whose files the kubelet leaves to root. The error says so.
+fn unreadable(path: &Path, e: std::io::Error) -> TlsError {
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::metadata(path) {
+        Ok(m) if e.kind() == std::io::ErrorKind::PermissionDenied => TlsError::KeyUnreadable {
+            path: path.display().to_string(),
+            uid: m.uid(),
+            gid: m.gid(),
+            mode: m.mode() & 0o7777,
+            euid: rustix::process::geteuid().as_raw(),
+            egid: rustix::process::getegid().as_raw(),
+        },
+        _ => io_err(path)(e),
+    }
 }
 
 #[cfg(test)]

@@ -28,6 +28,17 @@ pub enum TlsError {
         "{0}: the CA key is readable by others or writable by its group; run `chmod 600 {0}` (in a Kubernetes Secret volume: defaultMode 0400, or 0440 with fsGroup); sluice refuses to sign with a key others can read"
     )]
     KeyTooOpen(String),
+    #[error(
+        "{path}: permission denied: the key belongs to uid {uid} gid {gid} with mode {mode:04o}, and sluice runs as uid {euid} gid {egid}; a Kubernetes Secret volume's files belong to root unless the pod sets securityContext.fsGroup: set fsGroup to sluice's group ({egid}) and the volume's defaultMode to 0440 (docs/kubernetes.md, \"HTTPS\")"
+    )]
+    KeyUnreadable {
+        path: String,
+        uid: u32,
+        gid: u32,
+        mode: u32,
+        euid: u32,
+        egid: u32,
+    },
     #[error("{path}: {message}")]
     Invalid { path: String, message: String },
     #[error("certificate generation failed: {0}")]
