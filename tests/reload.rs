@@ -143,7 +143,10 @@ async fn post_reload_answers_what_changed_and_refuses_bad_files() {
     );
     assert_eq!(m.matches("sluice_config_info{").count(), 1, "{m}");
     // The last reload was refused: 0 for as long as the bad file stays.
-    assert_eq!(metric(&m, "sluice_config_last_reload_successful"), Some(0.0));
+    assert_eq!(
+        metric(&m, "sluice_config_last_reload_successful"),
+        Some(0.0)
+    );
 
     // Listen addresses need a restart: reported, and the proxy keeps its sockets.
     std::fs::write(
@@ -155,7 +158,10 @@ async fn post_reload_answers_what_changed_and_refuses_bad_files() {
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("proxy.listen"), "{body}");
     let m = proxy.metrics().await;
-    assert_eq!(metric(&m, "sluice_config_last_reload_successful"), Some(1.0));
+    assert_eq!(
+        metric(&m, "sluice_config_last_reload_successful"),
+        Some(1.0)
+    );
     let resp = proxy.client().get(up.url("/x")).send().await.unwrap();
     assert_eq!(resp.status(), 200);
 
