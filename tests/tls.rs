@@ -559,3 +559,99 @@ async fn a_rapid_reset_flood_inside_interception_is_bounded() {
         .unwrap();
     assert_eq!(r.status(), 200);
 }
+
+/// `openssl req -x509` makes a self-signed certificate with CA:TRUE, which webpki refuses
+/// as a server's own (CaUsedAsEndEntity). Named in `upstream_ca`, it is accepted as a
+/// pin, against a real `openssl s_server` presenting it: those exact bytes, for the
+/// name, within their validity. A server presenting another such certificate is still
+/// refused.
+#[tokio::test]
+async fn a_self_signed_upstream_certificate_named_in_upstream_ca_is_pinned() {
+    if Command::new("openssl").arg("version").output().is_err() {
+        eprintln!("SKIPPED: no openssl command here");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let make = |name: &str| {
+        let (cert, key) = (
+            dir.path().join(format!("{name}.pem")),
+            dir.path().join(format!("{name}-key.pem")),
+        );
+        let out = Command::new("openssl")
+            .args([
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:P-256",
+                "-nodes",
+            ])
+            .arg("-keyout")
+            .arg(&key)
+            .arg("-out")
+            .arg(&cert)
+            .args(["-days", "2", "-subj", "/CN=localhost"])
+            .args(["-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let text = Command::new("openssl")
+            .args(["x509", "-noout", "-text", "-in"])
+            .arg(&cert)
+            .output()
+            .unwrap();
+        assert!(String::from_utf8_lossy(&text.stdout).contains("CA:TRUE"));
+        (cert, key)
+    };
+    let (pinned, pinned_key) = make("pinned");
+    let (other, _) = make("other");
+    // s_server answers one connection at a time: enough for one request per upstream.
+    let port = support::free_port();
+    let mut server = tokio::process::Command::new("openssl")
+        .args([
+            "s_server",
+            "-accept",
+            &format!("127.0.0.1:{port}"),
+            "-www",
+            "-quiet",
+        ])
+        .arg("-cert")
+        .arg(&pinned)
+        .arg("-key")
+        .arg(&pinned_key)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        assert!(Instant::now() < deadline, "openssl s_server did not listen");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let config = |ca: &std::path::Path, host: &str| {
+        format!(
+            "[[upstream]]\nname = \"selfsigned\"\nhosts = [\"{host}:{port}\"]\nscheme = \"https\"\n\
+             upstream_ca = {ca:?}\n"
+        )
+    };
+    for (ca, host, want) in [
+        (&pinned, "127.0.0.1", 200),
+        (&pinned, "localhost", 200),
+        (&other, "127.0.0.1", 502),
+    ] {
+        let proxy = Proxy::start(&config(ca, host)).await;
+        let resp = proxy
+            .client()
+            .get(format!("http://{host}:{port}/"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), want, "{host} trusting {ca:?}");
+    }
+    server.kill().await.unwrap();
+}
