@@ -655,3 +655,125 @@ async fn a_self_signed_upstream_certificate_named_in_upstream_ca_is_pinned() {
     }
     server.kill().await.unwrap();
 }
+
+fn runs(program: &str, arg: &str) -> bool {
+    Command::new(program)
+        .arg(arg)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// The trust recipes of docs/https.md, run as written: wget trusts sluice's CA with
+/// `--ca-certificate` and not with `SSL_CERT_FILE`; the Java store made from a copy of
+/// the JDK's `cacerts` keeps every public root and lets Java's HttpClient through an
+/// intercepted tunnel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_trust_recipes_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = tls_upstream(dir.path()).await;
+    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let proxy = Proxy::start(&format!(
+        "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
+         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\nupstream_ca = {:?}\n",
+        up.ca_path
+    ))
+    .await;
+    let url = format!("https://{}/recipe", up.addr);
+    let blocking = |mut cmd: Command| async move {
+        tokio::task::spawn_blocking(move || cmd.output().unwrap())
+            .await
+            .unwrap()
+    };
+
+    if runs("wget", "--version") {
+        let wget = |extra: &[&str], env: Option<&std::path::Path>| {
+            let mut cmd = Command::new("wget");
+            cmd.args(["-q", "-O", "-", "--tries=1", "--timeout=10"])
+                .args(extra)
+                .arg(&url)
+                .env("https_proxy", proxy.url())
+                .env_remove("SSL_CERT_FILE");
+            if let Some(file) = env {
+                cmd.env("SSL_CERT_FILE", file);
+            }
+            cmd
+        };
+        let with_option = format!("--ca-certificate={}", ca_cert.display());
+        let out = blocking(wget(&[&with_option], None)).await;
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "secure hello");
+        // 5: an SSL verification failure. GnuTLS's wget does not read SSL_CERT_FILE.
+        let out = blocking(wget(&[], Some(&ca_cert))).await;
+        assert_eq!(out.status.code(), Some(5), "{out:?}");
+    } else {
+        eprintln!("SKIPPED: wget's recipe (no wget here)");
+    }
+
+    if !runs("java", "-version") || !runs("keytool", "-help") {
+        eprintln!("SKIPPED: Java's recipe (no JDK here)");
+        return;
+    }
+    let java = std::fs::canonicalize(
+        String::from_utf8(
+            Command::new("sh")
+                .args(["-c", "command -v java"])
+                .output()
+                .unwrap()
+                .stdout,
+        )
+        .unwrap()
+        .trim(),
+    )
+    .unwrap();
+    let java_home = java.parent().unwrap().parent().unwrap();
+    let docs =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/https.md")).unwrap();
+    let block: String = docs
+        .split("```sh\n")
+        .find(|b| b.starts_with("cp \"$JAVA_HOME/lib/security/cacerts\""))
+        .expect("the Java block in docs/https.md")
+        .split("```")
+        .next()
+        .unwrap()
+        .to_string();
+    std::fs::copy(&ca_cert, dir.path().join("ca.pem")).unwrap();
+    let mut sh = Command::new("sh");
+    sh.args(["-ec", &block])
+        .current_dir(dir.path())
+        .env("JAVA_HOME", java_home);
+    let out = blocking(sh).await;
+    assert!(out.status.success(), "{block}\n{out:?}");
+    let entries = |store: std::path::PathBuf| {
+        let out = Command::new("keytool")
+            .args(["-list", "-storepass", "changeit", "-keystore"])
+            .arg(store)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .matches("trustedCertEntry")
+            .count()
+    };
+    let public = entries(java_home.join("lib/security/cacerts"));
+    assert!(public > 50, "the JDK's cacerts has {public} roots");
+    assert_eq!(entries(dir.path().join("truststore.jks")), public + 1);
+    let mut cmd = Command::new("java");
+    cmd.arg(format!(
+        "-Djavax.net.ssl.trustStore={}",
+        dir.path().join("truststore.jks").display()
+    ))
+    .arg("-Djavax.net.ssl.trustStorePassword=changeit")
+    .arg(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/interop/java/TrustStoreGet.java"
+    ))
+    .arg(proxy.addr.port().to_string())
+    .arg(&url);
+    let out = blocking(cmd).await;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "200 secure hello",
+        "{out:?}"
+    );
+}

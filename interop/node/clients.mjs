@@ -1,6 +1,8 @@
 // Node.js clients through sluice, as users configure them: undici (fetch with a
-// ProxyAgent), axios (its proxy option for http://, https-proxy-agent for https://) and
-// ws (with http-proxy-agent / https-proxy-agent), each in the three modes.
+// ProxyAgent; for http://, EnvHttpProxyAgent from HTTP_PROXY with proxyTunnel: false, so
+// that it sends absolute-form requests instead of CONNECT tunnels), axios (its proxy
+// option for http://, https-proxy-agent for https://) and ws (with http-proxy-agent /
+// https-proxy-agent), each in the three modes.
 //
 // Run by tests/interop.rs with the JSON plan as its one argument; prints one JSON line
 // per check: {"client", "mode", "check", "ok", "detail"}.
@@ -11,7 +13,7 @@ import { readFileSync } from "node:fs";
 import axios from "axios";
 import { HttpProxyAgent } from "http-proxy-agent";
 import { HttpsProxyAgent } from "https-proxy-agent";
-import { ProxyAgent, fetch } from "undici";
+import { EnvHttpProxyAgent, ProxyAgent, fetch } from "undici";
 import WebSocket from "ws";
 
 const plan = JSON.parse(readFileSync(process.argv[2], "utf8"));
@@ -50,9 +52,22 @@ function chunked() {
 }
 
 async function undiciSuite(mode, base) {
-  const dispatcher = new ProxyAgent({ uri: PROXY, requestTls: CA[mode] ? { ca: CA[mode] } : undefined });
+  // The recipe of docs/kubernetes.md for http://: the proxy variables, and no tunnel.
+  process.env.HTTP_PROXY = PROXY;
+  process.env.NO_PROXY = "";
+  const dispatcher = mode === "forward"
+    ? new EnvHttpProxyAgent({ proxyTunnel: false })
+    : new ProxyAgent({ uri: PROXY, requestTls: CA[mode] ? { ca: CA[mode] } : undefined });
   const call = (url, init = {}) => fetch(url, { dispatcher, ...init });
   const c = "undici";
+  if (mode === "forward") {
+    // A CONNECT to a refused host fails inside undici ("Proxy response (403) !== 200");
+    // an absolute-form request gets sluice's own 403 as its response.
+    await run(c, mode, "http:// sent in absolute form, not through CONNECT", async () => {
+      const r = await call(plan.denied_url);
+      return [r.status === 403 && r.headers.get("sluice-reason") === "denied", `${r.status} ${r.headers.get("sluice-reason")}`];
+    });
+  }
   await run(c, mode, "method, path, headers and body intact", async () => {
     const r = await call(`${base}/inspect/a/b?q=1`, { method: "POST", body: "hello", headers: { "X-Interop": "yes" } });
     const v = await r.json();
