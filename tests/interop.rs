@@ -288,31 +288,34 @@ async fn the_shipped_no_proxy_sends_infrastructure_direct() {
         return;
     }
     crypto();
-    const CLIENTS: [&str; 6] = ["curl", "wget", "urllib", "requests", "httpx", "aiohttp"];
+    const CLIENTS: [&str; 9] = [
+        "curl", "wget", "urllib", "requests", "httpx", "aiohttp", "go", "axios", "undici",
+    ];
     // P: through sluice, D: direct, 4: sluice answered 400 (httpx 0.28 writes an IPv6
-    // literal without its brackets in the request line). The last column is Java's
-    // default ProxySelector with the docs' JAVA_TOOL_OPTIONS, where a JDK is installed.
+    // literal without its brackets in the request line). Columns: CLIENTS, then Go's
+    // net/http, axios and undici where Go and the Node modules are installed, then Java's
+    // default ProxySelector with the docs' JAVA_TOOL_OPTIONS where a JDK is.
     let expected: &[(&str, &str)] = &[
-        ("api.example.com", "PPPPPPP"),
-        ("169.254.169.254", "DDDDDDD"),
-        ("169.254.170.2", "DDDDDDD"),
-        ("169.254.170.23", "DDDDDDD"),
-        ("[fd00:ec2::254]", "DDPDDDD"),
-        ("metadata.google.internal", "DDDDDDD"),
-        ("metadata", "DDDDDDD"),
-        ("168.63.129.16", "DDDDDDD"),
-        ("10.96.0.1", "DDDDDDD"),
-        ("kubernetes", "DDDDDDD"),
-        ("kubernetes.default", "DDDDDDD"),
-        ("kubernetes.default.svc", "DDDDDDD"),
-        ("billing.shop.svc", "DDDDDDD"),
-        ("billing.shop.svc.cluster.local", "DDDDDDD"),
-        ("billing", "PPPPPPP"),
-        ("billing.shop", "PPPPPPP"),
-        ("10.244.1.7", "DPPDPPD"),
-        ("172.20.3.4", "DPPDPPD"),
-        ("100.64.3.4", "DPPDPPP"),
-        ("[fd12::7]", "PPPP4PP"),
+        ("api.example.com", "PPPPPPPPPP"),
+        ("169.254.169.254", "DDDDDDDDDD"),
+        ("169.254.170.2", "DDDDDDDDDD"),
+        ("169.254.170.23", "DDDDDDDDDD"),
+        ("[fd00:ec2::254]", "DDPDDDDPPD"),
+        ("metadata.google.internal", "DDDDDDDDDD"),
+        ("metadata", "DDDDDDDDDD"),
+        ("168.63.129.16", "DDDDDDDDDD"),
+        ("10.96.0.1", "DDDDDDDDDD"),
+        ("kubernetes", "DDDDDDDDDD"),
+        ("kubernetes.default", "DDDDDDDDDD"),
+        ("kubernetes.default.svc", "DDDDDDDDDD"),
+        ("billing.shop.svc", "DDDDDDDDDD"),
+        ("billing.shop.svc.cluster.local", "DDDDDDDDDD"),
+        ("billing", "PPPPPPPPPP"),
+        ("billing.shop", "PPPPPPPPPP"),
+        ("10.244.1.7", "DPPDPPDPPD"),
+        ("172.20.3.4", "DPPDPPDPPD"),
+        ("100.64.3.4", "DPPDPPDPPP"),
+        ("[fd12::7]", "PPPP4PPPPP"),
     ];
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("sluice.toml");
@@ -338,6 +341,7 @@ async fn the_shipped_no_proxy_sends_infrastructure_direct() {
     });
     let plan_path = dir.path().join("plan.json");
     std::fs::write(&plan_path, plan.to_string()).unwrap();
+    let plan_copy = plan_path.clone();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/interop/no_proxy.py");
     let out = tokio::task::spawn_blocking(move || {
         Command::new("python3")
@@ -348,12 +352,52 @@ async fn the_shipped_no_proxy_sends_infrastructure_direct() {
     })
     .await
     .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
         "interop/no_proxy.py broke: {}\n{stdout}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let node_dir = concat!(env!("CARGO_MANIFEST_DIR"), "/interop/node");
+    let mut absent = Vec::new();
+    for (present_, program, args, dir, clients) in [
+        (
+            present("go", &["version"]),
+            "go",
+            vec!["run", "no_proxy.go"],
+            concat!(env!("CARGO_MANIFEST_DIR"), "/interop/go"),
+            &["go"][..],
+        ),
+        (
+            present("node", &["--version"])
+                && std::path::Path::new(node_dir)
+                    .join("node_modules/undici")
+                    .exists(),
+            "node",
+            vec!["no_proxy.mjs"],
+            node_dir,
+            &["axios", "undici"][..],
+        ),
+    ] {
+        if !present_ {
+            eprintln!(
+                "SKIPPED: the {clients:?} columns ({program} or its modules are not installed)"
+            );
+            absent.extend(clients.iter().map(|c| c.to_string()));
+            continue;
+        }
+        let mut cmd = Command::new(program);
+        cmd.args(&args).arg(&plan_copy).current_dir(dir);
+        let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
+            .await
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{program} {args:?} broke: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout.push_str(&String::from_utf8_lossy(&out.stdout));
+    }
     let got: std::collections::HashMap<(String, String), String> = stdout
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
@@ -388,6 +432,10 @@ async fn the_shipped_no_proxy_sends_infrastructure_direct() {
     for (host, want) in expected {
         table.push_str(&format!("{host:32}"));
         for (client, want) in CLIENTS.iter().zip(want.chars()) {
+            if absent.contains(&client.to_string()) {
+                table.push_str(&format!(" {:>w$}", "-", w = client.len()));
+                continue;
+            }
             let key = (client.to_string(), host.to_string());
             let via = got.get(&key).map_or("missing", String::as_str);
             table.push_str(&format!(" {via:>w$}", w = client.len()));
