@@ -262,3 +262,110 @@ pub fn authority(data: &[u8]) {
         check(a);
     }
 }
+
+/// The request head written to a plain-HTTP upstream: for any method, origin-form target
+/// and fields, the bytes parse back as one complete HTTP/1.1 request with the same
+/// method, target and fields, and with exactly the framing field the returned framing
+/// says (a `Content-Length` that does not parse, or two that disagree, are refused).
+/// Input: the first byte picks the body (empty, a known size, unknown), then lines:
+/// method, target, and `name: value` fields.
+pub fn request(data: &[u8]) {
+    use sluice::proxy::h1::{BodyFraming, encode_request};
+
+    let Some((&shape, rest)) = data.split_first() else {
+        return;
+    };
+    let mut lines = rest.split(|&b| b == b'\n');
+    let (Some(method), Some(target)) = (lines.next(), lines.next()) else {
+        return;
+    };
+    let Ok(method) = Method::from_bytes(method) else {
+        return;
+    };
+    let Ok(target) = http::uri::PathAndQuery::try_from(target) else {
+        return;
+    };
+    if !target.as_str().starts_with('/') {
+        return;
+    }
+    let mut headers = HeaderMap::new();
+    for line in lines {
+        let Some(colon) = line.iter().position(|&b| b == b':') else {
+            continue;
+        };
+        let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(&line[..colon]),
+            HeaderValue::from_bytes(line[colon + 1..].trim_ascii()),
+        ) else {
+            continue;
+        };
+        // Hop-by-hop: removed before a request gets here.
+        if name == http::header::TRANSFER_ENCODING {
+            continue;
+        }
+        headers.append(name, value);
+    }
+    let body = match shape % 3 {
+        0 => (true, Some(0)),
+        1 => (false, Some(u64::from(shape))),
+        _ => (false, None),
+    };
+    let mut out = Vec::new();
+    let lengths: Vec<&HeaderValue> = headers
+        .get_all(http::header::CONTENT_LENGTH)
+        .iter()
+        .collect();
+    let framing = match encode_request(&mut out, &method, target.as_str(), &headers, body) {
+        Ok(f) => f,
+        Err(_) => {
+            let parsed: Vec<Option<u64>> = lengths
+                .iter()
+                .map(|v| std::str::from_utf8(v.as_bytes()).ok()?.trim().parse().ok())
+                .collect();
+            assert!(
+                parsed.iter().any(Option::is_none) || parsed.windows(2).any(|w| w[0] != w[1]),
+                "refused without a bad or disagreeing Content-Length: {lengths:?}"
+            );
+            return;
+        }
+    };
+    let mut fields = [httparse::EMPTY_HEADER; 256];
+    let mut req = httparse::Request::new(&mut fields);
+    let parsed = req.parse(&out);
+    assert!(
+        matches!(parsed, Ok(httparse::Status::Complete(n)) if n == out.len()),
+        "{parsed:?}: {}",
+        String::from_utf8_lossy(&out)
+    );
+    assert_eq!(req.method, Some(method.as_str()));
+    assert_eq!(req.path, Some(target.as_str()));
+    assert_eq!(req.version, Some(1));
+    let named = |n: &str| {
+        req.headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case(n))
+            .count()
+    };
+    let (cl, te) = (named("content-length"), named("transfer-encoding"));
+    match framing {
+        BodyFraming::Chunked => assert_eq!((cl, te), (0, 1)),
+        BodyFraming::Length(_) => assert_eq!((cl, te), (1, 0)),
+        BodyFraming::None => assert!(cl <= 1 && te == 0, "{cl} {te}"),
+    }
+    // Every other field goes out as it came, in order.
+    let sent: Vec<(&str, &[u8])> = req
+        .headers
+        .iter()
+        .filter(|h| {
+            !h.name.eq_ignore_ascii_case("content-length")
+                && !h.name.eq_ignore_ascii_case("transfer-encoding")
+        })
+        .map(|h| (h.name, h.value))
+        .collect();
+    let given: Vec<(&str, &[u8])> = headers
+        .iter()
+        .filter(|(n, _)| *n != http::header::CONTENT_LENGTH)
+        .map(|(n, v)| (n.as_str(), v.as_bytes()))
+        .collect();
+    assert_eq!(sent, given);
+}

@@ -54,3 +54,8 @@ fn response_corpus() {
 fn authority_corpus() {
     replay("authority", targets::authority);
 }
+
+#[test]
+fn request_corpus() {
+    replay("request", targets::request);
+}

@@ -509,3 +509,327 @@ impl<H: Home> HttpBody for UpstreamBody<H> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The connection against upstreams that write exact bytes on a real loopback
+    //! socket: each test states what the upstream sends and what must come of it (the
+    //! head, the body, whether the connection goes home), as a protocol implementation's
+    //! tests do.
+
+    use super::*;
+    use crate::proxy::{empty, full};
+    use http_body_util::BodyExt;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    /// Notes whether the connection came back.
+    #[derive(Clone, Default)]
+    struct Recorder(Arc<AtomicBool>);
+
+    impl Home for Recorder {
+        fn take_back(self, _conn: Conn) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// An upstream that reads the request head (and `body_len` bytes after it), sends
+    /// `reply`, then closes (`close`) or keeps the socket open a while; returns what it
+    /// read.
+    async fn upstream(
+        reply: &'static [u8],
+        body_len: usize,
+        close: bool,
+    ) -> (Conn, tokio::task::JoinHandle<Vec<u8>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            loop {
+                let head_end = got.windows(4).position(|w| w == b"\r\n\r\n");
+                if head_end.is_some_and(|end| got.len() >= end + 4 + body_len) {
+                    break;
+                }
+                let n = s.read(&mut buf).await.unwrap();
+                if n == 0 {
+                    break;
+                }
+                got.extend_from_slice(&buf[..n]);
+            }
+            s.write_all(reply).await.unwrap();
+            if close {
+                s.shutdown().await.unwrap();
+            } else {
+                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            }
+            got
+        });
+        let io = TcpStream::connect(addr).await.unwrap();
+        (Conn::new(io), server)
+    }
+
+    fn request(method: Method, body: crate::proxy::Body) -> Box<Outgoing> {
+        let req = Request::builder()
+            .method(method)
+            .header("host", "upstream.test")
+            .body(Outbound::from(body))
+            .unwrap();
+        Box::new(Outgoing::new(req, "/path?q=1".parse().unwrap()))
+    }
+
+    /// Sends `out` to an upstream answering `reply`; the response's status, its body,
+    /// its trailers, whether the connection went home, and what the upstream read.
+    async fn exchange_with(
+        out: Box<Outgoing>,
+        reply: &'static [u8],
+        body_len: usize,
+        close: bool,
+    ) -> (u16, Vec<u8>, Option<http::HeaderMap>, bool, Vec<u8>) {
+        let (conn, server) = upstream(reply, body_len, close).await;
+        let home = Recorder::default();
+        let resp = match exchange(conn, out, home.clone()).await {
+            Ok(r) => r,
+            Err(f) => panic!("exchange failed: {}", f.error),
+        };
+        let status = resp.status().as_u16();
+        let collected = resp.into_body().collect().await.unwrap();
+        let trailers = collected.trailers().cloned();
+        let body = collected.to_bytes().to_vec();
+        let went_home = home.0.load(Ordering::SeqCst);
+        (status, body, trailers, went_home, server.await.unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_sized_response_is_read_whole_and_the_connection_goes_home() {
+        let (status, body, _, home, sent) = exchange_with(
+            request(Method::GET, empty()),
+            b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello",
+            0,
+            false,
+        )
+        .await;
+        assert_eq!((status, body.as_slice(), home), (200, &b"hello"[..], true));
+        let sent = String::from_utf8(sent).unwrap();
+        assert!(sent.starts_with("GET /path?q=1 HTTP/1.1\r\n"), "{sent}");
+        assert!(sent.contains("host: upstream.test\r\n"), "{sent}");
+        assert!(
+            !sent.contains("content-length"),
+            "a GET without a body says nothing: {sent}"
+        );
+    }
+
+    /// 100 Continue, 102 Processing and 103 Early Hints (with fields) precede the final
+    /// response: they are passed over and the final one is what the caller gets.
+    #[tokio::test]
+    async fn informational_responses_before_the_final_one_are_passed_over() {
+        let (status, body, _, home, _) = exchange_with(
+            request(Method::GET, empty()),
+            b"HTTP/1.1 100 Continue\r\n\r\n\
+              HTTP/1.1 102 Processing\r\n\r\n\
+              HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n\
+              HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok",
+            0,
+            false,
+        )
+        .await;
+        assert_eq!((status, body.as_slice(), home), (201, &b"ok"[..], true));
+    }
+
+    #[tokio::test]
+    async fn a_chunked_response_with_trailers_is_decoded() {
+        let (status, body, trailers, home, _) = exchange_with(
+            request(Method::GET, empty()),
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n\
+              5\r\nhello\r\n6;ext=1\r\n world\r\n0\r\nx-checksum: abc\r\n\r\n",
+            0,
+            false,
+        )
+        .await;
+        assert_eq!(
+            (status, body.as_slice(), home),
+            (200, &b"hello world"[..], true)
+        );
+        assert_eq!(trailers.unwrap()["x-checksum"], "abc");
+    }
+
+    #[tokio::test]
+    async fn connection_close_or_http_1_0_keeps_the_connection_from_going_home() {
+        for reply in [
+            &b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok"[..],
+            &b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok"[..],
+        ] {
+            let reply: &'static [u8] = reply;
+            let (status, body, _, home, _) =
+                exchange_with(request(Method::GET, empty()), reply, 0, false).await;
+            assert_eq!((status, body.as_slice(), home), (200, &b"ok"[..], false));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_without_length_runs_until_the_upstream_closes() {
+        let (status, body, _, home, _) = exchange_with(
+            request(Method::GET, empty()),
+            b"HTTP/1.1 200 OK\r\n\r\nuntil the end",
+            0,
+            true,
+        )
+        .await;
+        assert_eq!(
+            (status, body.as_slice(), home),
+            (200, &b"until the end"[..], false)
+        );
+    }
+
+    /// A response to HEAD has no body whatever its Content-Length says; 204 and 304
+    /// have none either.
+    #[tokio::test]
+    async fn head_204_and_304_have_no_body() {
+        let (status, body, _, home, _) = exchange_with(
+            request(Method::HEAD, empty()),
+            b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n",
+            0,
+            false,
+        )
+        .await;
+        assert_eq!((status, body.len(), home), (200, 0, true));
+        for reply in [
+            &b"HTTP/1.1 204 No Content\r\n\r\n"[..],
+            &b"HTTP/1.1 304 Not Modified\r\ncontent-length: 10\r\n\r\n"[..],
+        ] {
+            let reply: &'static [u8] = reply;
+            let (_, body, _, home, _) =
+                exchange_with(request(Method::GET, empty()), reply, 0, false).await;
+            assert_eq!((body.len(), home), (0, true));
+        }
+    }
+
+    /// Bytes after the response that no request asked for: the connection is not
+    /// trusted with another request.
+    #[tokio::test]
+    async fn unasked_bytes_after_a_response_keep_the_connection_from_going_home() {
+        let (status, body, _, home, _) = exchange_with(
+            request(Method::GET, empty()),
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n\r\n",
+            0,
+            false,
+        )
+        .await;
+        assert_eq!((status, body.as_slice(), home), (200, &b"ok"[..], false));
+    }
+
+    /// A body of known size goes with Content-Length, one of unknown size chunked.
+    #[tokio::test]
+    async fn request_bodies_are_framed_by_what_is_known_of_them() {
+        let (_, _, _, home, sent) = exchange_with(
+            request(Method::POST, full("hello")),
+            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+            5,
+            false,
+        )
+        .await;
+        let sent = String::from_utf8(sent).unwrap();
+        assert!(sent.contains("content-length: 5\r\n\r\nhello"), "{sent}");
+        assert!(home);
+
+        let chunks = futures_util::stream::iter([
+            Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"abc"))),
+            Ok(Frame::data(Bytes::from_static(b"defghijklmnopq"))),
+        ]);
+        let unknown =
+            http_body_util::BodyExt::boxed_unsync(http_body_util::StreamBody::new(chunks));
+        let wire = b"3\r\nabc\r\ne\r\ndefghijklmnopq\r\n0\r\n\r\n";
+        let (_, _, _, home, sent) = exchange_with(
+            request(Method::POST, unknown),
+            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+            wire.len(),
+            false,
+        )
+        .await;
+        let sent = String::from_utf8(sent).unwrap();
+        assert!(
+            sent.contains("transfer-encoding: chunked\r\n\r\n"),
+            "{sent}"
+        );
+        assert!(sent.ends_with(std::str::from_utf8(wire).unwrap()), "{sent}");
+        assert!(home);
+    }
+
+    /// An upstream may refuse a request before reading its body: its answer is what
+    /// the caller gets, and the connection, left mid-request, never goes home.
+    #[tokio::test]
+    async fn an_early_answer_to_an_unfinished_upload_is_returned_and_the_connection_dropped() {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+        tx.send(Ok(Frame::data(Bytes::from_static(b"part"))))
+            .await
+            .unwrap();
+        // The rest of the body never comes while the exchange runs.
+        let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|item| (item, rx))
+        });
+        let body = http_body_util::BodyExt::boxed_unsync(http_body_util::StreamBody::new(stream));
+        let out = {
+            let req = Request::builder()
+                .method(Method::PUT)
+                .header("content-length", "1000")
+                .body(Outbound::from(body))
+                .unwrap();
+            Box::new(Outgoing::new(req, "/upload".parse().unwrap()))
+        };
+        let (status, body, _, home, _) = exchange_with(
+            out,
+            b"HTTP/1.1 413 Content Too Large\r\ncontent-length: 3\r\nconnection: close\r\n\r\nbig",
+            4,
+            false,
+        )
+        .await;
+        drop(tx);
+        assert_eq!((status, body.as_slice(), home), (413, &b"big"[..], false));
+    }
+
+    /// The upstream closes without answering: an error, and the request is not offered
+    /// for another connection, since it reached this one.
+    #[tokio::test]
+    async fn a_close_before_the_head_fails_and_keeps_the_sent_request() {
+        let (conn, _server) = upstream(b"", 0, true).await;
+        let Err(failed) = exchange(conn, request(Method::GET, empty()), Recorder::default()).await
+        else {
+            panic!("an answer from a closed connection");
+        };
+        assert!(matches!(failed.error, Error::Closed(_)), "{}", failed.error);
+        assert!(failed.unsent.is_none());
+    }
+
+    /// A 101 hands over the socket and what the upstream sent behind the head.
+    #[tokio::test]
+    async fn a_switch_of_protocols_hands_over_the_socket_and_what_followed() {
+        let (conn, _server) = upstream(
+            b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n\x81\x02hi",
+            0,
+            false,
+        )
+        .await;
+        let home = Recorder::default();
+        let Ok(mut resp) = exchange(conn, request(Method::GET, empty()), home.clone()).await else {
+            panic!("no 101");
+        };
+        assert_eq!(resp.status(), 101);
+        // What follows the head may arrive with it or just after.
+        let (mut io, mut rest) = resp.body_mut().take_upgraded().unwrap();
+        assert!(resp.into_body().conn.is_none(), "the socket left the body");
+        while rest.len() < 4 {
+            let mut more = [0u8; 16];
+            let n = io.read(&mut more).await.unwrap();
+            assert!(n > 0, "the upstream's frame after the head");
+            rest.extend_from_slice(&more[..n]);
+        }
+        assert_eq!(&rest[..], b"\x81\x02hi");
+        assert!(
+            !home.0.load(Ordering::SeqCst),
+            "an upgraded connection never goes home"
+        );
+    }
+}

@@ -6,9 +6,29 @@
 //! Pure parts here and in [`chunked`] (framing as RFC 9112 §6 has it, testable without a
 //! socket); the socket work in [`conn`]. hyper still serves the client side and the TLS
 //! upstreams.
+//!
+//! Invariants, each tested (`conn`'s tests against upstreams that write exact bytes,
+//! `differential` against hyper's client on the same bytes, the `request` and
+//! `response` fuzz targets):
+//!
+//! - A request head is origin-form HTTP/1.1 with at most one framing field: the
+//!   request's own `Content-Length` when it has one (duplicates that agree are sent once,
+//!   a disagreeing or unparsable one is refused), else the body's exact size, else
+//!   chunked. `Transfer-Encoding` never arrives here and request trailers never leave.
+//! - A response is framed as RFC 9112 §6.3 says: no body after HEAD, 1xx, 204 or 304;
+//!   chunked over any `Content-Length` (which is dropped, and the connection not
+//!   reused); a length; else until close. Informational responses before the final one
+//!   are passed over, except 101, which hands the socket to the caller.
+//! - A connection goes back for another request only when the response said it may
+//!   (HTTP/1.1 without `Connection: close`, or HTTP/1.0 with keep-alive), its body ended
+//!   cleanly, the request went out whole, and nothing unasked follows the response.
+//! - A head is bounded (`MAX_RESPONSE_HEAD`, `MAX_RESPONSE_HEADERS`), and the same bytes
+//!   give the same result however the socket splits them.
 
 pub mod chunked;
 pub mod conn;
+#[cfg(test)]
+mod differential;
 
 use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
