@@ -10,18 +10,8 @@
 //!   intercepted tunnels, with [`tls`] for the interception CA and trust towards upstreams.
 //! - [`route`]: host → upstream, method + path → family, key header → partition.
 //! - [`proxy::pipeline`]: the single function through which every request reaches an
-//!   upstream. Policies nest in this order, outermost first:
-//!
-//! ```text
-//! total timeout                 ends in 504 total_timeout
-//! └─ retry loop                 only safe requests; backoff / Retry-After; budget
-//!    └─ circuit breaker         open: fail fast, no permit spent
-//!       └─ limiter              wait FIFO until every limit admits; cool-down pauses
-//!          └─ attempt timeout
-//!             └─ upstream call  http://: the client connection's own upstream
-//!                               connections; TLS: the shared pool
-//! ```
-//!
+//!   upstream, its policies nested as docs/architecture.md draws them (total timeout,
+//!   retries, breaker, limiter, attempt timeout, upstream call).
 //! - [`limit`]: the limiter (limit kinds, per-partition buckets and queues, the async
 //!   driver); [`policy`]: backoff, wait hints, retry budget, classification, breaker.
 //! - [`config`]: the TOML file, validated into an immutable [`config::Config`].

@@ -1,15 +1,7 @@
 //! The one road from a routed request to an upstream response. The policies nest in the
-//! order this file reads, outermost first:
-//!
-//! ```text
-//! total timeout              run()            ends in 504 total_timeout
-//! └─ retry loop              retry_loop()     only safe requests; backoff / Retry-After; budget
-//!    └─ circuit breaker                       open: fail fast, no permit spent
-//!       └─ limiter                            FIFO admission within every limit
-//!          └─ attempt timeout attempt()       headers in time, then no stall between chunks
-//!             └─ upstream call                http://: the client connection's own
-//!                                             connections (pinned.rs); TLS: the pool
-//! ```
+//! order this file reads, outermost first: total timeout (`run`), retry loop
+//! (`retry_loop`), circuit breaker, limiter, attempt timeout (`attempt`), upstream call;
+//! docs/architecture.md ("The road a request travels") draws them.
 //!
 //! Retries sit outside the limiter, so every attempt pays the limits again; the breaker
 //! sits inside the retry loop, so a retry never reaches an upstream declared dead.
