@@ -226,7 +226,7 @@ where
 /// them (not inside an intercepted tunnel, whose upstream is reached over TLS); `lc`: its
 /// lifecycle, which a switched protocol (see `upgrade`) lives in.
 #[allow(clippy::manual_async_fn, reason = "see above: arguments stored once")]
-fn route_and_send<'a, B>(
+pub(crate) fn route_and_send<'a, B>(
     app: &'a App,
     upstreams: Option<&'a PinnedConns>,
     lc: &'a Lifecycle,

@@ -21,6 +21,8 @@ pub mod pipeline;
 pub mod replay;
 pub mod rewind;
 pub mod server;
+#[cfg(test)]
+mod sizes;
 pub mod splice;
 pub(crate) mod timer;
 pub mod upgrade;
