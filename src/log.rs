@@ -315,7 +315,7 @@ thread_local! {
 /// ends. For the workers, which flush whenever they run out of work (before they wait for
 /// events) and when a client connection ends: each line appended to the shared buffer
 /// took its lock, whose cache line then moved between the workers' cores, 0.2 µs per
-/// request (docs/BENCHMARKS.md). A worker's lines keep their order; lines of different
+/// request (the git history of docs/BENCHMARKS.md). A worker's lines keep their order; lines of different
 /// workers can reach stderr out of order by as much as one batch of work.
 pub fn batch_thread() {
     LINE.with_borrow_mut(|line| line.batching = true);

@@ -175,7 +175,8 @@ fn path_and_query(uri: &Uri) -> PathAndQuery {
 
 /// The plain functions here return `async move` blocks rather than being `async fn`s: an
 /// `async fn` stores a second copy of each argument it moves on, and a request's future is
-/// copied whole at every level that builds it (docs/BENCHMARKS.md).
+/// copied whole at every level that builds it (docs/architecture.md, "Request futures
+/// kept small"; `proxy/sizes.rs` holds them to their sizes).
 pub(crate) fn forward<'a>(
     app: &'a App,
     lc: &'a Lifecycle,

@@ -54,7 +54,7 @@ impl Lifecycle {
         // drain token is shared by every connection on every worker: polled at each
         // wakeup of each connection, it was a lock the workers contended for, and a
         // worker preempted while holding it stalled the other worker's connections for a
-        // time slice (docs/BENCHMARKS.md). A child is told when its parent is cancelled.
+        // time slice (the git history of docs/BENCHMARKS.md). A child is told when its parent is cancelled.
         let drain = self.drain.child_token();
         tokio::pin!(conn);
         tokio::select! {

@@ -53,7 +53,7 @@ impl Workers {
     /// Starts `count` workers; with `cpus`, worker `i` runs only on `cpus[i]`: two
     /// unpinned workers that the scheduler puts on one CPU take turns for time slices
     /// until it moves one, and every connection of both waits meanwhile
-    /// (docs/BENCHMARKS.md, "Where the slow requests came from"). [`crate::cpus::plan`]
+    /// (docs/BENCHMARKS.md, "The tail"). [`crate::cpus::plan`]
     /// decides when that pays.
     /// Returns the workers and the CPUs they were pinned to, if all of them were.
     pub fn start(
@@ -322,7 +322,8 @@ async fn serve_connection(
     let svc = service_fn(move |req: Request<Incoming>| handle(shared.clone(), req));
     let conn = http1::Builder::new()
         // One flat buffer per write: API responses are small, and copying a body chunk
-        // costs less than hyper's bookkeeping for vectored writes (docs/BENCHMARKS.md).
+        // costs less than hyper's bookkeeping for vectored writes (the git history of
+        // docs/BENCHMARKS.md).
         .writev(false)
         .timer(ConnTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT)
