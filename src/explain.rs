@@ -7,11 +7,11 @@ use http::{HeaderMap, Method, Uri};
 
 use crate::config::units::fmt_duration;
 use crate::config::{
-    Config, CounterAlign, Jitter, Limit, Policy, Priority, RetryOn, Rounding, TlsMode, Unmatched,
-    WindowAlign,
+    Config, CounterAlign, Family, Jitter, Limit, Policy, Priority, RetryOn, Rounding, TlsMode,
+    Unmatched, Upstream, WindowAlign,
 };
 use crate::policy::is_idempotent;
-use crate::route::{Router, normalize_host};
+use crate::route::{Route, Router, normalize_host};
 
 impl fmt::Display for Limit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -155,9 +155,6 @@ pub fn explain(
     };
     let path = url.path();
     let mut out = String::new();
-    let line = |out: &mut String, k: &str, v: &str| {
-        let _ = writeln!(out, "{k:<11} {v}");
-    };
     line(&mut out, "request", &format!("{method} {url}"));
     line(&mut out, "egress", &egress(config, scheme, &host, port));
 
@@ -199,203 +196,17 @@ pub fn explain(
             headers,
         )
         .ok_or(ExplainError::NotAbsolute)?;
-    let family = route.family.map(|f| &u.families[f]);
-    match family {
-        Some(f) => {
-            let priority = match f.priority {
-                Priority::High => "high",
-                Priority::Normal => "normal",
-                Priority::Low => "low",
-            };
-            line(
-                &mut out,
-                "family",
-                &format!(
-                    "{} (first match in file order, priority {priority})",
-                    f.name
-                ),
-            )
-        }
-        None if tunnelled => line(
-            &mut out,
-            "family",
-            "- (https through a blind CONNECT tunnel: method and path are not visible)",
-        ),
-        None => line(
-            &mut out,
-            "family",
-            "- (no family matches; only the upstream's limits apply)",
-        ),
-    }
-    match (&u.key, route.partition) {
-        (None, _) => line(
-            &mut out,
-            "partition",
-            "- (no key configured: one set of buckets)",
-        ),
-        (Some(k), Some(p)) => line(
-            &mut out,
-            "partition",
-            &format!(
-                "{p} (from {k}; the value is never shown); up to {} live at once, about {} \
-                 bytes each",
-                crate::limit::max_partitions(u),
-                crate::limit::partition_bytes(u)
-            ),
-        ),
-        (Some(k), None) => line(
-            &mut out,
-            "partition",
-            &format!("- ({k} absent: the unkeyed partition)"),
-        ),
-    }
-
-    let mut limits: Vec<String> = Vec::new();
-    let paid = u.limits.iter().map(|l| (l, "upstream".to_string())).chain(
-        family
-            .iter()
-            .flat_map(|f| f.limits.iter().map(|l| (l, format!("family {}", f.name)))),
-    );
-    for (l, at) in paid {
-        limits.push(format!("{l}  [{at}]"));
-        limits.extend(against(l));
-    }
-    if limits.is_empty() {
-        limits.push("none".into());
-    }
-    for (i, l) in limits.iter().enumerate() {
-        line(&mut out, if i == 0 { "limits" } else { "" }, l);
-    }
-    let pays_global = u
-        .limits
-        .iter()
-        .chain(family.iter().flat_map(|f| f.limits.iter()))
-        .any(Limit::is_global);
-    if pays_global && let Some(c) = &config.cluster {
-        let fallback = match (c.on_redis_error, c.replicas) {
-            (crate::config::OnRedisError::Local, Some(n)) => {
-                format!("each replica holds 1/{n} of each global limit")
-            }
-            (crate::config::OnRedisError::Allow, _) => "global limits are not applied".into(),
-            _ => "503 cluster_unavailable".into(),
-        };
-        line(
-            &mut out,
-            "cluster",
-            &format!(
-                "global limits shared through {}; while it is away: {fallback}",
-                c.redis
-            ),
-        );
-    }
-
-    if u.learn == crate::config::Learn::Headers && !tunnelled {
-        line(
-            &mut out,
-            "learns",
-            "the provider's announced budget (RateLimit, RateLimit-Remaining/-Reset, \
-             X-RateLimit-Remaining/-Reset): when it has fewer requests left than these limits \
-             allow, each partition paces to it until the provider's reset",
-        );
-    }
-    if let Some(t) = family.and_then(|f| f.tenant.as_ref()) {
-        line(
-            &mut out,
-            "tenants",
-            &format!(
-                "by {t}: the family's queue serves tenants in turns, FIFO within each; \
-                 max_queue bounds each tenant's waiting requests"
-            ),
-        );
-    }
-    let adaptive = family.map_or(u.adaptive, |f| f.adaptive);
-    if let Some(a) = adaptive.filter(|_| !tunnelled) {
-        line(
-            &mut out,
-            "adapts",
-            &format!(
-                "a 429 the provider did not announce cuts this family's rate to {}x (once per \
-                 period of its tightest rate limit); each {} answers without one add back {}% \
-                 of the configured rate; never below {}% of it",
-                a.decrease,
-                a.successes,
-                a.increase * 100.0,
-                a.floor * 100.0
-            ),
-        );
-    }
-    let policy: &Policy = family.map_or(&u.policy, |f| &f.policy);
-    line(
-        &mut out,
-        "queue",
-        &format!(
-            "max_queue {}, max_wait {} (a request's sluice-max-wait can shorten it)",
-            policy.max_queue,
-            fmt_duration(policy.max_wait)
-        ),
-    );
-    line(
-        &mut out,
-        "timeouts",
-        &format!(
-            "attempt {}, total {}",
-            fmt_duration(policy.attempt_timeout),
-            fmt_duration(policy.total_timeout)
-        ),
-    );
-    let r = &policy.retry;
-    let key_name = &r.idempotency_header;
-    let retryable = is_idempotent(method) || headers.contains_key(key_name);
-    let retry = if tunnelled {
-        "no: inside a blind tunnel".to_string()
-    } else if !retryable && u.idempotency_generate && *method == Method::POST {
-        format!("yes: {key_name} is generated for this POST (idempotency_generate = true)")
-    } else if !retryable {
-        format!("no: {method} without {key_name} may have succeeded; it is sent once")
-    } else if r.max_attempts <= 1 {
-        "no: max_attempts = 1".to_string()
-    } else {
-        let on: Vec<String> =
-            r.on.iter()
-                .map(|o| match o {
-                    RetryOn::Status(s) => s.to_string(),
-                    RetryOn::Connect => "connect".into(),
-                    RetryOn::Reset => "reset".into(),
-                    RetryOn::Timeout => "timeout".into(),
-                })
-                .collect();
-        let jitter = match r.backoff.jitter {
-            Jitter::Full => "full",
-            Jitter::Equal => "equal",
-            Jitter::Decorrelated => "decorrelated",
-            Jitter::None => "no",
-        };
-        format!(
-            "yes: up to {} attempts on {}; backoff {}..{} with {jitter} jitter; Retry-After waited up to {}",
-            r.max_attempts,
-            on.join(" "),
-            fmt_duration(r.backoff.base),
-            fmt_duration(r.backoff.max),
-            fmt_duration(r.max_retry_after),
-        )
+    let at = Matched {
+        config,
+        upstream: u,
+        family: route.family.map(|f| &u.families[f]),
+        tunnelled,
     };
-    line(&mut out, "retry", &retry);
-    let b = &policy.breaker;
-    let scope = match family {
-        Some(f) if f.own_breaker => format!("family {}", f.name),
-        _ => format!("upstream {}", u.name),
-    };
-    line(
-        &mut out,
-        "breaker",
-        &format!(
-            "{scope}: opens at {}% failures of >= {} attempts in {}, stays open {}",
-            b.failure_ratio * 100.0,
-            b.min_requests,
-            fmt_duration(b.window),
-            fmt_duration(b.open_for)
-        ),
-    );
+    at.family(&mut out);
+    at.partition(&mut out, &route);
+    at.limits(&mut out);
+    at.learning(&mut out);
+    at.policy(&mut out, method, headers);
     if scheme == "https" {
         let tls = match u.tls {
             TlsMode::Tunnel => {
@@ -408,6 +219,237 @@ pub fn explain(
         line(&mut out, "tls", tls);
     }
     Ok(out)
+}
+
+fn line(out: &mut String, k: &str, v: &str) {
+    let _ = writeln!(out, "{k:<11} {v}");
+}
+
+/// A request matched to an upstream (and perhaps a family): what `explain` says of it,
+/// one section per method.
+struct Matched<'a> {
+    config: &'a Config,
+    upstream: &'a Upstream,
+    family: Option<&'a Family>,
+    tunnelled: bool,
+}
+
+impl Matched<'_> {
+    fn family(&self, out: &mut String) {
+        match self.family {
+            Some(f) => {
+                let priority = match f.priority {
+                    Priority::High => "high",
+                    Priority::Normal => "normal",
+                    Priority::Low => "low",
+                };
+                line(
+                    out,
+                    "family",
+                    &format!(
+                        "{} (first match in file order, priority {priority})",
+                        f.name
+                    ),
+                )
+            }
+            None if self.tunnelled => line(
+                out,
+                "family",
+                "- (https through a blind CONNECT tunnel: method and path are not visible)",
+            ),
+            None => line(
+                out,
+                "family",
+                "- (no family matches; only the upstream's limits apply)",
+            ),
+        }
+    }
+
+    fn partition(&self, out: &mut String, route: &Route) {
+        let u = self.upstream;
+        match (&u.key, route.partition) {
+            (None, _) => line(
+                out,
+                "partition",
+                "- (no key configured: one set of buckets)",
+            ),
+            (Some(k), Some(p)) => line(
+                out,
+                "partition",
+                &format!(
+                    "{p} (from {k}; the value is never shown); up to {} live at once, about {} \
+                     bytes each",
+                    crate::limit::max_partitions(u),
+                    crate::limit::partition_bytes(u)
+                ),
+            ),
+            (Some(k), None) => line(
+                out,
+                "partition",
+                &format!("- ({k} absent: the unkeyed partition)"),
+            ),
+        }
+    }
+
+    fn limits(&self, out: &mut String) {
+        let (u, family) = (self.upstream, self.family);
+        let mut limits: Vec<String> = Vec::new();
+        let paid = u.limits.iter().map(|l| (l, "upstream".to_string())).chain(
+            family
+                .iter()
+                .flat_map(|f| f.limits.iter().map(|l| (l, format!("family {}", f.name)))),
+        );
+        for (l, at) in paid {
+            limits.push(format!("{l}  [{at}]"));
+            limits.extend(against(l));
+        }
+        if limits.is_empty() {
+            limits.push("none".into());
+        }
+        for (i, l) in limits.iter().enumerate() {
+            line(out, if i == 0 { "limits" } else { "" }, l);
+        }
+        let pays_global = u
+            .limits
+            .iter()
+            .chain(family.iter().flat_map(|f| f.limits.iter()))
+            .any(Limit::is_global);
+        if pays_global && let Some(c) = &self.config.cluster {
+            let fallback = match (c.on_redis_error, c.replicas) {
+                (crate::config::OnRedisError::Local, Some(n)) => {
+                    format!("each replica holds 1/{n} of each global limit")
+                }
+                (crate::config::OnRedisError::Allow, _) => "global limits are not applied".into(),
+                _ => "503 cluster_unavailable".into(),
+            };
+            line(
+                out,
+                "cluster",
+                &format!(
+                    "global limits shared through {}; while it is away: {fallback}",
+                    c.redis
+                ),
+            );
+        }
+    }
+
+    /// What the upstream learns from the provider, how the family's queue turns between
+    /// tenants, how its rate adapts.
+    fn learning(&self, out: &mut String) {
+        let (u, family) = (self.upstream, self.family);
+        if u.learn == crate::config::Learn::Headers && !self.tunnelled {
+            line(
+                out,
+                "learns",
+                "the provider's announced budget (RateLimit, RateLimit-Remaining/-Reset, \
+                 X-RateLimit-Remaining/-Reset): when it has fewer requests left than these limits \
+                 allow, each partition paces to it until the provider's reset",
+            );
+        }
+        if let Some(t) = family.and_then(|f| f.tenant.as_ref()) {
+            line(
+                out,
+                "tenants",
+                &format!(
+                    "by {t}: the family's queue serves tenants in turns, FIFO within each; \
+                     max_queue bounds each tenant's waiting requests"
+                ),
+            );
+        }
+        let adaptive = family.map_or(u.adaptive, |f| f.adaptive);
+        if let Some(a) = adaptive.filter(|_| !self.tunnelled) {
+            line(
+                out,
+                "adapts",
+                &format!(
+                    "a 429 the provider did not announce cuts this family's rate to {}x (once per \
+                     period of its tightest rate limit); each {} answers without one add back {}% \
+                     of the configured rate; never below {}% of it",
+                    a.decrease,
+                    a.successes,
+                    a.increase * 100.0,
+                    a.floor * 100.0
+                ),
+            );
+        }
+    }
+
+    /// The queue bounds, timeouts, retries and breaker the request runs under.
+    fn policy(&self, out: &mut String, method: &Method, headers: &HeaderMap) {
+        let (u, family) = (self.upstream, self.family);
+        let policy: &Policy = family.map_or(&u.policy, |f| &f.policy);
+        line(
+            out,
+            "queue",
+            &format!(
+                "max_queue {}, max_wait {} (a request's sluice-max-wait can shorten it)",
+                policy.max_queue,
+                fmt_duration(policy.max_wait)
+            ),
+        );
+        line(
+            out,
+            "timeouts",
+            &format!(
+                "attempt {}, total {}",
+                fmt_duration(policy.attempt_timeout),
+                fmt_duration(policy.total_timeout)
+            ),
+        );
+        let r = &policy.retry;
+        let key_name = &r.idempotency_header;
+        let retryable = is_idempotent(method) || headers.contains_key(key_name);
+        let retry = if self.tunnelled {
+            "no: inside a blind tunnel".to_string()
+        } else if !retryable && u.idempotency_generate && *method == Method::POST {
+            format!("yes: {key_name} is generated for this POST (idempotency_generate = true)")
+        } else if !retryable {
+            format!("no: {method} without {key_name} may have succeeded; it is sent once")
+        } else if r.max_attempts <= 1 {
+            "no: max_attempts = 1".to_string()
+        } else {
+            let on: Vec<String> =
+                r.on.iter()
+                    .map(|o| match o {
+                        RetryOn::Status(s) => s.to_string(),
+                        RetryOn::Connect => "connect".into(),
+                        RetryOn::Reset => "reset".into(),
+                        RetryOn::Timeout => "timeout".into(),
+                    })
+                    .collect();
+            let jitter = match r.backoff.jitter {
+                Jitter::Full => "full",
+                Jitter::Equal => "equal",
+                Jitter::Decorrelated => "decorrelated",
+                Jitter::None => "no",
+            };
+            format!(
+                "yes: up to {} attempts on {}; backoff {}..{} with {jitter} jitter; Retry-After waited up to {}",
+                r.max_attempts,
+                on.join(" "),
+                fmt_duration(r.backoff.base),
+                fmt_duration(r.backoff.max),
+                fmt_duration(r.max_retry_after),
+            )
+        };
+        line(out, "retry", &retry);
+        let b = &policy.breaker;
+        let scope = match family {
+            Some(f) if f.own_breaker => format!("family {}", f.name),
+            _ => format!("upstream {}", u.name),
+        };
+        line(
+            out,
+            "breaker",
+            &format!(
+                "{scope}: opens at {}% failures of >= {} attempts in {}, stays open {}",
+                b.failure_ratio * 100.0,
+                b.min_requests,
+                fmt_duration(b.window),
+                fmt_duration(b.open_for)
+            ),
+        );
+    }
 }
 
 #[cfg(test)]
