@@ -70,7 +70,7 @@ pub struct Upstream {
     pub addr: SocketAddr,
     pub seen: Arc<Mutex<Vec<Seen>>>,
     pub connections: Arc<AtomicUsize>,
-    task: JoinHandle<()>,
+    task: tokio::task::AbortHandle,
 }
 
 impl Drop for Upstream {
@@ -86,18 +86,62 @@ impl Upstream {
         Upstream::serve(None).await
     }
 
+    /// The same server on a thread and runtime of its own. A provider is another
+    /// machine: the instant it stamps on an arrival must not wait for the test's own
+    /// clients to yield a worker thread.
+    pub async fn start_apart() -> Upstream {
+        let (tx, rx) = oneshot::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let (addr, seen, connections, accept) = Upstream::accept_loop(None).await;
+                let task = tokio::spawn(accept);
+                let _ = tx.send(Upstream {
+                    addr,
+                    seen,
+                    connections,
+                    task: task.abort_handle(),
+                });
+                // Until the `Upstream` is dropped, which aborts the loop.
+                let _ = task.await;
+            });
+        });
+        rx.await.unwrap()
+    }
+
     /// The same server behind TLS with `config` (HTTP/2 or 1.1 by ALPN).
     pub async fn start_tls(config: Arc<rustls::ServerConfig>) -> Upstream {
         Upstream::serve(Some(tokio_rustls::TlsAcceptor::from(config))).await
     }
 
     async fn serve(tls: Option<tokio_rustls::TlsAcceptor>) -> Upstream {
+        let (addr, seen, connections, accept) = Upstream::accept_loop(tls).await;
+        Upstream {
+            addr,
+            seen,
+            connections,
+            task: tokio::spawn(accept).abort_handle(),
+        }
+    }
+
+    /// A bound listener and the loop that serves it, not yet spawned.
+    async fn accept_loop(
+        tls: Option<tokio_rustls::TlsAcceptor>,
+    ) -> (
+        SocketAddr,
+        Arc<Mutex<Vec<Seen>>>,
+        Arc<AtomicUsize>,
+        impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let connections = Arc::new(AtomicUsize::new(0));
         let (s, c) = (seen.clone(), connections.clone());
-        let task = tokio::spawn(async move {
+        let accept = async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
                     return;
@@ -128,13 +172,8 @@ impl Upstream {
                     }
                 });
             }
-        });
-        Upstream {
-            addr,
-            seen,
-            connections,
-            task,
-        }
+        };
+        (addr, seen, connections, accept)
     }
 
     pub fn url(&self, path: &str) -> String {
