@@ -185,8 +185,8 @@ fn fields_rest(data: &[u8]) -> &[u8] {
 /// chunked body decoded after it; nothing panics.
 pub fn response(data: &[u8]) {
     use bytes::BytesMut;
-    use sluice::proxy::h1::chunked::{Decoded, Decoder};
-    use sluice::proxy::h1::{Framing, parse_response};
+    use sluice::upstream::h1::chunked::{Decoded, Decoder};
+    use sluice::upstream::h1::{Framing, parse_response};
 
     // What a response gives: its status, fields, framing and (when chunked) the body's
     // bytes, or the first error; and how much of the input was left over.
@@ -270,7 +270,7 @@ pub fn authority(data: &[u8]) {
 /// Input: the first byte picks the body (empty, a known size, unknown), then lines:
 /// method, target, and `name: value` fields.
 pub fn request(data: &[u8]) {
-    use sluice::proxy::h1::{BodyFraming, encode_request};
+    use sluice::upstream::h1::{BodyFraming, encode_request};
 
     let Some((&shape, rest)) = data.split_first() else {
         return;

@@ -26,8 +26,8 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::app::App;
+use crate::body::{Body, full};
 use crate::config::AdminControl;
-use crate::proxy::{Body, full};
 
 /// Admin connections served at once from other hosts; more are closed at once. The
 /// admin listener keeps its own small share of descriptors, so it answers while the

@@ -18,11 +18,11 @@ use crate::egress::{Lookup, Resolver, Rules};
 use crate::limit::{Limiter, Plans};
 use crate::metrics::Metrics;
 use crate::policy::Policies;
-use crate::proxy::client::UpstreamClient;
 use crate::route::{Route, Router};
 use crate::tls::HandshakeLog;
 use crate::tls::TlsError;
 use crate::tls::ca::Authority;
+use crate::upstream::pooled::UpstreamClient;
 
 /// One config and everything built from it. A request takes the `Arc<Live>` in force when
 /// it arrives and keeps it to its end, so its route, limits, policies and clients always
@@ -80,9 +80,9 @@ pub struct App {
     /// Client connections open now (proxy listener), against `proxy.max_connections`.
     pub(crate) client_connections: Arc<std::sync::atomic::AtomicUsize>,
     /// Replay copies of request bodies, against `proxy.max_replay_memory`.
-    pub(crate) replay_budget: Arc<crate::proxy::replay::ReplayBudget>,
+    pub(crate) replay_budget: Arc<crate::upstream::replay::ReplayBudget>,
     /// Plain-HTTP upstream connections whose client connection has closed.
-    pub(crate) idle_conns: Arc<crate::proxy::pinned::IdleConns>,
+    pub(crate) idle_conns: Arc<crate::upstream::pinned::IdleConns>,
     pub(crate) resolver: Resolver,
     pub(crate) handshake_log: HandshakeLog,
     draining: AtomicBool,
@@ -166,7 +166,7 @@ impl AppBuilder {
             metrics,
             limiter,
             client_connections: Arc::default(),
-            replay_budget: Arc::new(crate::proxy::replay::ReplayBudget::new(replay_limit)),
+            replay_budget: Arc::new(crate::upstream::replay::ReplayBudget::new(replay_limit)),
             idle_conns: Arc::default(),
             resolver: self.resolver,
             handshake_log: HandshakeLog::default(),

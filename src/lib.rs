@@ -11,7 +11,11 @@
 //! - [`route`]: host → upstream, method + path → family, key header → partition.
 //! - [`proxy::pipeline`]: the single function through which every request reaches an
 //!   upstream, its policies nested as docs/architecture.md draws them (total timeout,
-//!   retries, breaker, limiter, attempt timeout, upstream call).
+//!   retries, breaker, limiter, attempt timeout, upstream call); [`proxy::access`] records
+//!   every request.
+//! - [`upstream`]: everything that talks to upstreams, behind [`upstream::send`]: the
+//!   client connection's own plain-HTTP connections with sluice's HTTP/1.1 client side,
+//!   and the pooled TLS client; [`body`]: the body type both ways.
 //! - [`limit`]: the limiter (limit kinds, per-partition buckets and queues, the async
 //!   driver); [`policy`]: backoff, wait hints, retry budget, classification, breaker.
 //! - [`config`]: the TOML file, validated into an immutable [`config::Config`].
@@ -30,6 +34,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod body;
 pub mod cluster;
 pub mod config;
 pub mod cpus;
@@ -46,6 +51,7 @@ pub mod route;
 pub mod server;
 pub mod status;
 pub mod tls;
+pub mod upstream;
 
 pub use app::App;
 pub use config::Config;

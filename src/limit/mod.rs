@@ -813,7 +813,7 @@ impl Ticket {
 }
 
 /// Reports the instant a request is handed to its upstream connection (see
-/// `proxy::outbound::Outbound`), once.
+/// `upstream::outbound::Outbound`), once.
 pub struct SendHook(Arc<Ticket>);
 
 impl SendHook {

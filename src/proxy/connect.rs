@@ -15,12 +15,12 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use super::access::{Record, finish};
 use super::error::ProxyError;
-use super::forward::{Record, finish};
 use super::lifecycle::Lifecycle;
 use super::splice::Ended;
-use super::{Body, empty};
 use crate::app::App;
+use crate::body::{Body, empty};
 use crate::config::{TlsMode, Unmatched};
 use crate::route::{authority_parts, normalize_host};
 use tokio::io::AsyncRead;

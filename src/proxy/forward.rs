@@ -8,20 +8,22 @@ use std::net::IpAddr;
 
 use http::header::{self, HeaderValue};
 use http::uri::{Authority, PathAndQuery};
-use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http::{Request, Response, StatusCode, Uri, Version};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 use tokio_util::either::Either;
 
+use super::access::{Record, finish};
 use super::error::ProxyError;
 use super::headers::{append_via, strip_hop_by_hop};
 use super::lifecycle::Lifecycle;
-use super::pinned::PinnedConns;
-use super::{Body, empty, pipeline, stream, upgrade};
+use super::{pipeline, upgrade};
 use crate::app::App;
 use crate::app::Live;
+use crate::body::{Body, empty, stream};
 use crate::config::{Scheme, Unmatched};
 use crate::route::{Route, authority_parts, normal_host};
+use crate::upstream::pinned::PinnedConns;
 
 /// Where an absolute-form request is going.
 #[derive(Debug)]
@@ -214,7 +216,7 @@ pub(crate) fn intercepted<'a, B>(
 ) -> impl Future<Output = Response<Body>> + 'a
 where
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
-    B::Error: Into<super::BoxError>,
+    B::Error: Into<crate::body::BoxError>,
 {
     let start = Instant::now();
     match Target::in_tunnel(host, port, req.uri(), https) {
@@ -237,7 +239,7 @@ pub(crate) fn route_and_send<'a, B>(
 ) -> impl Future<Output = Response<Body>> + 'a
 where
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
-    B::Error: Into<super::BoxError>,
+    B::Error: Into<crate::body::BoxError>,
 {
     async move {
         let config = app.config();
@@ -360,7 +362,7 @@ fn admit<B>(
 ) -> Result<Admitted, ProxyError>
 where
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
-    B::Error: Into<super::BoxError>,
+    B::Error: Into<crate::body::BoxError>,
 {
     if route.is_none() && config.proxy.unmatched == Unmatched::Deny {
         return Err(ProxyError::UnmatchedDenied);
@@ -390,7 +392,7 @@ fn to_upstream<B>(
 ) -> Result<Admitted, ProxyError>
 where
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
-    B::Error: Into<super::BoxError>,
+    B::Error: Into<crate::body::BoxError>,
 {
     let (mut parts, body) = req.into_parts();
     let received = parts.version;
@@ -474,72 +476,6 @@ fn from_upstream(resp: Response<Body>) -> Response<Body> {
     strip_hop_by_hop(&mut parts.headers);
     append_via(&mut parts.headers, parts.version);
     Response::from_parts(parts, body)
-}
-
-/// What the request counter and the access line say about one request.
-pub(crate) struct Record<'a> {
-    pub route: Option<&'a Route>,
-    pub method: &'a Method,
-    /// The target host as routed, or `-` when there is none.
-    pub host: &'a str,
-    /// The path without its query, or `-`.
-    pub path: &'a str,
-    pub start: Instant,
-}
-
-/// Turns the result into the client's response and records it: one counter increment and
-/// one access-log line per request. The log names the path without its query, where
-/// secrets tend to travel, and never a header value.
-pub(crate) fn finish(
-    config: &Live,
-    record: &Record<'_>,
-    result: Result<Response<Body>, ProxyError>,
-) -> Response<Body> {
-    let Record {
-        route,
-        method,
-        host,
-        path,
-        start,
-    } = *record;
-    let (upstream, family) = crate::route::labels(&config.config, route);
-    let (resp, failure) = match result {
-        Ok(resp) => (resp, None),
-        Err(e) => {
-            if matches!(
-                e,
-                ProxyError::UpstreamUnreachable(_) | ProxyError::Egress(_)
-            ) {
-                // Display already carries the causes (see error.rs): walking `source()`
-                // as well would print each of them twice.
-                tracing::warn!(%method, upstream, family, error = %e, "upstream request failed");
-            }
-            (e.to_response(), Some(e.outcome()))
-        }
-    };
-    // An upstream's answer is labelled with its status, borrowed: no allocation on the
-    // path every response takes.
-    let status = resp.status();
-    let outcome = failure.as_deref().unwrap_or(status.as_str());
-    config.route_metrics.get(route).requests.inc(outcome);
-    // A sampled upstream logs a share of its requests; the counter above has them all.
-    let share = route.map_or(1.0, |r| config.upstreams[r.upstream].access_log);
-    if share < 1.0 && rand::random::<f64>() >= share {
-        return resp;
-    }
-    let now = Instant::now();
-    crate::log::access(&crate::log::Access {
-        method: method.as_str(),
-        host,
-        path,
-        upstream,
-        family,
-        status: status.as_u16(),
-        outcome,
-        duration: now.saturating_duration_since(start),
-        at: now,
-    });
-    resp
 }
 
 #[cfg(test)]

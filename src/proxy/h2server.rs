@@ -25,8 +25,8 @@ use tokio::sync::oneshot;
 
 use super::forward;
 use super::lifecycle::Lifecycle;
-use super::{Body, BoxError};
 use crate::app::App;
+use crate::body::{Body, BoxError};
 
 /// hyper's defaults for its HTTP/2 server, kept so that the limits the hardening review
 /// probed (CONTINUATION floods, rapid reset) stay what they were.

@@ -13,27 +13,26 @@ use std::task::Poll;
 use std::time::{Duration, SystemTime};
 
 use http::header::HeaderValue;
-use http::uri::Scheme;
 use http::{HeaderMap, Method, Request, Response, Uri, Version};
 use tokio::time::Instant;
-use tokio_util::either::Either;
 
-use super::Body;
-use super::body::{ResponseBody, peek};
-use super::error::AttemptError;
 use super::error::ProxyError;
-use super::outbound::Outbound;
-use super::pinned::PinnedConns;
-use super::replay::{ClientFault, Replay};
-use super::timer::ConnTimer;
+use super::response::{ResponseBody, peek};
 use crate::app::App;
 use crate::app::Live;
+use crate::body::Body;
 use crate::config::{Action, CooldownScope, Learn, Policy};
 use crate::limit::Permit;
 use crate::policy::announced::announced;
 use crate::policy::breaker::Admit;
 use crate::policy::{Circuit, backoff, classify, hints, is_idempotent, wants_retry};
 use crate::route::Route;
+use crate::upstream::error::AttemptError;
+use crate::upstream::outbound::Outbound;
+use crate::upstream::pinned::PinnedConns;
+use crate::upstream::replay::{ClientFault, Replay};
+use crate::upstream::timer::ConnTimer;
+use crate::upstream::{self, Via};
 
 /// Sends `req` (already stripped and addressed to the upstream) under the route's policy.
 /// `max_wait`: the client's `sluice-max-wait`, the most its attempts may wait for
@@ -548,21 +547,13 @@ fn attempt<'a>(
     let req = req.map(|b| Outbound::new(b, hook));
     // `start`: a reading the caller took just before (both callers await the attempt at
     // once), which the send also judges idle connections by: no clock read of its own.
-    // Built here and boxed, so that this future holds a pointer rather than the request
-    // and the deepest future on the request path: every level above holds this one and
-    // is copied whole when it is built, so a size here counts several times over
-    // (docs/architecture.md); the allocation costs less.
-    let mut send =
-        match upstreams {
-            Some(own) if req.uri().scheme() == Some(&Scheme::HTTP) => Either::Left(Box::pin(
-                own.send((&app.resolver, &config.egress_rules), req, start),
-            )),
-            _ => Either::Right(Box::pin(
-                app.client_for(config, route.map(|r| r.upstream)).send(req),
-            )),
-        };
+    let via = Via {
+        own: upstreams.map(|own| (own, &app.resolver, &config.egress_rules)),
+        pooled: app.client_for(config, route.map(|r| r.upstream)),
+    };
+    let mut send = upstream::send(via, req, start);
     async move {
-        // The client connection's own timer (see timer.rs); a request inside an
+        // The client connection's own timer (see `upstream::timer`); a request inside an
         // intercepted tunnel has a timer of its own.
         let own_timer;
         let mut deadline = match upstreams {

@@ -27,10 +27,11 @@ use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 
 use super::lifecycle::{HEADER_READ_TIMEOUT, Lifecycle};
-use super::pinned::PinnedConns;
-use super::timer::ConnTimer;
-use super::{Body, connect, forward};
+use super::{connect, forward};
 use crate::app::App;
+use crate::body::Body;
+use crate::upstream::pinned::PinnedConns;
+use crate::upstream::timer::ConnTimer;
 
 /// Request heads larger than this (request line plus headers) are answered 431, close to
 /// Envoy's 60 KiB default.

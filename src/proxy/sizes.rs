@@ -12,13 +12,14 @@ use std::sync::Arc;
 use http::Request;
 use tokio::time::Instant;
 
-use super::h1::conn::{Conn, Home, Outgoing, exchange};
 use super::lifecycle::Lifecycle;
-use super::outbound::Outbound;
-use super::pinned::{IdleConns, PinnedConns};
-use super::{empty, pipeline};
+use super::pipeline;
 use crate::app::App;
+use crate::body::empty;
 use crate::config::Config;
+use crate::upstream::h1::conn::{Conn, Home, Outgoing, exchange};
+use crate::upstream::outbound::Outbound;
+use crate::upstream::pinned::{IdleConns, PinnedConns};
 
 struct Nowhere;
 

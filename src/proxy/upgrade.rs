@@ -5,21 +5,17 @@
 //! the end of the drain), and a concurrency permit the request holds stays held until
 //! both close. `h2c` is never passed on: sluice speaks HTTP/1.1 to upstreams.
 
-use std::sync::Arc;
-
-use bytes::BytesMut;
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Response, StatusCode};
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
-use parking_lot::Mutex;
 use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
 
 use super::lifecycle::Lifecycle;
 use super::splice::{Ended, splice};
-use super::{Body, empty};
+use crate::body::{Body, empty};
 use crate::metrics::Metrics;
+use crate::upstream::switched::{Side, UpstreamSide};
 
 /// The protocol a request asks to switch to: its `Upgrade` value, when `Connection`
 /// names `upgrade` too.
@@ -54,33 +50,6 @@ pub fn allowed(offer: &HeaderValue, allowed: &[String]) -> bool {
 pub struct Switching {
     pub protocol: HeaderValue,
     pub client: OnUpgrade,
-}
-
-/// The upstream's side of a switched connection, handed from the upstream client to the
-/// forward path in the response's extensions (which must be `Clone`).
-#[derive(Clone)]
-pub struct UpstreamSide(Arc<Mutex<Option<Side>>>);
-
-enum Side {
-    /// From the own HTTP/1.1 client: the socket, and what the upstream already sent in
-    /// the new protocol behind its head.
-    Own(TcpStream, BytesMut),
-    /// From hyper's client (TLS upstreams), once it lets the connection go.
-    Hyper(OnUpgrade),
-}
-
-impl UpstreamSide {
-    pub fn own(io: TcpStream, rest: BytesMut) -> UpstreamSide {
-        UpstreamSide(Arc::new(Mutex::new(Some(Side::Own(io, rest)))))
-    }
-
-    pub fn hyper(on: OnUpgrade) -> UpstreamSide {
-        UpstreamSide(Arc::new(Mutex::new(Some(Side::Hyper(on)))))
-    }
-
-    fn take(&self) -> Option<Side> {
-        self.0.lock().take()
-    }
 }
 
 /// The upstream answered `101` to `switching`: the client gets the `101` (with the

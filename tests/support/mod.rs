@@ -29,8 +29,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use sluice::body::BoxError;
 use sluice::egress::Lookup;
-use sluice::proxy::BoxError;
 use sluice::{App, Config, Server};
 
 /// reqwest's TLS needs a process-wide rustls provider; sluice itself uses ring.

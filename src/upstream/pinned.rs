@@ -35,12 +35,15 @@ use super::error::AttemptError;
 use super::h1::Error as H1Error;
 use super::h1::conn::{Conn, Failed, Home, Outgoing, UpstreamBody, exchange};
 use super::outbound::Outbound;
+use super::switched::UpstreamSide;
 use super::timer::{ConnTimer, Deadline};
-use super::upgrade::UpstreamSide;
 use crate::egress::{Resolver, Rules};
 use crate::route::{authority_parts, normalize_host};
 
-use super::IDLE_TIMEOUT;
+/// An idle upstream connection older than this is closed rather than reused, by both
+/// kinds of connection: shorter than the common 60 s+ server keep-alive, so we rarely
+/// send on one the upstream is closing.
+pub const IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(50);
 
 /// Idle connections kept per upstream address in the shared list; more are closed.
 const MAX_IDLE_PER_ADDR: usize = 256;
@@ -386,8 +389,8 @@ impl PinnedConns {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::body::{Body, BoxError, empty, full, stream};
     use crate::config::Config;
-    use crate::proxy::{Body, BoxError, empty, full, stream};
     use bytes::Bytes;
     use http_body::Frame;
     use http_body_util::BodyExt;

@@ -13,7 +13,7 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::BodyExt;
 use tokio::time::{Instant, Sleep};
 
-use super::{Body, BoxError};
+use crate::body::{Body, BoxError};
 use crate::limit::Permit;
 
 /// Reads up to `limit` bytes of `body` for a look at it, and returns them with a body
@@ -174,7 +174,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::stream;
+    use crate::body::stream;
 
     fn chunks(parts: &[&'static str]) -> Body {
         let frames: Vec<Result<Frame<Bytes>, BoxError>> = parts

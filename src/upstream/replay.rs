@@ -19,7 +19,7 @@ use http::HeaderMap;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::BodyExt;
 
-use super::{Body, BoxError, empty};
+use crate::body::{Body, BoxError, empty};
 
 /// Bytes held for replay across the process, against `proxy.max_replay_memory`.
 #[derive(Debug, Default)]
@@ -307,7 +307,7 @@ impl HttpBody for Attempt {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::stream;
+    use crate::body::stream;
 
     type Sender = tokio::sync::mpsc::Sender<Result<Frame<Bytes>, BoxError>>;
 

@@ -17,8 +17,8 @@ use tokio::net::TcpStream;
 
 use super::chunked::{Decoded, Decoder};
 use super::{BodyFraming, Error, Framing, Head, Span, encode_request, parse_response};
-use crate::proxy::BoxError;
-use crate::proxy::outbound::Outbound;
+use crate::body::BoxError;
+use crate::upstream::outbound::Outbound;
 
 /// Bytes asked of the socket per read.
 const READ_SIZE: usize = 8 * 1024;
@@ -518,7 +518,7 @@ mod tests {
     //! tests do.
 
     use super::*;
-    use crate::proxy::{empty, full};
+    use crate::body::{empty, full};
     use http_body_util::BodyExt;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -572,7 +572,7 @@ mod tests {
         (Conn::new(io), server)
     }
 
-    fn request(method: Method, body: crate::proxy::Body) -> Box<Outgoing> {
+    fn request(method: Method, body: crate::body::Body) -> Box<Outgoing> {
         let req = Request::builder()
             .method(method)
             .header("host", "upstream.test")

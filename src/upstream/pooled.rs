@@ -10,7 +10,7 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use super::error::{AttemptError, find_cause};
 use super::outbound::Outbound;
 use super::pinned::UpstreamResponse;
-use super::upgrade::UpstreamSide;
+use super::switched::UpstreamSide;
 use crate::egress::{Connector, EgressError, Resolver};
 
 #[derive(Clone)]
@@ -34,7 +34,7 @@ impl UpstreamClient {
         let inner = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .timer(TokioTimer::new())
-            .pool_idle_timeout(super::IDLE_TIMEOUT)
+            .pool_idle_timeout(super::pinned::IDLE_TIMEOUT)
             .set_host(false)
             .build(https);
         let http1 = hyper_rustls::HttpsConnectorBuilder::new()

@@ -19,8 +19,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::conn::{Conn, Home, Outgoing, exchange};
-use crate::proxy::empty;
-use crate::proxy::outbound::Outbound;
+use crate::body::empty;
+use crate::upstream::outbound::Outbound;
 
 type Fields = Vec<(String, String)>;
 

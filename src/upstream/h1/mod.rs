@@ -59,7 +59,7 @@ pub enum Error {
     #[error("chunked response body: {0}")]
     Chunk(&'static str),
     #[error("the request body failed: {0}")]
-    RequestBody(super::BoxError),
+    RequestBody(crate::body::BoxError),
     #[error("the request body does not match its Content-Length")]
     RequestLength,
 }

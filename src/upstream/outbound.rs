@@ -7,7 +7,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 
-use super::{Body, BoxError};
+use crate::body::{Body, BoxError};
 use crate::limit::SendHook;
 
 /// A request body on its way upstream, carrying the hook that reports the instant the

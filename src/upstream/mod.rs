@@ -1,0 +1,60 @@
+//! Everything that talks to upstreams, behind [`send`]: the client connection's own
+//! plain-HTTP connections ([`pinned`], speaking sluice's HTTP/1.1 client side from
+//! [`h1`]), hyper's pooled client for TLS ([`pooled`]), the request body that reports its
+//! hand-over ([`outbound`]) and the replayable one ([`replay`]), the per-connection
+//! timers ([`timer`]), the upstream's side of a switched protocol ([`switched`]), and
+//! [`error`], how one attempt failed, whichever connection carried it.
+
+pub mod error;
+pub mod h1;
+pub mod outbound;
+pub mod pinned;
+pub mod pooled;
+pub mod replay;
+pub mod switched;
+pub(crate) mod timer;
+
+use std::future::Future;
+
+use http::Request;
+use http::uri::Scheme;
+use tokio::time::Instant;
+use tokio_util::either::Either;
+
+use std::sync::Arc;
+
+use crate::egress::{Resolver, Rules};
+use error::AttemptError;
+use outbound::Outbound;
+use pinned::{PinnedConns, UpstreamResponse};
+use pooled::UpstreamClient;
+
+/// The ways one attempt can leave.
+pub struct Via<'a> {
+    /// The client connection's own plain-HTTP connections, with what a new one is dialled
+    /// by; `None` inside an intercepted tunnel, whose requests use the pooled client.
+    pub own: Option<(&'a PinnedConns, &'a Resolver, &'a Arc<Rules>)>,
+    /// The route's pooled client: TLS, and plain HTTP without connections of its own.
+    pub pooled: &'a UpstreamClient,
+}
+
+/// Sends `req` on the connection `via` gives it: a pinned one for `http://` when the
+/// client connection has its own, else the pooled client. `start` is a clock reading the
+/// caller took just before, by which idle connections are judged (no clock read here).
+///
+/// Boxed: the caller holds a pointer rather than the request, and every level above it
+/// on the request path holds the caller's future and is copied whole when it is built,
+/// so a size here counts several times over (docs/architecture.md); the allocation costs
+/// less.
+pub fn send<'a>(
+    via: Via<'a>,
+    req: Request<Outbound>,
+    start: Instant,
+) -> impl Future<Output = Result<UpstreamResponse, AttemptError>> + Unpin + 'a {
+    match via.own {
+        Some((own, resolver, rules)) if req.uri().scheme() == Some(&Scheme::HTTP) => {
+            Either::Left(Box::pin(own.send((resolver, rules), req, start)))
+        }
+        _ => Either::Right(Box::pin(via.pooled.send(req))),
+    }
+}
