@@ -15,6 +15,7 @@ use tokio::sync::watch;
 use crate::cluster::{Cluster, ClusterError};
 use crate::config::{Config, Overrides};
 use crate::egress::{Lookup, Resolver, Rules};
+use crate::limit::shared::Store;
 use crate::limit::{Limiter, Plans};
 use crate::metrics::Metrics;
 use crate::policy::Policies;
@@ -142,7 +143,7 @@ impl AppBuilder {
         let limiter = Limiter::new(&self.config, &metrics);
         let (upstream_clients, authority) = build_tls(&self.config, &self.resolver, None)?;
         let cluster = build_cluster(&self.config, None, &metrics)?;
-        limiter.set_cluster(cluster.clone());
+        limiter.set_store(cluster.clone().map(|c| c as Arc<dyn Store>));
         let policies = Policies::new(&self.config, &metrics);
         metrics.config_info(&self.config.digest, None);
         let egress_rules = Arc::new(Rules::new(&self.config));
@@ -395,7 +396,8 @@ impl App {
 
         let policies = Policies::carry(&config, &self.metrics, Some((&old, &old.policies)));
         let plans = crate::limit::plans(&config, &self.metrics);
-        self.limiter.set_cluster(cluster.clone());
+        self.limiter
+            .set_store(cluster.clone().map(|c| c as Arc<dyn Store>));
         self.limiter.reload(plans.clone());
         self.metrics.config_info(&config.digest, Some(&old.digest));
         for u in old

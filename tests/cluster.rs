@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use proptest::prelude::*;
-use sluice::cluster::GlobalLimit;
+use sluice::cluster::{GlobalLimit, script_args};
 use sluice::config::{CounterAlign, Limit, Margin, Rounding, Scope, WindowAlign};
 use sluice::limit::kinds::LimitState;
 use support::provider::{Clock, Counter};
@@ -102,9 +102,7 @@ impl Shape {
 
     /// The script's arguments for the limit, as sluice passes them.
     fn args(&self) -> [String; 4] {
-        GlobalLimit::new("l".into(), &self.limit())
-            .expect("a global rate limit")
-            .script_args()
+        script_args(&GlobalLimit::new("l".into(), &self.limit()).expect("a global rate limit"))
     }
 
     fn provider(&self, t0: Instant) -> Counter {

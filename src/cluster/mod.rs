@@ -39,8 +39,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::config::{ClusterConfig, CounterAlign, Limit, OnRedisError, Rounding, WindowAlign};
-use crate::limit::kinds::Pace;
+use crate::config::{ClusterConfig, OnRedisError};
+pub use crate::limit::shared::{GlobalLimit, Kind, micros};
 use crate::metrics::Metrics;
 use breaker::Breaker;
 use link::{Conn, Fault, Link, Resolved};
@@ -118,146 +118,23 @@ impl Mode {
     const ALL: [Mode; 4] = [Mode::Redis, Mode::Local, Mode::Allow, Mode::Deny];
 }
 
-/// The kind of a global limit as the script knows it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    Sliding,
-    Fixed,
-    /// A fixed window on the clock.
-    Calendar,
-    /// A sliding window counter; `rounds_down` as the provider compares.
-    Counter {
-        rounds_down: bool,
-    },
-    /// A GCRA: `token_bucket`, `leaky_bucket`, `published`.
-    Token,
-}
-
-/// One global limit: its key suffix, and its parameters as each call passes them.
-#[derive(Debug)]
-pub struct GlobalLimit {
-    /// Unique within the upstream and stable across reloads of the same limit:
-    /// `u0.s` (the upstream's first limit, a sliding window), `f.orders.1.t`.
-    pub id: Arc<str>,
-    pub spec: Limit,
-    pub kind: Kind,
-    /// Windows and counters: permits; GCRA: the emission interval in microseconds.
-    a: f64,
-    /// Windows and counters: the window; GCRA: the tolerance.
-    b: f64,
-    /// Where clock windows start, past multiples of the window since the Unix epoch
-    /// (microseconds); `None` for any alignment (counters) or none at all.
-    offset: Option<f64>,
-    pub margin: Duration,
-    /// How long an admission matters to it: a window (two for a counter, whose previous
-    /// window still weighs), or a GCRA's emission interval times its burst.
-    pub span: Duration,
-}
-
-impl GlobalLimit {
-    /// `None` for a limit that is not global, or that cannot be (concurrency).
-    pub fn new(id: String, spec: &Limit) -> Option<GlobalLimit> {
-        if !spec.is_global() {
-            return None;
-        }
-        let margin = spec.margin()?;
-        let clock = |offset: Option<Duration>| Some(micros(offset.unwrap_or_default()));
-        let (kind, a, b, offset, span) = match *spec {
-            Limit::SlidingWindow {
-                permits, window, ..
-            } => (Kind::Sliding, permits.get(), window, None, window),
-            Limit::FixedWindow {
-                permits,
-                window,
-                align,
-                offset,
-                ..
-            } => match align {
-                WindowAlign::First => (Kind::Fixed, permits.get(), window, None, window),
-                WindowAlign::Clock => {
-                    (Kind::Calendar, permits.get(), window, clock(offset), window)
-                }
-            },
-            Limit::SlidingCounter {
-                permits,
-                window,
-                align,
-                offset,
-                rounding,
-                ..
-            } => (
-                Kind::Counter {
-                    rounds_down: rounding == Rounding::Down,
-                },
-                permits.get(),
-                window,
-                match align {
-                    CounterAlign::Any => None,
-                    CounterAlign::Clock => clock(offset),
-                },
-                window * 2,
-            ),
-            Limit::TokenBucket { .. } | Limit::LeakyBucket { .. } | Limit::Published { .. } => {
-                let pace = Pace::of(spec)?;
-                let emission = pace.interval_ns() / 1000.0;
-                let span =
-                    Duration::from_nanos((pace.interval_ns() * pace.burst() as f64).ceil() as u64);
-                return Some(GlobalLimit {
-                    id: Arc::from(id),
-                    spec: spec.clone(),
-                    kind: Kind::Token,
-                    a: emission,
-                    b: pace.tolerance_ns() / 1000.0,
-                    offset: None,
-                    margin,
-                    span,
-                });
-            }
-            Limit::Concurrency { .. } => return None,
-        };
-        Some(GlobalLimit {
-            id: Arc::from(id),
-            spec: spec.clone(),
-            kind,
-            a: f64::from(a),
-            b: micros(b),
-            offset,
-            margin,
-            span,
-        })
-    }
-
-    /// The limit as the script takes it: kind, a, b and c (see `reserve.lua`).
-    pub fn script_args(&self) -> [String; 4] {
-        let kind = match self.kind {
-            Kind::Sliding => "s",
-            Kind::Fixed => "f",
-            Kind::Calendar => "k",
-            Kind::Counter { rounds_down: true } => "c",
-            Kind::Counter { rounds_down: false } => "u",
-            Kind::Token => "t",
-        };
-        // A clock window's offset, `any` for a counter at any alignment, else unused.
-        let c = match (self.kind, self.offset) {
-            (_, Some(o)) => format!("{o:.0}"),
-            (Kind::Counter { .. }, None) => "any".into(),
-            _ => "0".into(),
-        };
-        [
-            kind.into(),
-            format!("{:.3}", self.a),
-            format!("{:.3}", self.b),
-            c,
-        ]
-    }
-
-    fn is_window(&self) -> bool {
-        self.kind != Kind::Token
-    }
-}
-
-pub(crate) fn micros(d: Duration) -> f64 {
-    d.as_secs_f64() * 1_000_000.0
+/// The limit as the script takes it: kind, a, b and c (see `reserve.lua`).
+pub fn script_args(l: &GlobalLimit) -> [String; 4] {
+    let kind = match l.kind {
+        Kind::Sliding => "s",
+        Kind::Fixed => "f",
+        Kind::Calendar => "k",
+        Kind::Counter { rounds_down: true } => "c",
+        Kind::Counter { rounds_down: false } => "u",
+        Kind::Token => "t",
+    };
+    // A clock window's offset, `any` for a counter at any alignment, else unused.
+    let c = match (l.kind, l.offset) {
+        (_, Some(o)) => format!("{o:.0}"),
+        (Kind::Counter { .. }, None) => "any".into(),
+        _ => "0".into(),
+    };
+    [kind.into(), format!("{:.3}", l.a), format!("{:.3}", l.b), c]
 }
 
 /// What one call returned.

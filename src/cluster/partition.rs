@@ -18,6 +18,7 @@ use crate::config::{Limit, Rounding, WindowAlign};
 use crate::limit::error::LimitError;
 use crate::limit::kinds::LimitState;
 use crate::limit::kinds::Pace;
+use crate::limit::shared::{Reservation, Reserving, Store, StorePartition};
 use crate::route::Partition;
 
 /// A reservation changes its correction only by more than this: less is clock noise.
@@ -706,7 +707,7 @@ impl Shared {
             .arg(queued)
             .arg(all.len());
         for (l, pays) in all {
-            inv.arg(&l.script_args()[..])
+            inv.arg(&super::script_args(l)[..])
                 .arg(num(micros(l.margin)))
                 .arg(if *pays { "1" } else { "0" });
         }
@@ -1187,6 +1188,70 @@ impl Hold {
                 }
             }
         }
+    }
+}
+
+/// The store on Redis: each partition's [`Shared`] with the cluster it calls.
+impl Store for Cluster {
+    fn partition(
+        self: Arc<Self>,
+        upstream: &str,
+        partition: Option<Partition>,
+    ) -> Arc<dyn StorePartition> {
+        Arc::new(OnRedis {
+            shared: Arc::new(Shared::new(upstream, partition)),
+            cluster: self,
+        })
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        Cluster::describe(self)
+    }
+}
+
+/// A partition's [`Shared`] and the cluster its calls go to.
+struct OnRedis {
+    shared: Arc<Shared>,
+    cluster: Arc<Cluster>,
+}
+
+impl StorePartition for OnRedis {
+    fn admit<'a>(
+        &'a self,
+        family: &'a str,
+        limits: &'a Arc<[Arc<GlobalLimit>]>,
+        deadline: Instant,
+    ) -> Reserving<'a> {
+        Box::pin(async move {
+            Ok(
+                match self
+                    .shared
+                    .admit(&self.cluster, family, limits, deadline)
+                    .await?
+                {
+                    Admission::Held(hold) => Some(Box::new(hold) as Box<dyn Reservation>),
+                    Admission::Allowed => None,
+                },
+            )
+        })
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        self.shared.describe()
+    }
+}
+
+impl Reservation for Hold {
+    fn sent(&self, at: Instant) {
+        Hold::sent(self, at);
+    }
+
+    fn answered(&self, sent: Instant, at: Instant, took: Duration) {
+        Hold::answered(self, sent, at, took);
+    }
+
+    fn unsent(&self) {
+        Hold::unsent(self);
     }
 }
 

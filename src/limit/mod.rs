@@ -28,6 +28,7 @@ pub mod kinds;
 pub mod learned;
 pub mod queue;
 mod registry;
+pub mod shared;
 
 pub use error::LimitError;
 
@@ -45,13 +46,12 @@ use tokio::time::Instant;
 use bucket::{Admitted, Bucket, FamilyRef, FamilySpec, LimitRef, PartitionSpec, Reject};
 use kinds::{Id, LimitState};
 
-use crate::cluster::partition::{Admission, Hold, Shared};
-use crate::cluster::{Cluster, GlobalLimit};
 use crate::config::units::fmt_duration;
 use crate::config::{Adaptive, Config, Limit, Priority, Upstream};
 use crate::metrics::Metrics;
 use crate::route::{Partition, Route};
 use registry::Registry;
+use shared::{GlobalLimit, Reservation, Store, StorePartition};
 
 /// The queue of CONNECT tunnels in `/buckets`; not a valid family name, so it cannot clash.
 const TUNNEL: &str = "(tunnel)";
@@ -332,6 +332,9 @@ impl CellState {
     }
 }
 
+/// A partition's side of a store, and the store it was made by.
+type OnStore = (std::sync::Weak<dyn Store>, Arc<dyn StorePartition>);
+
 /// One (upstream, partition): its bucket under one lock, and the driver's wake-up.
 pub struct Cell {
     name: Arc<str>,
@@ -341,15 +344,23 @@ pub struct Cell {
     /// Where the partition's driver runs; the caller's runtime when unset.
     timers: Option<tokio::runtime::Handle>,
     /// What this replica knows of the partition's shared limits, once one is paid.
-    shared: std::sync::OnceLock<Arc<Shared>>,
+    /// Made by the store it names, and made again when the store changes.
+    shared: Mutex<Option<OnStore>>,
     /// Its upstream's count of live partitions, which it leaves when swept.
     occupancy: Arc<registry::Occupancy>,
 }
 
 impl Cell {
-    fn shared(&self) -> &Arc<Shared> {
-        self.shared
-            .get_or_init(|| Arc::new(Shared::new(&self.name, self.partition)))
+    fn shared(&self, store: &Arc<dyn Store>) -> Arc<dyn StorePartition> {
+        let mut shared = self.shared.lock();
+        match &*shared {
+            Some((of, p)) if std::sync::Weak::ptr_eq(of, &Arc::downgrade(store)) => p.clone(),
+            _ => {
+                let p = store.clone().partition(&self.name, self.partition);
+                *shared = Some((Arc::downgrade(store), p.clone()));
+                p
+            }
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, CellState> {
@@ -641,7 +652,7 @@ impl Permit {
     }
 
     /// Follows the request's shared limits too: its send and answer reach them.
-    fn hold(&mut self, hold: Hold) {
+    fn hold(&mut self, hold: Box<dyn Reservation>) {
         let ticket = self.ticket.get_or_insert_with(|| {
             // Its local limits count nothing in time: a ticket for the shared ones only.
             Arc::new(Ticket {
@@ -803,7 +814,7 @@ pub struct Ticket {
     /// The rate limit it waited for: it was admitted at that limit's edge.
     edge: Option<LimitRef>,
     /// Its shared limits, to be told of its send and answer too.
-    global: Option<Hold>,
+    global: Option<Box<dyn Reservation>>,
 }
 
 impl Ticket {
@@ -853,7 +864,7 @@ pub struct Limiter {
     /// [`Limiter::drive_on`]).
     timers: std::sync::OnceLock<tokio::runtime::Handle>,
     /// Where shared limits are decided (`[cluster]`), as the live config says.
-    cluster: RwLock<Option<Arc<Cluster>>>,
+    store: RwLock<Option<Arc<dyn Store>>>,
 }
 
 /// One config generation's plans, by upstream index.
@@ -875,17 +886,17 @@ impl Limiter {
             current: RwLock::new(plans(config, metrics)),
             registry: Registry::new(),
             timers: std::sync::OnceLock::new(),
-            cluster: RwLock::new(None),
+            store: RwLock::new(None),
         }
     }
 
     /// The cluster shared limits go through from now on (`None`: no `[cluster]`).
-    pub fn set_cluster(&self, cluster: Option<Arc<Cluster>>) {
-        *self.cluster.write() = cluster;
+    pub fn set_store(&self, store: Option<Arc<dyn Store>>) {
+        *self.store.write() = store;
     }
 
-    fn cluster(&self) -> Option<Arc<Cluster>> {
-        self.cluster.read().clone()
+    fn store(&self) -> Option<Arc<dyn Store>> {
+        self.store.read().clone()
     }
 
     /// The plans new partitions are built from.
@@ -951,7 +962,7 @@ impl Limiter {
                     }),
                     notify: Notify::new(),
                     timers: self.timers.get().cloned(),
-                    shared: std::sync::OnceLock::new(),
+                    shared: Mutex::new(None),
                     occupancy,
                 }
             });
@@ -1038,15 +1049,14 @@ impl Limiter {
         };
         // A config with global limits always has a cluster; without one, they are
         // counted nowhere rather than blocking.
-        let Some(cluster) = self.cluster() else {
+        let Some(store) = self.store() else {
             return Ok(Some(permit));
         };
         let family = &plan.spec.families[index];
         let admitted = Instant::now();
-        let shared = cell.shared().clone();
-        let admission = shared
+        let shared = cell.shared(&store);
+        let reservation = shared
             .admit(
-                &cluster,
                 &family.name,
                 plan.global(index),
                 deadline.map_or(start + family.max_wait, |d| d.min(start + family.max_wait)),
@@ -1055,8 +1065,8 @@ impl Limiter {
         plan.metrics[index]
             .cluster_wait
             .observe(admitted.elapsed().as_secs_f64());
-        if let Admission::Held(hold) = admission {
-            permit.hold(hold);
+        if let Some(r) = reservation {
+            permit.hold(r);
         }
         Ok(Some(permit))
     }
@@ -1289,7 +1299,7 @@ impl Limiter {
     /// sweep. Also how many partitions are left out.
     pub fn snapshot(&self) -> (serde_json::Value, usize) {
         let now = Instant::now();
-        let cluster = self.cluster();
+        let store = self.store();
         let all = self.registry.len();
         let cells: Vec<Arc<Cell>> = if all <= registry::FRESH_UP_TO {
             self.registry.cells()
@@ -1305,7 +1315,7 @@ impl Limiter {
         let omitted = all.saturating_sub(cells.len());
         let mut out = Vec::new();
         for cell in cells {
-            out.extend(cell_entries(&cell, now, cluster.as_ref()));
+            out.extend(cell_entries(&cell, now, store.as_ref()));
         }
         (serde_json::Value::Array(out), omitted)
     }
@@ -1314,7 +1324,7 @@ impl Limiter {
     /// waiting (as `/buckets` describes them), and how many others it has.
     pub fn busiest(&self, top: usize) -> HashMap<Arc<str>, (Vec<serde_json::Value>, usize)> {
         let now = Instant::now();
-        let cluster = self.cluster();
+        let store = self.store();
         let summary = self.registry.summary(now);
         summary
             .busiest
@@ -1324,7 +1334,7 @@ impl Limiter {
                     .iter()
                     .filter_map(Weak::upgrade)
                     .take(top)
-                    .map(|c| serde_json::Value::from(cell_entries(&c, now, cluster.as_ref())))
+                    .map(|c| serde_json::Value::from(cell_entries(&c, now, store.as_ref())))
                     .collect();
                 let live = summary.live.get(name).copied().unwrap_or(0);
                 let others = live.saturating_sub(shown.len());
@@ -1339,7 +1349,7 @@ impl Limiter {
 fn cell_entries(
     cell: &Arc<Cell>,
     now: Instant,
-    cluster: Option<&Arc<Cluster>>,
+    store: Option<&Arc<dyn Store>>,
 ) -> Vec<serde_json::Value> {
     let mut out = Vec::new();
     let mut st = cell.lock();
@@ -1395,10 +1405,10 @@ fn cell_entries(
             })
             .collect();
         o.insert("shared_limits".into(), limits.into());
-        if let Some(c) = cluster {
+        if let Some(c) = store {
             o.insert("cluster".into(), c.describe());
         }
-        if let Some(sh) = cell.shared.get() {
+        if let Some((_, sh)) = &*cell.shared.lock() {
             o.insert("this_replica".into(), sh.describe());
         }
     }
