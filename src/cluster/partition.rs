@@ -1267,6 +1267,188 @@ mod tests {
         l.window_limit().expect("a window")
     }
 
+    /// A cluster that is never called: these tests run without a runtime, so a queued
+    /// correction stays queued where they can read it.
+    fn cluster() -> Arc<Cluster> {
+        let config = crate::config::Config::parse(
+            "[[upstream]]\nname = \"u\"\nhosts = [\"u\"]\n\
+             [cluster]\nredis = \"redis://127.0.0.1:1\"\nreplicas = 3\n",
+            "t.toml",
+        )
+        .expect("a config");
+        let metrics = crate::metrics::Metrics::new(prometheus::Registry::new()).expect("metrics");
+        Cluster::new(config.cluster.as_ref().expect("[cluster]"), &metrics).expect("a cluster")
+    }
+
+    /// `toml` is an inline table, as a config writes a limit.
+    fn global(toml: &str) -> Arc<GlobalLimit> {
+        let doc: toml::Table = toml::from_str(&format!("l = {toml}")).expect("a limit");
+        let spec: Limit = doc["l"].clone().try_into().expect("a limit");
+        Arc::new(GlobalLimit::new("l".into(), &spec).expect("a global limit"))
+    }
+
+    /// Redis's clock at the reservation, in microseconds.
+    const AT: f64 = 1e15;
+
+    /// A reservation of `l` for Redis instant `AT`, which is `at` here, remembered as this
+    /// replica's own admission.
+    fn reserved(shared: &Arc<Shared>, l: &Arc<GlobalLimit>, at: Instant) -> Hold {
+        remember(&mut shared.state(), l, "m1", AT, None);
+        Hold {
+            shared: shared.clone(),
+            cluster: cluster(),
+            r: Reserved {
+                member: "m1".into(),
+                at_us: AT,
+                at_local: at,
+                slack_us: 0.0,
+                limits: Arc::from(vec![l.clone()]),
+                chained: false,
+                contended: false,
+                comes_back: None,
+            },
+            fallback: None,
+            unanswered: parking_lot::Mutex::new(None),
+        }
+    }
+
+    /// The corrections queued for Redis: (limit, member, latest arrival), and this
+    /// replica's own admissions to `l`: (member, latest arrival).
+    fn queued(shared: &Shared, l: &GlobalLimit) -> (Vec<Option<f64>>, Vec<(String, f64)>) {
+        let st = shared.state();
+        let pending = st.pending.iter().map(|c| c.value).collect();
+        let mine = st
+            .mine
+            .get(&l.id)
+            .map(|m| m.entries.clone())
+            .unwrap_or_default();
+        (pending, mine)
+    }
+
+    const MS: f64 = 1000.0;
+
+    /// A send within a quarter of the margin after its instant is scheduling noise: no
+    /// correction. A later one (a slow connect) holds the permit until the send plus the
+    /// margin, in Redis and in this replica's own admissions.
+    #[test]
+    fn a_late_send_holds_the_permit_longer() {
+        let l =
+            global(r#"{ kind = "sliding_window", permits = 10, window = "1s", scope = "global" }"#);
+        assert_eq!(
+            l.margin,
+            Duration::from_millis(200),
+            "a fifth of the window"
+        );
+        let t0 = Instant::now();
+        let shared = Arc::new(Shared::new("u", None));
+        reserved(&shared, &l, t0).sent(t0 + Duration::from_millis(50));
+        assert_eq!(
+            queued(&shared, &l),
+            (vec![], vec![("m1".into(), AT + 200.0 * MS)])
+        );
+
+        let shared = Arc::new(Shared::new("u", None));
+        reserved(&shared, &l, t0).sent(t0 + Duration::from_millis(80));
+        let late = AT + 80.0 * MS + 200.0 * MS;
+        assert_eq!(
+            queued(&shared, &l),
+            (vec![Some(late)], vec![("m1".into(), late)])
+        );
+    }
+
+    /// An answer before the margin ran out frees the permit at the answer: the provider
+    /// had counted the request by then.
+    #[test]
+    fn an_answer_frees_the_permit_at_its_arrival() {
+        let l =
+            global(r#"{ kind = "fixed_window", permits = 10, window = "1s", scope = "global" }"#);
+        let t0 = Instant::now();
+        let shared = Arc::new(Shared::new("u", None));
+        let hold = reserved(&shared, &l, t0);
+        hold.sent(t0);
+        hold.answered(t0, t0 + Duration::from_millis(3), Duration::from_millis(3));
+        let at = AT + 3.0 * MS;
+        assert_eq!(
+            queued(&shared, &l),
+            (vec![Some(at)], vec![("m1".into(), at)])
+        );
+
+        // An answer later than the margin changes nothing: the margin already covers it.
+        let shared = Arc::new(Shared::new("u", None));
+        let hold = reserved(&shared, &l, t0);
+        hold.sent(t0);
+        hold.answered(
+            t0,
+            t0 + Duration::from_millis(500),
+            Duration::from_millis(500),
+        );
+        assert_eq!(
+            queued(&shared, &l),
+            (vec![], vec![("m1".into(), AT + 200.0 * MS)])
+        );
+    }
+
+    /// A request that never went out gives its permit back: Redis forgets it, and so does
+    /// this replica's list of its own admissions.
+    #[test]
+    fn an_unsent_request_is_forgotten() {
+        let l =
+            global(r#"{ kind = "sliding_window", permits = 10, window = "1s", scope = "global" }"#);
+        let shared = Arc::new(Shared::new("u", None));
+        reserved(&shared, &l, Instant::now()).unsent();
+        assert_eq!(queued(&shared, &l), (vec![None], vec![]));
+        assert_eq!(shared.describe()["pending_corrections"], 1);
+    }
+
+    /// This replica's own admissions, written back after an outage: a window keeps those
+    /// whose latest arrival is inside it; a fixed window whose opening moves on starts
+    /// empty; a GCRA keeps the instant its debt runs to.
+    #[test]
+    fn own_admissions_keep_what_still_counts() {
+        let mut st = State::default();
+        let sliding =
+            global(r#"{ kind = "sliding_window", permits = 10, window = "1s", scope = "global" }"#);
+        remember(&mut st, &sliding, "a", AT, None);
+        remember(&mut st, &sliding, "b", AT + 500.0 * MS, None);
+        remember(&mut st, &sliding, "c", AT + 1100.0 * MS, None);
+        let members: Vec<&str> = st.mine[&sliding.id]
+            .entries
+            .iter()
+            .map(|e| e.0.as_str())
+            .collect();
+        assert_eq!(
+            members,
+            ["a", "b", "c"],
+            "a's latest arrival (+200 ms) is inside c's window"
+        );
+        remember(&mut st, &sliding, "d", AT + 1300.0 * MS, None);
+        let members: Vec<&str> = st.mine[&sliding.id]
+            .entries
+            .iter()
+            .map(|e| e.0.as_str())
+            .collect();
+        assert_eq!(members, ["b", "c", "d"], "a's window is over");
+
+        let fixed =
+            global(r#"{ kind = "fixed_window", permits = 10, window = "1s", scope = "global" }"#);
+        remember(&mut st, &fixed, "a", AT, Some(AT));
+        remember(&mut st, &fixed, "b", AT + 10.0 * MS, Some(AT));
+        remember(&mut st, &fixed, "c", AT + 400.0 * MS, Some(AT + 300.0 * MS));
+        assert_eq!(st.mine[&fixed.id].entries.len(), 1, "a new window opened");
+        assert_eq!(st.mine[&fixed.id].opening, Some(AT + 300.0 * MS));
+
+        let token = global(
+            r#"{ kind = "token_bucket", rate = 10, per = "1s", burst = 2, scope = "global" }"#,
+        );
+        remember(&mut st, &token, "a", AT, None);
+        remember(&mut st, &token, "b", AT, None);
+        let margin = micros(token.margin);
+        assert_eq!(
+            st.mine[&token.id].debt_until,
+            AT + margin + 2.0 * 100.0 * MS
+        );
+    }
+
     /// Each replica's share while Redis is away is its long-run share of the limit, never
     /// nothing: one request per `ceil(replicas / permits)` windows for a limit smaller
     /// than the replica count, a burst of at least 1.

@@ -51,7 +51,7 @@ pub trait StorePartition: Send + Sync {
 
 /// One request's reservation: what the store must hear of it to count it as the provider
 /// does. Dropped without a report, the store keeps counting it at its latest arrival.
-pub trait Reservation: Send + Sync + std::fmt::Debug {
+pub trait Reservation: Send + Sync {
     /// Handed to its upstream connection at `at`.
     fn sent(&self, at: Instant);
     /// Answered at `at`, having been sent at `sent`, `took` after.

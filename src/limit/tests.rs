@@ -780,3 +780,273 @@ async fn without_margin_max_the_margin_never_grows() {
     assert_eq!(m.edge_429.with_label_values(&["u", "-"]).get(), 1);
     assert_eq!(l.snapshot().0[0]["limits"][0]["margin"], "10ms");
 }
+
+/// A store counted where the provider counts: every replica's shared limits in one place,
+/// each kept by the limit kinds themselves at the instants the replicas report. A model
+/// of what any store must do for the limiter (envoy's ratelimit keeps its algorithms
+/// apart from its cache the same way), not of Redis: `cluster` has its own tests.
+#[derive(Default)]
+struct Memory {
+    limits: parking_lot::Mutex<std::collections::HashMap<Arc<str>, super::kinds::LimitState>>,
+    /// One admission at a time per family and replica, as the trait promises FIFO.
+    gates: parking_lot::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    next: std::sync::atomic::AtomicU64,
+    /// Every send, as the provider would see it arrive.
+    sends: parking_lot::Mutex<Vec<(Instant, usize)>>,
+}
+
+/// One replica's handle on the shared [`Memory`].
+struct Replica(Arc<Memory>, usize);
+
+struct MemoryPartition {
+    store: Arc<Memory>,
+    replica: usize,
+}
+
+struct MemoryReservation {
+    store: Arc<Memory>,
+    id: super::kinds::Id,
+    ids: Vec<Arc<str>>,
+    replica: usize,
+}
+
+impl shared::Store for Replica {
+    fn partition(
+        self: Arc<Self>,
+        _upstream: &str,
+        _partition: Option<crate::route::Partition>,
+    ) -> Arc<dyn shared::StorePartition> {
+        Arc::new(MemoryPartition {
+            store: self.0.clone(),
+            replica: self.1,
+        })
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        json!({ "mode": "memory" })
+    }
+}
+
+impl shared::StorePartition for MemoryPartition {
+    fn admit<'a>(
+        &'a self,
+        family: &'a str,
+        limits: &'a Arc<[Arc<GlobalLimit>]>,
+        deadline: Instant,
+    ) -> shared::Reserving<'a> {
+        Box::pin(async move {
+            let store = &self.store;
+            let gate = store
+                .gates
+                .lock()
+                .entry(format!("{}/{family}", self.replica))
+                .or_default()
+                .clone();
+            let _turn = gate.lock().await;
+            loop {
+                let now = Instant::now();
+                let wake = {
+                    let mut states = store.limits.lock();
+                    for l in limits.iter() {
+                        states
+                            .entry(l.id.clone())
+                            .or_insert_with(|| super::kinds::LimitState::new(&l.spec, now));
+                    }
+                    if limits
+                        .iter()
+                        .all(|l| states.get_mut(&l.id).is_some_and(|s| s.can_take(now)))
+                    {
+                        for l in limits.iter() {
+                            if let Some(s) = states.get_mut(&l.id) {
+                                s.take(now);
+                            }
+                        }
+                        let id = store
+                            .next
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        return Ok(Some(Box::new(MemoryReservation {
+                            store: store.clone(),
+                            id,
+                            ids: limits.iter().map(|l| l.id.clone()).collect(),
+                            replica: self.replica,
+                        })
+                            as Box<dyn shared::Reservation>));
+                    }
+                    limits
+                        .iter()
+                        .filter_map(|l| states.get_mut(&l.id)?.ready_at(1, now))
+                        .max()
+                        .unwrap_or(now)
+                };
+                if wake > deadline {
+                    return Err(LimitError::QueueTimeout {
+                        retry_after: bucket::retry_after(wake - now),
+                    });
+                }
+                tokio::time::sleep_until(wake).await;
+            }
+        })
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        json!({})
+    }
+}
+
+impl MemoryReservation {
+    fn each(&self, f: impl Fn(&mut super::kinds::LimitState)) {
+        let mut states = self.store.limits.lock();
+        for id in &self.ids {
+            if let Some(s) = states.get_mut(id) {
+                f(s);
+            }
+        }
+    }
+}
+
+impl shared::Reservation for MemoryReservation {
+    fn sent(&self, at: Instant) {
+        self.each(|s| s.sent(self.id, Some(0), at));
+        self.store.sends.lock().push((at, self.replica));
+    }
+
+    fn answered(&self, _sent: Instant, at: Instant, took: Duration) {
+        self.each(|s| s.answered(self.id, at, took));
+    }
+
+    fn unsent(&self) {
+        self.each(|s| s.unsent(0));
+    }
+}
+
+/// Three replicas' limiters share each kind of global limit through the store above.
+/// Clients on each replica send at once, a little later, or never (they leave), and the
+/// provider sees at most the limit by its own count (a sliding log, or GCRA for the
+/// paced kinds), nearly all of it, shared about equally: the limiter tells the store of
+/// every send and every request that never went, whichever way it ends.
+#[tokio::test(start_paused = true)]
+async fn replicas_sharing_a_store_keep_its_limits() {
+    let s = Duration::from_secs(1);
+    for (limit, judge) in [
+        (
+            "{ kind = \"sliding_window\", permits = 10, window = \"1s\", scope = \"global\" }",
+            Judge::Window(10, s),
+        ),
+        (
+            "{ kind = \"fixed_window\", permits = 10, window = \"1s\", scope = \"global\" }",
+            Judge::Fixed(10, s),
+        ),
+        (
+            "{ kind = \"token_bucket\", rate = 10, per = \"1s\", burst = 3, scope = \"global\" }",
+            Judge::Gcra(s / 10, 3),
+        ),
+        (
+            "{ kind = \"published\", permits = 10, window = \"1s\", scope = \"global\" }",
+            Judge::Gcra(s / 10, 1),
+        ),
+    ] {
+        let store = Arc::new(Memory::default());
+        let mut replicas = Vec::new();
+        for r in 0..3 {
+            let (l, _) = limiter(&format!(
+                "limits = [{limit}]\n\
+                 [cluster]\nredis = \"redis://127.0.0.1:1\"\nreplicas = 3\n"
+            ));
+            l.set_store(Some(
+                Arc::new(Replica(store.clone(), r)) as Arc<dyn shared::Store>
+            ));
+            replicas.push(l);
+        }
+        let t0 = Instant::now();
+        let end = t0 + Duration::from_secs(20);
+        let mut tasks = Vec::new();
+        for l in replicas.iter() {
+            for c in 0..4u64 {
+                let l = l.clone();
+                tasks.push(tokio::spawn(async move {
+                    let plan = l.plans()[0].clone();
+                    let mut n = c;
+                    while Instant::now() < end {
+                        n = n
+                            .wrapping_mul(6364136223846793005)
+                            .wrapping_add(1442695040888963407);
+                        let mut p = match l.acquire(&plan, &route(None)).await {
+                            Ok(Some(p)) => p,
+                            Ok(None) => panic!("a permit for a limited family"),
+                            Err(_) => continue,
+                        };
+                        match (n >> 33) % 5 {
+                            // The client left before its request went.
+                            0 => drop(p),
+                            late => {
+                                tokio::time::sleep(Duration::from_millis(late * 3)).await;
+                                if let Some(hook) = p.send_hook() {
+                                    hook.fire();
+                                }
+                                tokio::time::sleep(Duration::from_millis(2)).await;
+                                p.answered(200);
+                            }
+                        }
+                    }
+                }));
+            }
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let sends = store.sends.lock().clone();
+        let at: Vec<Instant> = sends.iter().map(|(t, _)| *t).collect();
+        if let Some(k) = judge.first_refused(&at) {
+            panic!("{limit}: the provider refuses send {k} of {}", at.len());
+        }
+        let per_second = sends.len() as f64 / 20.0;
+        assert!(per_second > 8.5, "{limit}: {per_second:.2} a second of 10");
+        for r in 0..3 {
+            let share = sends.iter().filter(|(_, x)| *x == r).count() as f64 / sends.len() as f64;
+            assert!(share > 0.25, "{limit}: replica {r} had {share:.2}");
+        }
+    }
+}
+
+/// How a provider counts, written apart from the limit kinds it judges.
+enum Judge {
+    /// At most `n` in any window of this length.
+    Window(usize, Duration),
+    /// At most `n` in a window that opens at the first arrival after the last one ended.
+    Fixed(usize, Duration),
+    /// GCRA: one per interval, `burst` at once.
+    Gcra(Duration, u32),
+}
+
+impl Judge {
+    fn first_refused(&self, at: &[Instant]) -> Option<usize> {
+        let mut at = at.to_vec();
+        at.sort();
+        match *self {
+            Judge::Window(n, w) => {
+                (0..at.len()).find(|&i| at[..=i].iter().filter(|t| **t + w > at[i]).count() > n)
+            }
+            Judge::Fixed(n, w) => {
+                let (mut opened, mut count) = (at.first().copied()?, 0);
+                at.iter().position(|&a| {
+                    if a >= opened + w {
+                        (opened, count) = (a, 0);
+                    }
+                    count += 1;
+                    count > n
+                })
+            }
+            Judge::Gcra(t, burst) => {
+                let tolerance = t * (burst - 1);
+                let mut tat = at.first().copied()?;
+                at.iter().position(|&a| {
+                    if a + tolerance < tat {
+                        return true;
+                    }
+                    tat = tat.max(a) + t;
+                    false
+                })
+            }
+        }
+    }
+}
