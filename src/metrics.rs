@@ -245,317 +245,279 @@ pub const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
+/// Every metric's name and help text, in one place.
+const HELP: &[(&str, &str)] = &[
+    (
+        "sluice_requests_total",
+        "Requests handled, by final outcome",
+    ),
+    (
+        "sluice_upstream_responses_total",
+        "Upstream responses, one per attempt",
+    ),
+    (
+        "sluice_upstream_duration_seconds",
+        "Time from sending an attempt upstream to its response headers",
+    ),
+    (
+        "sluice_queue_wait_seconds",
+        "Time spent waiting for admission",
+    ),
+    ("sluice_queue_depth", "Requests waiting for admission"),
+    (
+        "sluice_rejections_total",
+        "Requests refused by the limiter's queue bounds",
+    ),
+    (
+        "sluice_partitions",
+        "Live partitions (one per upstream and key value) as of the last idle sweep",
+    ),
+    (
+        "sluice_upgrades_total",
+        "Requests that asked to switch protocols (WebSocket), by result: switched, refused (the upstream answered otherwise) or failed",
+    ),
+    (
+        "sluice_upgraded_connections",
+        "Connections switched to another protocol (WebSocket) open now",
+    ),
+    (
+        "sluice_upstream_partitions",
+        "Live partitions of the upstream, as of the last idle sweep",
+    ),
+    (
+        "sluice_upstream_max_partitions",
+        "Partitions a keyed upstream may have live (max_partitions); beyond it new key values are answered 503 partition_limit",
+    ),
+    (
+        "sluice_configured_rate",
+        "Requests per second the upstream's tightest rate limit allows, as configured",
+    ),
+    (
+        "sluice_effective_rate",
+        "Requests per second the upstream's slowest partition may send now, paced by the budget the provider announces (learn); the configured rate when none is slowed",
+    ),
+    (
+        "sluice_learned_partitions",
+        "Partitions pacing to a budget the provider announced, below their configured limits",
+    ),
+    (
+        "sluice_adaptive_rate_ratio",
+        "Lowest share of the configured rate an adaptive family's partition may send now, lowered by 429s the provider did not announce (1: not slowed)",
+    ),
+    (
+        "sluice_replay_buffered_bytes",
+        "Request body bytes held so that a retry can resend them (bounded by proxy.max_replay_memory)",
+    ),
+    (
+        "sluice_client_connections",
+        "Client connections open on the proxy listener, tunnels included",
+    ),
+    (
+        "sluice_connections_refused_total",
+        "Client connections answered 503 connection_limit because proxy.max_connections were open",
+    ),
+    (
+        "sluice_upstream_429_total",
+        "Upstream 429 responses by the action taken",
+    ),
+    (
+        "sluice_edge_429_total",
+        "Upstream 429s for requests admitted at a rate limit's edge: a larger margin would have held them back",
+    ),
+    (
+        "sluice_retries_total",
+        "Retries made, by cause, or refused by the budget",
+    ),
+    (
+        "sluice_breaker_state",
+        "1 for the current state of the upstream's circuit",
+    ),
+    (
+        "sluice_family_breaker_state",
+        "1 for the current state of a family's own circuit",
+    ),
+    (
+        "sluice_tls_handshake_failures_total",
+        "Failed TLS handshakes with clients of intercepted tunnels",
+    ),
+    (
+        "sluice_config_reloads_total",
+        "Config reloads by result (success or failure)",
+    ),
+    (
+        "sluice_config_info",
+        "1 for the config in force, labelled with the SHA-256 of its file",
+    ),
+    (
+        "sluice_config_last_reload_successful",
+        "1 when the last reload (or the start) loaded the config file, 0 when it was refused",
+    ),
+    (
+        "sluice_cluster_call_duration_seconds",
+        "Redis script calls for shared limits, from sending to the answer",
+    ),
+    (
+        "sluice_cluster_errors_total",
+        "Redis calls for shared limits that failed, by kind",
+    ),
+    (
+        "sluice_cluster_mode",
+        "1 for how shared limits are decided now: redis, local, allow or deny",
+    ),
+    (
+        "sluice_cluster_reservations_total",
+        "Admissions to shared limits, by result",
+    ),
+    (
+        "sluice_cluster_wait_seconds",
+        "Time from a request's local admission to its admission by the shared limits",
+    ),
+    (
+        "sluice_log_lines_dropped_total",
+        "Log lines dropped because stderr was not read fast enough",
+    ),
+    (
+        "sluice_build_info",
+        "Always 1; the version and the source revision of this binary",
+    ),
+];
+
+/// 100 µs to 1 s: a Redis call on the same network answers in well under a millisecond.
+const CLUSTER_CALL_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
+
+/// Makes each metric with its help text from [`HELP`] and registers it.
+struct Maker<'a>(&'a Registry);
+
+impl Maker<'_> {
+    fn opts(name: &str) -> prometheus::Result<Opts> {
+        let help = HELP
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, h)| *h)
+            .ok_or_else(|| prometheus::Error::Msg(format!("{name} has no help text")))?;
+        Ok(Opts::new(name, help))
+    }
+
+    fn add<M: prometheus::core::Collector + Clone + 'static>(&self, m: M) -> prometheus::Result<M> {
+        self.0.register(Box::new(m.clone()))?;
+        Ok(m)
+    }
+
+    fn int_counters(&self, name: &str, labels: &[&str]) -> prometheus::Result<IntCounterVec> {
+        self.add(IntCounterVec::new(Self::opts(name)?, labels)?)
+    }
+
+    fn int_gauges(&self, name: &str, labels: &[&str]) -> prometheus::Result<IntGaugeVec> {
+        self.add(IntGaugeVec::new(Self::opts(name)?, labels)?)
+    }
+
+    fn gauges(&self, name: &str, labels: &[&str]) -> prometheus::Result<GaugeVec> {
+        self.add(GaugeVec::new(Self::opts(name)?, labels)?)
+    }
+
+    fn histograms(
+        &self,
+        name: &str,
+        buckets: &[f64],
+        labels: &[&str],
+    ) -> prometheus::Result<HistogramVec> {
+        let opts = HistogramOpts::from(Self::opts(name)?).buckets(buckets.to_vec());
+        self.add(HistogramVec::new(opts, labels)?)
+    }
+
+    fn int_gauge(&self, name: &str) -> prometheus::Result<IntGauge> {
+        self.add(IntGauge::with_opts(Self::opts(name)?)?)
+    }
+
+    fn int_counter(&self, name: &str) -> prometheus::Result<IntCounter> {
+        self.add(IntCounter::with_opts(Self::opts(name)?)?)
+    }
+}
+
 impl Metrics {
     pub fn new(registry: Registry) -> prometheus::Result<Metrics> {
-        let requests = IntCounterVec::new(
-            Opts::new(
-                "sluice_requests_total",
-                "Requests handled, by final outcome",
-            ),
-            &["upstream", "family", "outcome"],
-        )?;
-        let upstream_responses = IntCounterVec::new(
-            Opts::new(
+        let m = Maker(&registry);
+        let metrics = Metrics {
+            requests: m
+                .int_counters("sluice_requests_total", &["upstream", "family", "outcome"])?,
+            upstream_responses: m.int_counters(
                 "sluice_upstream_responses_total",
-                "Upstream responses, one per attempt",
-            ),
-            &["upstream", "family", "status"],
-        )?;
-        let upstream_duration = HistogramVec::new(
-            HistogramOpts::new(
+                &["upstream", "family", "status"],
+            )?,
+            upstream_duration: m.histograms(
                 "sluice_upstream_duration_seconds",
-                "Time from sending an attempt upstream to its response headers",
-            )
-            .buckets(LATENCY_BUCKETS.to_vec()),
-            &["upstream", "family"],
-        )?;
-        let queue_wait = HistogramVec::new(
-            HistogramOpts::new(
+                LATENCY_BUCKETS,
+                &["upstream", "family"],
+            )?,
+            queue_wait: m.histograms(
                 "sluice_queue_wait_seconds",
-                "Time spent waiting for admission",
-            )
-            .buckets(LATENCY_BUCKETS.to_vec()),
-            &["upstream", "family"],
-        )?;
-        let queue_depth = IntGaugeVec::new(
-            Opts::new("sluice_queue_depth", "Requests waiting for admission"),
-            &["upstream", "family"],
-        )?;
-        let rejections = IntCounterVec::new(
-            Opts::new(
-                "sluice_rejections_total",
-                "Requests refused by the limiter's queue bounds",
-            ),
-            &["upstream", "family", "reason"],
-        )?;
-        let partitions = IntGauge::new(
-            "sluice_partitions",
-            "Live partitions (one per upstream and key value) as of the last idle sweep",
-        )?;
-        let upgrades = IntCounterVec::new(
-            Opts::new(
-                "sluice_upgrades_total",
-                "Requests that asked to switch protocols (WebSocket), by result: switched, \
-                 refused (the upstream answered otherwise) or failed",
-            ),
-            &["upstream", "result"],
-        )?;
-        let upgraded = IntGaugeVec::new(
-            Opts::new(
-                "sluice_upgraded_connections",
-                "Connections switched to another protocol (WebSocket) open now",
-            ),
-            &["upstream"],
-        )?;
-        let upstream_partitions = IntGaugeVec::new(
-            Opts::new(
-                "sluice_upstream_partitions",
-                "Live partitions of the upstream, as of the last idle sweep",
-            ),
-            &["upstream"],
-        )?;
-        let max_partitions = IntGaugeVec::new(
-            Opts::new(
-                "sluice_upstream_max_partitions",
-                "Partitions a keyed upstream may have live (max_partitions); beyond it new key \
-                 values are answered 503 partition_limit",
-            ),
-            &["upstream"],
-        )?;
-        let configured_rate = GaugeVec::new(
-            Opts::new(
-                "sluice_configured_rate",
-                "Requests per second the upstream's tightest rate limit allows, as configured",
-            ),
-            &["upstream"],
-        )?;
-        let effective_rate = GaugeVec::new(
-            Opts::new(
-                "sluice_effective_rate",
-                "Requests per second the upstream's slowest partition may send now, paced by \
-                 the budget the provider announces (learn); the configured rate when none is slowed",
-            ),
-            &["upstream"],
-        )?;
-        let learned_partitions = IntGaugeVec::new(
-            Opts::new(
-                "sluice_learned_partitions",
-                "Partitions pacing to a budget the provider announced, below their configured limits",
-            ),
-            &["upstream"],
-        )?;
-        let adaptive_share = GaugeVec::new(
-            Opts::new(
-                "sluice_adaptive_rate_ratio",
-                "Lowest share of the configured rate an adaptive family's partition may send \
-                 now, lowered by 429s the provider did not announce (1: not slowed)",
-            ),
-            &["upstream", "family"],
-        )?;
-        let replay_bytes = IntGauge::new(
-            "sluice_replay_buffered_bytes",
-            "Request body bytes held so that a retry can resend them (bounded by proxy.max_replay_memory)",
-        )?;
-        let client_connections = IntGauge::new(
-            "sluice_client_connections",
-            "Client connections open on the proxy listener, tunnels included",
-        )?;
-        let connections_refused = prometheus::IntCounter::new(
-            "sluice_connections_refused_total",
-            "Client connections answered 503 connection_limit because proxy.max_connections were open",
-        )?;
-        let upstream_429 = IntCounterVec::new(
-            Opts::new(
+                LATENCY_BUCKETS,
+                &["upstream", "family"],
+            )?,
+            queue_depth: m.int_gauges("sluice_queue_depth", &["upstream", "family"])?,
+            rejections: m
+                .int_counters("sluice_rejections_total", &["upstream", "family", "reason"])?,
+            partitions: m.int_gauge("sluice_partitions")?,
+            upgrades: m.int_counters("sluice_upgrades_total", &["upstream", "result"])?,
+            upgraded: m.int_gauges("sluice_upgraded_connections", &["upstream"])?,
+            upstream_partitions: m.int_gauges("sluice_upstream_partitions", &["upstream"])?,
+            max_partitions: m.int_gauges("sluice_upstream_max_partitions", &["upstream"])?,
+            configured_rate: m.gauges("sluice_configured_rate", &["upstream"])?,
+            effective_rate: m.gauges("sluice_effective_rate", &["upstream"])?,
+            learned_partitions: m.int_gauges("sluice_learned_partitions", &["upstream"])?,
+            adaptive_share: m.gauges("sluice_adaptive_rate_ratio", &["upstream", "family"])?,
+            replay_bytes: m.int_gauge("sluice_replay_buffered_bytes")?,
+            client_connections: m.int_gauge("sluice_client_connections")?,
+            connections_refused: m.int_counter("sluice_connections_refused_total")?,
+            upstream_429: m.int_counters(
                 "sluice_upstream_429_total",
-                "Upstream 429 responses by the action taken",
-            ),
-            &["upstream", "family", "action"],
-        )?;
-        let edge_429 = IntCounterVec::new(
-            Opts::new(
-                "sluice_edge_429_total",
-                "Upstream 429s for requests admitted at a rate limit's edge: a larger margin \
-                 would have held them back",
-            ),
-            &["upstream", "family"],
-        )?;
-        let retries = IntCounterVec::new(
-            Opts::new(
-                "sluice_retries_total",
-                "Retries made, by cause, or refused by the budget",
-            ),
-            &["upstream", "family", "reason"],
-        )?;
-        let breaker_state = IntGaugeVec::new(
-            Opts::new(
-                "sluice_breaker_state",
-                "1 for the current state of the upstream's circuit",
-            ),
-            &["upstream", "state"],
-        )?;
-        let family_breaker_state = IntGaugeVec::new(
-            Opts::new(
+                &["upstream", "family", "action"],
+            )?,
+            edge_429: m.int_counters("sluice_edge_429_total", &["upstream", "family"])?,
+            retries: m.int_counters("sluice_retries_total", &["upstream", "family", "reason"])?,
+            breaker_state: m.int_gauges("sluice_breaker_state", &["upstream", "state"])?,
+            family_breaker_state: m.int_gauges(
                 "sluice_family_breaker_state",
-                "1 for the current state of a family's own circuit",
-            ),
-            &["upstream", "family", "state"],
-        )?;
-        let tls_handshake_failures = prometheus::IntCounter::new(
-            "sluice_tls_handshake_failures_total",
-            "Failed TLS handshakes with clients of intercepted tunnels",
-        )?;
-        let config_reloads = IntCounterVec::new(
-            Opts::new(
-                "sluice_config_reloads_total",
-                "Config reloads by result (success or failure)",
-            ),
-            &["result"],
-        )?;
-        let config_info = IntGaugeVec::new(
-            Opts::new(
-                "sluice_config_info",
-                "1 for the config in force, labelled with the SHA-256 of its file",
-            ),
-            &["sha256"],
-        )?;
-        let config_last_reload_successful = prometheus::IntGauge::new(
-            "sluice_config_last_reload_successful",
-            "1 when the last reload (or the start) loaded the config file, 0 when it was refused",
-        )?;
-        config_last_reload_successful.set(1);
-        let cluster_calls = HistogramVec::new(
-            HistogramOpts::new(
+                &["upstream", "family", "state"],
+            )?,
+            tls_handshake_failures: m.int_counter("sluice_tls_handshake_failures_total")?,
+            config_reloads: m.int_counters("sluice_config_reloads_total", &["result"])?,
+            config_info: m.int_gauges("sluice_config_info", &["sha256"])?,
+            config_last_reload_successful: m.int_gauge("sluice_config_last_reload_successful")?,
+            cluster_calls: m.histograms(
                 "sluice_cluster_call_duration_seconds",
-                "Redis script calls for shared limits, from sending to the answer",
-            )
-            .buckets(vec![
-                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
-            ]),
-            &["op"],
-        )?;
-        let cluster_errors = IntCounterVec::new(
-            Opts::new(
-                "sluice_cluster_errors_total",
-                "Redis calls for shared limits that failed, by kind",
-            ),
-            &["kind"],
-        )?;
-        let cluster_mode = IntGaugeVec::new(
-            Opts::new(
-                "sluice_cluster_mode",
-                "1 for how shared limits are decided now: redis, local, allow or deny",
-            ),
-            &["mode"],
-        )?;
-        let cluster_reservations = IntCounterVec::new(
-            Opts::new(
-                "sluice_cluster_reservations_total",
-                "Admissions to shared limits, by result",
-            ),
-            &["result"],
-        )?;
-        let cluster_wait = HistogramVec::new(
-            HistogramOpts::new(
+                CLUSTER_CALL_BUCKETS,
+                &["op"],
+            )?,
+            cluster_errors: m.int_counters("sluice_cluster_errors_total", &["kind"])?,
+            cluster_mode: m.int_gauges("sluice_cluster_mode", &["mode"])?,
+            cluster_reservations: m
+                .int_counters("sluice_cluster_reservations_total", &["result"])?,
+            cluster_wait: m.histograms(
                 "sluice_cluster_wait_seconds",
-                "Time from a request's local admission to its admission by the shared limits",
-            )
-            .buckets(LATENCY_BUCKETS.to_vec()),
-            &["upstream", "family"],
-        )?;
-        registry.register(Box::new(cluster_calls.clone()))?;
-        registry.register(Box::new(cluster_errors.clone()))?;
-        registry.register(Box::new(cluster_mode.clone()))?;
-        registry.register(Box::new(cluster_reservations.clone()))?;
-        registry.register(Box::new(cluster_wait.clone()))?;
+                LATENCY_BUCKETS,
+                &["upstream", "family"],
+            )?,
+            log_lines_dropped: m.int_counter("sluice_log_lines_dropped_total")?,
+            registry: registry.clone(),
+        };
+        metrics.config_last_reload_successful.set(1);
         // Both results exist from the start, so a rate() over failures is never absent.
         for r in ["success", "failure"] {
-            config_reloads.with_label_values(&[r]);
+            metrics.config_reloads.with_label_values(&[r]);
         }
-        registry.register(Box::new(config_reloads.clone()))?;
-        registry.register(Box::new(config_info.clone()))?;
-        registry.register(Box::new(config_last_reload_successful.clone()))?;
-        registry.register(Box::new(tls_handshake_failures.clone()))?;
-        registry.register(Box::new(upstream_429.clone()))?;
-        registry.register(Box::new(edge_429.clone()))?;
-        registry.register(Box::new(retries.clone()))?;
-        registry.register(Box::new(breaker_state.clone()))?;
-        registry.register(Box::new(family_breaker_state.clone()))?;
-        registry.register(Box::new(partitions.clone()))?;
-        registry.register(Box::new(upstream_partitions.clone()))?;
-        registry.register(Box::new(upgrades.clone()))?;
-        registry.register(Box::new(upgraded.clone()))?;
-        registry.register(Box::new(max_partitions.clone()))?;
-        registry.register(Box::new(configured_rate.clone()))?;
-        registry.register(Box::new(effective_rate.clone()))?;
-        registry.register(Box::new(learned_partitions.clone()))?;
-        registry.register(Box::new(adaptive_share.clone()))?;
-        registry.register(Box::new(replay_bytes.clone()))?;
-        registry.register(Box::new(client_connections.clone()))?;
-        registry.register(Box::new(connections_refused.clone()))?;
-        registry.register(Box::new(requests.clone()))?;
-        registry.register(Box::new(upstream_responses.clone()))?;
-        registry.register(Box::new(upstream_duration.clone()))?;
-        registry.register(Box::new(queue_wait.clone()))?;
-        registry.register(Box::new(queue_depth.clone()))?;
-        registry.register(Box::new(rejections.clone()))?;
-        let log_lines_dropped = prometheus::IntCounter::new(
-            "sluice_log_lines_dropped_total",
-            "Log lines dropped because stderr was not read fast enough",
-        )?;
-        registry.register(Box::new(log_lines_dropped.clone()))?;
         // CPU seconds, resident memory, open and maximum descriptors, start time: read
         // from /proc at each scrape, as every Prometheus client library exports them.
         #[cfg(target_os = "linux")]
         registry.register(Box::new(
             prometheus::process_collector::ProcessCollector::for_self(),
         ))?;
-        let build_info = IntGaugeVec::new(
-            Opts::new(
-                "sluice_build_info",
-                "Always 1; the version and the source revision of this binary",
-            ),
-            &["version", "revision"],
-        )?;
-        build_info
+        m.int_gauges("sluice_build_info", &["version", "revision"])?
             .with_label_values(&[env!("CARGO_PKG_VERSION"), REVISION])
             .set(1);
-        registry.register(Box::new(build_info))?;
-        Ok(Metrics {
-            registry,
-            log_lines_dropped,
-            requests,
-            upstream_responses,
-            upstream_duration,
-            queue_wait,
-            queue_depth,
-            rejections,
-            partitions,
-            upstream_partitions,
-            max_partitions,
-            upgrades,
-            upgraded,
-            configured_rate,
-            effective_rate,
-            learned_partitions,
-            adaptive_share,
-            replay_bytes,
-            client_connections,
-            connections_refused,
-            upstream_429,
-            edge_429,
-            retries,
-            breaker_state,
-            family_breaker_state,
-            tls_handshake_failures,
-            cluster_calls,
-            cluster_errors,
-            cluster_mode,
-            cluster_reservations,
-            cluster_wait,
-            config_reloads,
-            config_info,
-            config_last_reload_successful,
-        })
+        Ok(metrics)
     }
 
     /// Shows `sha256` as the config in force, in place of `previous`.
