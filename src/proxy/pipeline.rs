@@ -116,7 +116,18 @@ pub fn run<'a>(
         let result = tokio::time::timeout_at(
             deadline,
             retry_loop(
-                app, config, upstreams, route, policy, attempts, head, &body, start, deadline,
+                Tries {
+                    app,
+                    config,
+                    route,
+                    policy,
+                },
+                upstreams,
+                attempts,
+                head,
+                &body,
+                start,
+                deadline,
                 &queued,
             ),
         )
@@ -233,11 +244,8 @@ impl Head {
     reason = "what all attempts of one request share"
 )]
 async fn retry_loop(
-    app: &App,
-    config: &Live,
+    tries: Tries<'_>,
     upstreams: Option<&PinnedConns>,
-    route: &Route,
-    policy: &Policy,
     attempts: u32,
     mut head: Head,
     body: &Replay,
@@ -245,33 +253,18 @@ async fn retry_loop(
     deadline: Instant,
     queued: &Queued,
 ) -> Result<Response<Body>, ProxyError> {
-    let upstream = &config.upstreams[route.upstream];
-    let (up_label, fam_label) = crate::route::labels(&config.config, Some(route));
-    let retry = &policy.retry;
-    let shared = &config.policies.upstreams[route.upstream];
-    let plan = &config.plans[route.upstream];
-    let circuit = shared.circuit(route.family);
-    let retry_metric = |reason: &str| {
-        app.metrics
-            .retries
-            .with_label_values(&[up_label, fam_label, reason])
-            .inc()
-    };
-
-    shared.budget().record_request(start);
-
-    let mut prev_delay = retry.backoff.base;
+    tries.shared().budget().record_request(start);
+    let mut prev_delay = tries.policy.retry.backoff.base;
     let mut attempt_no = 1u32;
     loop {
         let now = Instant::now();
-        let probe = match circuit.with(|b| b.admit(now)) {
-            Admit::Yes => false,
-            Admit::Probe => true,
-            Admit::No { retry_after } => return Err(ProxyError::BreakerOpen { retry_after }),
-        };
-        let mut probe_guard = ProbeGuard {
-            circuit,
-            armed: probe,
+        let mut probe = ProbeGuard {
+            circuit: tries.circuit(),
+            armed: match tries.circuit().with(|b| b.admit(now)) {
+                Admit::Yes => false,
+                Admit::Probe => true,
+                Admit::No { retry_after } => return Err(ProxyError::BreakerOpen { retry_after }),
+            },
         };
         let (permit, admitted) = {
             let waiting = Waiting {
@@ -279,9 +272,10 @@ async fn retry_loop(
                 since: now,
                 ended: false,
             };
-            let permit = app
+            let permit = tries
+                .app
                 .limiter
-                .acquire_by(plan, route, queued.deadline(now))
+                .acquire_by(tries.plan(), tries.route, queued.deadline(now))
                 .await?;
             (permit, waiting.end())
         };
@@ -294,146 +288,255 @@ async fn retry_loop(
             (head.request(body.for_attempt()), Some(head))
         };
         let result = attempt(
-            app,
-            config,
+            tries.app,
+            tries.config,
             upstreams,
-            Some(route),
-            policy.attempt_timeout,
+            Some(tries.route),
+            tries.policy.attempt_timeout,
             req,
             permit,
             admitted,
         )
         .await;
         let now = Instant::now();
-        let may_retry = body.replayable() && attempt_no < attempts;
-
-        let (wants_retry, hint, outcome) = match result {
+        let judged = match result {
             Ok(resp) => {
                 let status = resp.status().as_u16();
-                circuit.with(|b| b.record(status >= 500, probe, now));
-                probe_guard.armed = false;
-                let (resp, action) = if classify::needs_body(&upstream.classify, status) {
+                probe.record(status >= 500, now);
+                // Peeked at here: a future of its own would hold the response a second
+                // time in this one (48 bytes more, `proxy::sizes`).
+                let (resp, action) = if classify::needs_body(&tries.upstream().classify, status) {
                     let (parts, body) = resp.into_parts();
-                    match peek(body, classify::BODY_LIMIT).await {
-                        Ok((prefix, body)) => (
-                            Response::from_parts(parts, body),
-                            classify::classify(&upstream.classify, status, Some(&prefix)),
-                        ),
-                        Err(e) => return Err(ProxyError::UpstreamUnreachable(e)),
-                    }
+                    let (prefix, body) = peek(body, classify::BODY_LIMIT)
+                        .await
+                        .map_err(ProxyError::UpstreamUnreachable)?;
+                    let action =
+                        classify::classify(&tries.upstream().classify, status, Some(&prefix));
+                    (Response::from_parts(parts, body), action)
                 } else {
-                    (resp, classify::classify(&upstream.classify, status, None))
+                    (
+                        resp,
+                        classify::classify(&tries.upstream().classify, status, None),
+                    )
                 };
-                // Only responses that may be retried or cooled down are read for hints.
-                let hint = (status == 429 || status >= 500 || action.is_some())
-                    .then(|| hints::server_hint(resp.headers(), SystemTime::now()))
-                    .flatten();
-                if let Some(f) = feedback {
-                    // Other 5xx belong to the breaker, and a 429 classified `fail` (a cap
-                    // that waiting cannot fix) says nothing about the rate.
-                    let refused =
-                        status == 429 && matches!(action, Some(Action::Retry | Action::Cooldown));
-                    if refused || (status < 500 && status != 429) {
-                        f.report(refused);
-                    }
-                }
-                if let Some(action) = action
-                    && status == 429
-                {
-                    let name = match action {
-                        Action::Retry => "retry",
-                        Action::Cooldown => "cooldown",
-                        Action::Fail => "fail",
-                    };
-                    app.metrics
-                        .upstream_429
-                        .with_label_values(&[up_label, fam_label, name])
-                        .inc();
-                }
-                if action == Some(Action::Cooldown) {
-                    let pause = hint
-                        .map_or_else(|| backoff_delay(policy, attempt_no, prev_delay), |h| h.wait);
-                    let whole_family = upstream.cooldown == CooldownScope::Family;
-                    app.limiter.pause(
-                        plan,
-                        route,
-                        whole_family,
-                        now + pause.min(retry.cooldown_cap()),
-                    );
-                    tracing::info!(
-                        upstream = up_label,
-                        family = fam_label,
-                        pause_ms = pause.as_millis() as u64,
-                        scope = if whole_family { "family" } else { "upstream" },
-                        "429: cooling the bucket down"
-                    );
-                }
-                (
-                    wants_retry(Some(status), None, action, &retry.on),
-                    hint,
-                    Ok(resp),
-                )
+                tries.response(resp, action, feedback, now, || {
+                    backoff_delay(tries.policy, attempt_no, prev_delay)
+                })
             }
-            Err(e) => {
-                // Neither a refusal, nor a name that does not resolve (a client can make
-                // up names under a wildcard host), nor the client's own failure says
-                // anything about the upstream: no breaker, no retry.
-                let clients = body.fault().is_some()
-                    || (matches!(e, AttemptError::Timeout(_)) && body.waiting_on_client());
-                if clients || matches!(e, AttemptError::Denied(_) | AttemptError::Resolve(_)) {
-                    probe_guard.armed = false;
-                    circuit.with(|b| b.abandon_probe());
-                    return Err(blame(body, e));
-                }
-                circuit.with(|b| b.record(true, probe, now));
-                probe_guard.armed = false;
-                (
-                    wants_retry(None, e.retry_on(), None, &retry.on),
-                    None,
-                    Err(e),
-                )
-            }
+            Err(e) => tries.failure(e, body, &mut probe, now)?,
         };
-
-        let reason = match &outcome {
-            Ok(resp) => resp.status().as_str().to_string(),
-            Err(e) => e.label().to_string(),
+        // Arguments rather than locals, which this future would hold across its awaits.
+        let Some(delay) = tries.go_again(
+            &judged,
+            body.replayable() && attempt_no < attempts,
+            deadline.saturating_duration_since(now),
+            || backoff_delay(tries.policy, attempt_no, prev_delay),
+            attempt_no,
+            now,
+        ) else {
+            return finish(judged.outcome, attempt_no);
         };
-        let next = Next {
-            wants_retry,
-            may_retry,
-            hint,
-            max_retry_after: retry.max_retry_after,
-            room: deadline.saturating_duration_since(now),
-        };
-        let (delay, why) = match next.verdict(|| backoff_delay(policy, attempt_no, prev_delay)) {
-            Verdict::Answer => return finish(outcome, attempt_no),
-            Verdict::TooLong { delay, why } => {
-                tracing::info!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
-                wait_ms = delay.as_millis() as u64, why, "not retrying: the wait is longer than allowed");
-                return finish(outcome, attempt_no);
-            }
-            Verdict::Retry { delay, why } => (delay, why),
-        };
-        if !shared.budget().try_retry(now) {
-            retry_metric("budget_exhausted");
-            tracing::warn!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
-            "not retrying: the retry budget is exhausted");
-            return finish(outcome, attempt_no);
-        }
         // Never empty here: an attempt that took the head allows no retry.
         head = match kept {
             Some(h) => h,
-            None => return finish(outcome, attempt_no),
+            None => return finish(judged.outcome, attempt_no),
         };
-        retry_metric(&reason);
-        tracing::info!(upstream = up_label, family = fam_label, attempt = attempt_no, outcome = %reason,
-        delay_ms = delay.as_millis() as u64, why, "retrying");
         // The response (and its concurrency permit) goes before we wait.
-        drop(outcome);
+        drop(judged);
         tokio::time::sleep(delay).await;
         prev_delay = delay;
         attempt_no += 1;
+    }
+}
+
+/// What every attempt of one request shares: the app, the live config, the route and
+/// its policy; the rest is looked up from them (four pointers, held across every await
+/// of the loop).
+#[derive(Clone, Copy)]
+struct Tries<'a> {
+    app: &'a App,
+    config: &'a Live,
+    route: &'a Route,
+    policy: &'a Policy,
+}
+
+/// One attempt's outcome as the retry decision reads it.
+struct Judged {
+    /// The policy retries this outcome (`retry.on`, the 429 classification).
+    wants_retry: bool,
+    /// The upstream's own wait, if it gave one.
+    hint: Option<hints::Hint>,
+    outcome: Result<Response<Body>, AttemptError>,
+}
+
+impl<'a> Tries<'a> {
+    fn upstream(&self) -> &'a crate::config::Upstream {
+        &self.config.upstreams[self.route.upstream]
+    }
+
+    fn shared(&self) -> &'a crate::policy::UpstreamPolicies {
+        &self.config.policies.upstreams[self.route.upstream]
+    }
+
+    fn plan(&self) -> &'a std::sync::Arc<crate::limit::Plan> {
+        &self.config.plans[self.route.upstream]
+    }
+
+    fn circuit(&self) -> &'a Circuit {
+        self.shared().circuit(self.route.family)
+    }
+
+    fn labels(&self) -> (&'a str, &'a str) {
+        crate::route::labels(&self.config.config, Some(self.route))
+    }
+
+    /// A response, classified as `action`: the limiter learns whether the rate was
+    /// refused, a 429 is counted and may cool the bucket down, and a wait the upstream
+    /// gave is read.
+    fn response(
+        &self,
+        resp: Response<Body>,
+        action: Option<Action>,
+        feedback: Option<crate::limit::Feedback>,
+        now: Instant,
+        backoff: impl FnOnce() -> Duration,
+    ) -> Judged {
+        let status = resp.status().as_u16();
+        // Only responses that may be retried or cooled down are read for hints.
+        let hint = (status == 429 || status >= 500 || action.is_some())
+            .then(|| hints::server_hint(resp.headers(), SystemTime::now()))
+            .flatten();
+        if let Some(f) = feedback {
+            // Other 5xx belong to the breaker, and a 429 classified `fail` (a cap that
+            // waiting cannot fix) says nothing about the rate.
+            let refused = status == 429 && matches!(action, Some(Action::Retry | Action::Cooldown));
+            if refused || (status < 500 && status != 429) {
+                f.report(refused);
+            }
+        }
+        if let Some(action) = action
+            && status == 429
+        {
+            self.count_429(action);
+        }
+        if action == Some(Action::Cooldown) {
+            self.cool_down(hint.map_or_else(backoff, |h| h.wait), now);
+        }
+        Judged {
+            wants_retry: wants_retry(Some(status), None, action, &self.policy.retry.on),
+            hint,
+            outcome: Ok(resp),
+        }
+    }
+
+    fn count_429(&self, action: Action) {
+        let name = match action {
+            Action::Retry => "retry",
+            Action::Cooldown => "cooldown",
+            Action::Fail => "fail",
+        };
+        let (up, fam) = self.labels();
+        self.app
+            .metrics
+            .upstream_429
+            .with_label_values(&[up, fam, name])
+            .inc();
+    }
+
+    /// Pauses the bucket (the upstream's or the family's) for `pause`, at most the cap.
+    fn cool_down(&self, pause: Duration, now: Instant) {
+        let whole_family = self.upstream().cooldown == CooldownScope::Family;
+        let until = now + pause.min(self.policy.retry.cooldown_cap());
+        self.app
+            .limiter
+            .pause(self.plan(), self.route, whole_family, until);
+        let (upstream, family) = self.labels();
+        tracing::info!(
+            upstream,
+            family,
+            pause_ms = pause.as_millis() as u64,
+            scope = if whole_family { "family" } else { "upstream" },
+            "429: cooling the bucket down"
+        );
+    }
+
+    /// A failed attempt: the breaker hears it unless it says nothing about the upstream
+    /// (a refusal, a name that does not resolve, which a client can make up under a
+    /// wildcard host, or the client's own failure), which goes to the client at once.
+    fn failure(
+        &self,
+        e: AttemptError,
+        body: &Replay,
+        probe: &mut ProbeGuard<'_>,
+        now: Instant,
+    ) -> Result<Judged, ProxyError> {
+        let clients = body.fault().is_some()
+            || (matches!(e, AttemptError::Timeout(_)) && body.waiting_on_client());
+        if clients || matches!(e, AttemptError::Denied(_) | AttemptError::Resolve(_)) {
+            probe.abandon();
+            return Err(blame(body, e));
+        }
+        probe.record(true, now);
+        Ok(Judged {
+            wants_retry: wants_retry(None, e.retry_on(), None, &self.policy.retry.on),
+            hint: None,
+            outcome: Err(e),
+        })
+    }
+
+    /// The wait before the next attempt, when the retry decision allows one (`may_retry`:
+    /// the body can be sent again and attempts are left; `room`: the time left) and the
+    /// retry budget has room; logged and counted either way.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the attempt's outcome and what the decision weighs it against"
+    )]
+    fn go_again(
+        &self,
+        judged: &Judged,
+        may_retry: bool,
+        room: Duration,
+        backoff: impl FnOnce() -> Duration,
+        attempt: u32,
+        now: Instant,
+    ) -> Option<Duration> {
+        let next = Next {
+            wants_retry: judged.wants_retry,
+            may_retry,
+            hint: judged.hint,
+            max_retry_after: self.policy.retry.max_retry_after,
+            room,
+        };
+        let verdict = next.verdict(backoff);
+        let (upstream, family) = self.labels();
+        let reason = match &judged.outcome {
+            Ok(resp) => resp.status().as_str().to_string(),
+            Err(e) => e.label().to_string(),
+        };
+        let (delay, why) = match verdict {
+            Verdict::Answer => return None,
+            Verdict::TooLong { delay, why } => {
+                tracing::info!(upstream, family, attempt, outcome = %reason,
+                wait_ms = delay.as_millis() as u64, why, "not retrying: the wait is longer than allowed");
+                return None;
+            }
+            Verdict::Retry { delay, why } => (delay, why),
+        };
+        let retries = &self.app.metrics.retries;
+        if !self.shared().budget().try_retry(now) {
+            retries
+                .with_label_values(&[upstream, family, "budget_exhausted"])
+                .inc();
+            tracing::warn!(upstream, family, attempt, outcome = %reason,
+            "not retrying: the retry budget is exhausted");
+            return None;
+        }
+        retries
+            .with_label_values(&[upstream, family, &reason])
+            .inc();
+        tracing::info!(upstream, family, attempt, outcome = %reason,
+        delay_ms = delay.as_millis() as u64, why, "retrying");
+        Some(delay)
     }
 }
 
@@ -515,6 +618,20 @@ fn idempotency_key() -> HeaderValue {
 struct ProbeGuard<'a> {
     circuit: &'a Circuit,
     armed: bool,
+}
+
+impl ProbeGuard<'_> {
+    /// The attempt's outcome reaches the breaker, as a probe's if it was one.
+    fn record(&mut self, failed: bool, now: Instant) {
+        let probe = std::mem::replace(&mut self.armed, false);
+        self.circuit.with(|b| b.record(failed, probe, now));
+    }
+
+    /// The attempt says nothing about the upstream: a probe slot it held goes back.
+    fn abandon(&mut self) {
+        self.armed = false;
+        self.circuit.with(|b| b.abandon_probe());
+    }
 }
 
 impl Drop for ProbeGuard<'_> {
