@@ -76,6 +76,49 @@ impl Drop for Unanswered {
     }
 }
 
+impl FamilyGate {
+    /// The family's turn to call Redis on this replica: once the requests before it have
+    /// asked, and once the answers the last reservation waits on are in (their corrections
+    /// then ride on this request's call), or its latest arrival, or `deadline`, has come.
+    async fn first_in_line(&self, deadline: Instant) -> tokio::sync::MutexGuard<'_, Gate> {
+        // Counted as waiting until it asks, so that the answers it may wait on know their
+        // corrections will ride on this request's call.
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let waiting = Waiting(&self.waiting);
+        let mut turn = self.turn.lock().await;
+        if let Some(until) = turn.answers_by.take() {
+            let until = tokio::time::sleep_until(until.min(deadline));
+            tokio::pin!(until);
+            while self.unanswered.load(Ordering::Acquire) > 0 {
+                tokio::select! {
+                    _ = self.answered.notified() => {}
+                    _ = &mut until => break,
+                }
+            }
+        }
+        drop(waiting);
+        if let Some(at) = turn.not_before.take() {
+            tokio::time::sleep_until(at.min(deadline)).await;
+        }
+        turn
+    }
+}
+
+/// Counts an admission to shared limits by its result.
+fn count(cluster: &Cluster, result: &str) {
+    cluster
+        .metrics
+        .cluster_reservations
+        .with_label_values(&[result])
+        .inc();
+}
+
 /// What the request holding the turn finds: a reservation left by a request that gave
 /// up on it, and the answer the next reservation waits on.
 #[derive(Default)]
@@ -200,33 +243,7 @@ impl Shared {
         deadline: Instant,
     ) -> Result<Admission, LimitError> {
         let gate = self.gate(family);
-        // Counted as waiting until it asks, so that the answers it may wait on know their
-        // corrections will ride on this request's call.
-        struct Waiting<'a>(&'a AtomicUsize);
-        impl Drop for Waiting<'_> {
-            fn drop(&mut self) {
-                self.0.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
-        gate.waiting.fetch_add(1, Ordering::Relaxed);
-        let waiting = Waiting(&gate.waiting);
-        let mut turn = gate.turn.lock().await;
-        // The reservation before waits on answers: ask once they are in, their corrections
-        // riding on the call (or at the last one's latest arrival, whichever is first).
-        if let Some(until) = turn.answers_by.take() {
-            let until = tokio::time::sleep_until(until.min(deadline));
-            tokio::pin!(until);
-            while gate.unanswered.load(Ordering::Acquire) > 0 {
-                tokio::select! {
-                    _ = gate.answered.notified() => {}
-                    _ = &mut until => break,
-                }
-            }
-        }
-        drop(waiting);
-        if let Some(at) = turn.not_before.take() {
-            tokio::time::sleep_until(at.min(deadline)).await;
-        }
+        let mut turn = gate.first_in_line(deadline).await;
         // The longest window among the limits: an instant further away is asked for again.
         let horizon = limits
             .iter()
@@ -234,13 +251,7 @@ impl Shared {
             .max()
             .unwrap_or_default()
             .max(Duration::from_secs(1));
-        let metric = |result: &str| {
-            cluster
-                .metrics
-                .cluster_reservations
-                .with_label_values(&[result])
-                .inc()
-        };
+        let metric = |result: &str| count(cluster, result);
         let own_failures = OWN_FAILURES.min(cluster.config.failures).max(1);
         let mut failed = 0;
         let mut turns = 0;
@@ -313,36 +324,11 @@ impl Shared {
                         Err(Asked::Failed) => failed += 1,
                     }
                 }
-                Mode::Local => match self.fallback_take(cluster, limits, now) {
-                    Ok(hold) => {
-                        metric("local");
-                        return Ok(Admission::Held(hold));
+                Mode::Local | Mode::Allow | Mode::Deny => {
+                    match self.without_redis(cluster, mode, limits, now, deadline) {
+                        Ok(done) => return done,
+                        Err(wake) => tokio::time::sleep_until(wake).await,
                     }
-                    Err(next) => {
-                        // Until the local limits allow it, or Redis may be back.
-                        let probe = cluster.reopens_at().unwrap_or(now);
-                        let wake = next.map_or(probe, |n| n.min(probe.max(now)));
-                        if wake >= deadline {
-                            metric("too_late");
-                            return Err(LimitError::QueueTimeout {
-                                retry_after: crate::limit::bucket::retry_after(wake - now),
-                            });
-                        }
-                        tokio::time::sleep_until(wake.max(now + Duration::from_millis(1))).await;
-                    }
-                },
-                Mode::Allow => {
-                    metric("allowed");
-                    return Ok(Admission::Allowed);
-                }
-                Mode::Deny => {
-                    metric("denied");
-                    let reopens = cluster.reopens_at().unwrap_or(now);
-                    return Err(LimitError::ClusterUnavailable {
-                        retry_after: crate::limit::bucket::retry_after(
-                            reopens.saturating_duration_since(now),
-                        ),
-                    });
                 }
             }
             if Instant::now() >= deadline {
@@ -351,6 +337,49 @@ impl Shared {
                     retry_after: Duration::from_secs(1),
                 });
             }
+        }
+    }
+
+    /// While Redis is away, as `on_redis_error` says: admitted by this replica's share
+    /// of each limit (`local`), let through (`allow`) or refused (`deny`). `Err`: try again
+    /// at that instant, when the local limits allow it or Redis may be back.
+    fn without_redis(
+        self: &Arc<Self>,
+        cluster: &Arc<Cluster>,
+        mode: Mode,
+        limits: &Arc<[Arc<GlobalLimit>]>,
+        now: Instant,
+        deadline: Instant,
+    ) -> Result<Result<Admission, LimitError>, Instant> {
+        let reopens = cluster.reopens_at().unwrap_or(now);
+        match mode {
+            Mode::Allow => {
+                count(cluster, "allowed");
+                Ok(Ok(Admission::Allowed))
+            }
+            Mode::Deny => {
+                count(cluster, "denied");
+                let wait = reopens.saturating_duration_since(now);
+                Ok(Err(LimitError::ClusterUnavailable {
+                    retry_after: crate::limit::bucket::retry_after(wait),
+                }))
+            }
+            _ => match self.fallback_take(cluster, limits, now) {
+                Ok(hold) => {
+                    count(cluster, "local");
+                    Ok(Ok(Admission::Held(hold)))
+                }
+                Err(next) => {
+                    let wake = next.map_or(reopens, |n| n.min(reopens.max(now)));
+                    if wake >= deadline {
+                        count(cluster, "too_late");
+                        return Ok(Err(LimitError::QueueTimeout {
+                            retry_after: crate::limit::bucket::retry_after(wake - now),
+                        }));
+                    }
+                    Err(wake.max(now + Duration::from_millis(1)))
+                }
+            },
         }
     }
 

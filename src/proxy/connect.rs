@@ -109,11 +109,40 @@ pub(crate) async fn tunnel(
         Ok(s) => s,
         Err(e) => return done(Err(ProxyError::UpstreamUnreachable(Box::new(e)))),
     };
-    let stop = lc.stop.clone();
-    let idle = config.proxy.tunnel_idle_timeout;
-    let matched = route.is_some();
-    let (app, tunnel_lc, host_name) = (app.clone(), lc.clone(), host.clone());
-    lc.tracker.spawn(async move {
+    let blind = Blind {
+        app: app.clone(),
+        lc: lc.clone(),
+        upstream_io,
+        permit,
+        matched: route.is_some(),
+        host: host.clone(),
+        port,
+        peer,
+        idle: config.proxy.tunnel_idle_timeout,
+    };
+    lc.tracker.spawn(blind.carry(on_upgrade));
+    done(Ok(ok_response()))
+}
+
+/// A blind tunnel whose client has its 200: the connection to the destination, and
+/// the concurrency permit it holds while open.
+struct Blind {
+    app: Arc<App>,
+    lc: Lifecycle,
+    upstream_io: TcpStream,
+    permit: Option<crate::limit::Permit>,
+    /// Routed to a configured upstream, whose plain HTTP is served as the forward proxy's.
+    matched: bool,
+    host: String,
+    port: u16,
+    peer: SocketAddr,
+    idle: Duration,
+}
+
+impl Blind {
+    /// Carries bytes both ways until either side closes, nothing moves for `idle`, or
+    /// the drain ends.
+    async fn carry(self, on_upgrade: hyper::upgrade::OnUpgrade) {
         let client = match on_upgrade.await {
             Ok(c) => c,
             Err(e) => {
@@ -122,6 +151,17 @@ pub(crate) async fn tunnel(
             }
         };
         let mut client = TokioIo::new(client);
+        let Blind {
+            app,
+            lc,
+            mut upstream_io,
+            permit,
+            matched,
+            host,
+            port,
+            peer,
+            idle,
+        } = self;
         // A client that sends plain HTTP through CONNECT (Node's undici does, for
         // http:// URLs too) to an upstream sluice knows: its requests are served as the
         // forward proxy serves them, limits and retries included.
@@ -134,18 +174,17 @@ pub(crate) async fn tunnel(
         if let Sniffed::Http(n) = sniffed {
             drop(upstream_io);
             let io = super::rewind::Rewind::new(first[..n].to_vec(), client);
-            super::intercept::serve_plain(app, tunnel_lc, io, host_name, port, peer).await;
+            super::intercept::serve_plain(app, lc, io, host, port, peer).await;
             return;
         }
         let _permit = permit;
-        let mut upstream_io = upstream_io;
         if let Sniffed::Other(n) = sniffed {
             use tokio::io::AsyncWriteExt;
             if upstream_io.write_all(&first[..n]).await.is_err() {
                 return;
             }
         }
-        match super::splice::splice(&mut client, upstream_io, idle, &stop).await {
+        match super::splice::splice(&mut client, upstream_io, idle, &lc.stop).await {
             Ended::Closed(up, down) => {
                 tracing::debug!(bytes_up = up, bytes_down = down, "tunnel closed")
             }
@@ -153,8 +192,7 @@ pub(crate) async fn tunnel(
             Ended::Idle => tracing::debug!(?idle, "tunnel closed: idle"),
             Ended::Cut => tracing::debug!("tunnel cut at the end of the drain"),
         }
-    });
-    done(Ok(ok_response()))
+    }
 }
 
 /// How long the rest of a request line's method may take after its first bytes.
