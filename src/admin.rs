@@ -392,22 +392,7 @@ pub async fn handle(app: &Arc<App>, req: &Request<Incoming>, peer: IpAddr) -> Re
         return reload(app, req.method()).await;
     }
     match (req.uri().path(), get) {
-        ("/metrics", true) => {
-            let replay = i64::try_from(app.replay_budget.used()).unwrap_or(i64::MAX);
-            app.metrics.replay_bytes.set(replay);
-            let open = app
-                .client_connections
-                .load(std::sync::atomic::Ordering::Relaxed);
-            app.metrics
-                .client_connections
-                .set(i64::try_from(open).unwrap_or(i64::MAX));
-            rates(app);
-            reply(
-                StatusCode::OK,
-                "text/plain; version=0.0.4",
-                app.metrics.render(),
-            )
-        }
+        ("/metrics", true) => metrics(app),
         // Liveness: the process answers. Nothing it depends on (upstreams, Redis) is
         // asked, so a restart is never triggered by what a restart cannot fix.
         ("/livez" | "/healthz", true) => reply(StatusCode::OK, "text/plain", "ok\n".into()),
@@ -417,16 +402,7 @@ pub async fn handle(app: &Arc<App>, req: &Request<Incoming>, peer: IpAddr) -> Re
             "draining\n".into(),
         ),
         ("/readyz", true) => reply(StatusCode::OK, "text/plain", "ready\n".into()),
-        ("/config", true) => {
-            let mut v = app.config().to_redacted_json();
-            if let (Some((proxy, admin)), Some(obj)) = (app.listening.get(), v.as_object_mut()) {
-                obj.insert(
-                    "listening".into(),
-                    serde_json::json!({ "proxy": proxy.to_string(), "admin": admin.to_string() }),
-                );
-            }
-            json(&v)
-        }
+        ("/config", true) => config_view(app),
         ("/buckets", true) => {
             let (v, omitted) = app.limiter.snapshot();
             let mut r = json(&v);
@@ -437,22 +413,7 @@ pub async fn handle(app: &Arc<App>, req: &Request<Incoming>, peer: IpAddr) -> Re
             }
             r
         }
-        ("/", true) => {
-            let mut r = reply(
-                StatusCode::OK,
-                "text/html; charset=utf-8",
-                STATUS_PAGE.into(),
-            );
-            // Everything it needs is in the page: nothing may be loaded from elsewhere.
-            r.headers_mut().insert(
-                header::CONTENT_SECURITY_POLICY,
-                HeaderValue::from_static(
-                    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
-                     connect-src 'self'; img-src data:",
-                ),
-            );
-            r
-        }
+        ("/", true) => status_page(),
         ("/status.json", true) => json(&status_feed(app)),
         (
             "/metrics" | "/livez" | "/healthz" | "/readyz" | "/config" | "/buckets" | "/"
@@ -475,6 +436,53 @@ pub async fn handle(app: &Arc<App>, req: &Request<Incoming>, peer: IpAddr) -> Re
                 .into(),
         ),
     }
+}
+
+/// `/metrics`, with the gauges read at scrape time brought up to date first.
+fn metrics(app: &App) -> Response<Body> {
+    let replay = i64::try_from(app.replay_budget.used()).unwrap_or(i64::MAX);
+    app.metrics.replay_bytes.set(replay);
+    let open = app
+        .client_connections
+        .load(std::sync::atomic::Ordering::Relaxed);
+    app.metrics
+        .client_connections
+        .set(i64::try_from(open).unwrap_or(i64::MAX));
+    rates(app);
+    reply(
+        StatusCode::OK,
+        "text/plain; version=0.0.4",
+        app.metrics.render(),
+    )
+}
+
+/// `/config`: the config in force, secrets redacted, with the addresses bound.
+fn config_view(app: &App) -> Response<Body> {
+    let mut v = app.config().to_redacted_json();
+    if let (Some((proxy, admin)), Some(obj)) = (app.listening.get(), v.as_object_mut()) {
+        obj.insert(
+            "listening".into(),
+            serde_json::json!({ "proxy": proxy.to_string(), "admin": admin.to_string() }),
+        );
+    }
+    json(&v)
+}
+
+/// `/`: the status page, which loads nothing from elsewhere.
+fn status_page() -> Response<Body> {
+    let mut r = reply(
+        StatusCode::OK,
+        "text/html; charset=utf-8",
+        STATUS_PAGE.into(),
+    );
+    r.headers_mut().insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+             connect-src 'self'; img-src data:",
+        ),
+    );
+    r
 }
 
 /// `POST /reload`: 200 with what changed, or 400 with why the file was refused.

@@ -997,15 +997,13 @@ fn check_proxy(p: &spec::ProxySpec) -> Result<ProxyConfig> {
     Ok(proxy)
 }
 
-/// One `[[upstream]]`, over `defaults`; `names` and `hosts_seen` are what the upstreams
-/// before it claimed.
-fn check_upstream(
-    u: spec::UpstreamSpec,
-    defaults: &Policy,
-    has_cluster: bool,
+/// The upstream's name and hosts, each unique in the file: the name is taken in `names`
+/// and each host in `hosts_seen`.
+fn claim(
+    u: &spec::UpstreamSpec,
     names: &mut HashSet<String>,
     hosts_seen: &mut HashMap<HostPattern, String>,
-) -> Result<Upstream> {
+) -> Result<String> {
     let name = check_name(&u.name, "upstream")?;
     if name == "unmatched" {
         return Err(invalid(
@@ -1036,6 +1034,19 @@ fn check_upstream(
             ));
         }
     }
+    Ok(name)
+}
+
+/// One `[[upstream]]`, over `defaults`; `names` and `hosts_seen` are what the upstreams
+/// before it claimed.
+fn check_upstream(
+    u: spec::UpstreamSpec,
+    defaults: &Policy,
+    has_cluster: bool,
+    names: &mut HashSet<String>,
+    hosts_seen: &mut HashMap<HostPattern, String>,
+) -> Result<Upstream> {
+    let name = claim(&u, names, hosts_seen)?;
     let key = match &u.key {
         None => None,
         Some(k) => Some(parse_key(k)?),
@@ -1389,9 +1400,9 @@ fn check_edges(l: &toml::Spanned<Limit>) -> Result<()> {
     }
 }
 
-fn check_cluster(c: toml::Spanned<spec::ClusterSpec>) -> Result<ClusterConfig> {
-    let span = c.span();
-    let c = c.into_inner();
+/// Where the Redis is: one primary (its URL, or a variable or file holding it), a Redis
+/// Cluster's seed nodes, or Sentinels and the primary they watch; exactly one.
+fn redis_target(c: &spec::ClusterSpec, span: &std::ops::Range<usize>) -> Result<RedisTarget> {
     let urls = |list: &toml::Spanned<Vec<String>>, key: &str| -> Result<Vec<String>> {
         if list.get_ref().is_empty() {
             return Err(invalid(list.span(), format!("cluster.{key} names no node")));
@@ -1414,7 +1425,7 @@ fn check_cluster(c: toml::Spanned<spec::ClusterSpec>) -> Result<ClusterConfig> {
     ];
     if named.iter().filter(|n| **n).count() != 1 {
         return Err(invalid(
-            span,
+            span.clone(),
             "[cluster] needs exactly one of redis (one primary: the URL, or redis_env / \
              redis_file holding it), cluster_nodes (a Redis Cluster's seed nodes) or sentinels \
              (with sentinel_master)",
@@ -1451,13 +1462,20 @@ fn check_cluster(c: toml::Spanned<spec::ClusterSpec>) -> Result<ClusterConfig> {
             [None, None, Some(path)] => RedisSource::File(PathBuf::from(path.get_ref())),
             _ => {
                 return Err(invalid(
-                    span,
+                    span.clone(),
                     "[cluster] needs exactly one of redis (the URL), redis_env (a variable \
                      holding it) or redis_file (a file holding it)",
                 ));
             }
         })
     };
+    Ok(redis)
+}
+
+fn check_cluster(c: toml::Spanned<spec::ClusterSpec>) -> Result<ClusterConfig> {
+    let span = c.span();
+    let c = c.into_inner();
+    let redis = redis_target(&c, &span)?;
     let password = Secret::of(c.password_env, c.password_file, "password", span.clone())?;
     let sentinel_password = Secret::of(
         c.sentinel_password_env,

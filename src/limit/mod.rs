@@ -1382,35 +1382,8 @@ fn cell_entries(
             }),
         );
     }
-    // The partition's shared limits (the upstream's and its families'), how they
-    // are decided now, and what this replica has of them.
-    let mut shared: Vec<&Arc<GlobalLimit>> = Vec::new();
-    for l in st.plan.global.iter().flat_map(|g| g.iter()) {
-        if !shared.iter().any(|s| s.id == l.id) {
-            shared.push(l);
-        }
-    }
-    if !shared.is_empty()
-        && let Some(o) = entry.as_object_mut()
-    {
-        let limits: Vec<serde_json::Value> = shared
-            .iter()
-            .map(|l| {
-                let mut v = serde_json::to_value(&l.spec).unwrap_or_default();
-                if let Some(o) = v.as_object_mut() {
-                    o.insert("id".into(), l.id.to_string().into());
-                    o.insert("margin".into(), fmt_duration(l.margin).into());
-                }
-                v
-            })
-            .collect();
-        o.insert("shared_limits".into(), limits.into());
-        if let Some(c) = store {
-            o.insert("cluster".into(), c.describe());
-        }
-        if let Some((_, sh)) = &*cell.shared.lock() {
-            o.insert("this_replica".into(), sh.describe());
-        }
+    if let Some(o) = entry.as_object_mut() {
+        shared_json(cell, &st.plan, store, o);
     }
     out.push(entry);
     let ours = st.plan.family_index(None);
@@ -1456,6 +1429,43 @@ fn cell_entries(
         out.push(v);
     }
     out
+}
+
+/// The partition's shared limits (the upstream's and its families'), how they are decided
+/// now, and what this replica has of them; nothing when it pays none.
+fn shared_json(
+    cell: &Cell,
+    plan: &Plan,
+    store: Option<&Arc<dyn Store>>,
+    o: &mut serde_json::Map<String, serde_json::Value>,
+) {
+    let mut shared: Vec<&Arc<GlobalLimit>> = Vec::new();
+    for l in plan.global.iter().flat_map(|g| g.iter()) {
+        if !shared.iter().any(|s| s.id == l.id) {
+            shared.push(l);
+        }
+    }
+    if shared.is_empty() {
+        return;
+    }
+    let limits: Vec<serde_json::Value> = shared
+        .iter()
+        .map(|l| {
+            let mut v = serde_json::to_value(&l.spec).unwrap_or_default();
+            if let Some(o) = v.as_object_mut() {
+                o.insert("id".into(), l.id.to_string().into());
+                o.insert("margin".into(), fmt_duration(l.margin).into());
+            }
+            v
+        })
+        .collect();
+    o.insert("shared_limits".into(), limits.into());
+    if let Some(c) = store {
+        o.insert("cluster".into(), c.describe());
+    }
+    if let Some((_, sh)) = &*cell.shared.lock() {
+        o.insert("this_replica".into(), sh.describe());
+    }
 }
 
 fn limits_json(specs: &[Limit], states: &mut [LimitState], now: Instant) -> serde_json::Value {
