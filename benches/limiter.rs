@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use prometheus::Registry;
-use sluice::config::Config;
-use sluice::limit::{Limiter, Plan};
-use sluice::metrics::Metrics;
-use sluice::route::Route;
+use sluice::Config;
+use sluice::Metrics;
+use sluice::Route;
+use sluice::{Limiter, Plan};
 
 fn limiter(limits: &str) -> Arc<Limiter> {
     let text = format!(
@@ -178,7 +178,7 @@ fn reload_100k_partitions(c: &mut Criterion) {
             let r = Route {
                 upstream: 0,
                 family: None,
-                partition: Some(sluice::route::Partition::of(&i.to_be_bytes())),
+                partition: Some(sluice::Partition::of(&i.to_be_bytes())),
                 tenant: None,
             };
             admit_send_answer(&l, &plan, &r).await;
@@ -190,7 +190,7 @@ fn reload_100k_partitions(c: &mut Criterion) {
     g.bench_function("reload with 100k live partitions", |b| {
         b.iter(|| {
             flip ^= 1;
-            l.reload(sluice::limit::plans(&other[flip], &metrics));
+            l.reload(sluice::plans(&other[flip], &metrics));
         })
     });
     g.finish();
@@ -200,7 +200,7 @@ fn reload_100k_partitions(c: &mut Criterion) {
 /// answered a millisecond later: then the cost of the check a request arriving at the
 /// full limit pays (`available`), and of the instant it must wait for (`ready_at`).
 fn kinds(c: &mut Criterion) {
-    use sluice::limit::kinds::LimitState;
+    use sluice::LimitState;
     use tokio::time::Instant;
     let mut g = c.benchmark_group("kinds");
     for permits in [100, 1000] {

@@ -134,8 +134,7 @@ async fn main() {
     ));
     tokio::spawn(serve(plain_listener, None));
 
-    let (ca, ca_key_path) =
-        sluice::tls::ca::write_new_ca(&dir.path().join("ca")).expect("sluice CA");
+    let (ca, ca_key_path) = sluice::write_new_ca(&dir.path().join("ca")).expect("sluice CA");
     let config = dir.path().join("sluice.toml");
     std::fs::write(
         &config,

@@ -6,10 +6,10 @@
 use std::time::{Duration, UNIX_EPOCH};
 
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
-use sluice::config::pattern::{HostPattern, PathGlob, ip_literal, normalize_path};
-use sluice::config::{Action, ClassifyRule, Config, ConfigError};
-use sluice::policy::{classify, hints};
-use sluice::route::{Router, normalize_host};
+use sluice::{HostPattern, PathGlob, ip_literal, normalize_path};
+use sluice::{Action, ClassifyRule, Config, ConfigError};
+use sluice::{needs_body, server_hint};
+use sluice::{Router, normalize_host};
 
 /// The config loader, and what a valid config goes on to build: routes, limiter plans,
 /// the redacted `/config` view and `explain`.
@@ -21,8 +21,8 @@ pub fn config(data: &[u8]) {
         Ok(config) => {
             let _ = config.to_redacted_json();
             let metrics =
-                sluice::metrics::Metrics::new(prometheus::Registry::new()).expect("fresh registry");
-            let _ = sluice::limit::plans(&config, &metrics);
+                sluice::Metrics::new(prometheus::Registry::new()).expect("fresh registry");
+            let _ = sluice::plans(&config, &metrics);
             let mut headers = HeaderMap::new();
             headers.insert("authorization", HeaderValue::from_static("Bearer k"));
             let router = Router::new(&config.upstreams);
@@ -31,7 +31,7 @@ pub fn config(data: &[u8]) {
                     let host = h.to_string().replace('*', "a");
                     let url = format!("http://{host}/v1/orders/1");
                     if let Ok(uri) = url.parse() {
-                        let _ = sluice::explain::explain(&config, &Method::POST, &uri, &headers);
+                        let _ = sluice::explain(&config, &Method::POST, &uri, &headers);
                     }
                     let bare = normalize_host(host.rsplit_once(':').map_or(&*host, |(h, _)| h));
                     let _ = router.route(&config, &bare, 443, &Method::GET, "/v1/a/../b", &headers);
@@ -115,7 +115,7 @@ pub fn hints(data: &[u8]) {
             h.insert(HeaderName::from_static(name), v);
         }
     }
-    let hint = hints::server_hint(&h, now);
+    let hint = server_hint(&h, now);
     if let Some(v) = h.get("retry-after").and_then(|v| v.to_str().ok())
         && let Ok(n) = v.trim().parse::<u64>()
     {
@@ -159,9 +159,9 @@ pub fn classify(data: &[u8]) {
             action,
         },
     ];
-    let with_body = classify::classify(&rules, status, Some(body));
-    let _ = classify::classify(&rules, status, None);
-    let _ = classify::needs_body(&rules, status);
+    let with_body = sluice::classify(&rules, status, Some(body));
+    let _ = sluice::classify(&rules, status, None);
+    let _ = needs_body(&rules, status);
     assert!(
         status != 429 || with_body.is_some(),
         "a 429 always means something"
@@ -185,8 +185,8 @@ fn fields_rest(data: &[u8]) -> &[u8] {
 /// chunked body decoded after it; nothing panics.
 pub fn response(data: &[u8]) {
     use bytes::BytesMut;
-    use sluice::upstream::h1::chunked::{Decoded, Decoder};
-    use sluice::upstream::h1::{Framing, parse_response};
+    use sluice::h1::chunked::{Decoded, Decoder};
+    use sluice::h1::{Framing, parse_response};
 
     // What a response gives: its status, fields, framing and (when chunked) the body's
     // bytes, or the first error; and how much of the input was left over.
@@ -243,7 +243,7 @@ pub fn response(data: &[u8]) {
 pub fn authority(data: &[u8]) {
     use http::Uri;
     use http::uri::Authority;
-    use sluice::route::authority_parts;
+    use sluice::authority_parts;
 
     let check = |a: &Authority| {
         assert_eq!(
@@ -270,7 +270,7 @@ pub fn authority(data: &[u8]) {
 /// Input: the first byte picks the body (empty, a known size, unknown), then lines:
 /// method, target, and `name: value` fields.
 pub fn request(data: &[u8]) {
-    use sluice::upstream::h1::{BodyFraming, encode_request};
+    use sluice::h1::{BodyFraming, encode_request};
 
     let Some((&shape, rest)) = data.split_first() else {
         return;

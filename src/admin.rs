@@ -87,7 +87,7 @@ impl Open {
 }
 
 /// Serves admin requests until `stop` is cancelled.
-pub async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken) {
+pub(crate) async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken) {
     let open = Arc::new(parking_lot::Mutex::new(Open::default()));
     loop {
         let (stream, peer) = tokio::select! {
@@ -366,7 +366,11 @@ fn browser_refusal(req: &Request<Incoming>) -> Option<(StatusCode, String)> {
     None
 }
 
-pub async fn handle(app: &Arc<App>, req: &Request<Incoming>, peer: IpAddr) -> Response<Body> {
+pub(crate) async fn handle(
+    app: &Arc<App>,
+    req: &Request<Incoming>,
+    peer: IpAddr,
+) -> Response<Body> {
     let get = req.method() == Method::GET || req.method() == Method::HEAD;
     let path = req.uri().path();
     if CONTROL.contains(&path)

@@ -28,13 +28,13 @@ use crate::upstream::pooled::UpstreamClient;
 /// One config and everything built from it. A request takes the `Arc<Live>` in force when
 /// it arrives and keeps it to its end, so its route, limits, policies and clients always
 /// come from the same config.
-pub struct Live {
-    pub config: Config,
+pub(crate) struct Live {
+    pub(crate) config: Config,
     /// The config's hosts, indexed for routing.
-    pub router: Router,
+    pub(crate) router: Router,
     /// The limiter's view of each upstream, by upstream index.
-    pub plans: Plans,
-    pub policies: Policies,
+    pub(crate) plans: Plans,
+    pub(crate) policies: Policies,
     /// The client for upstreams without an `upstream_ca`: carried across reloads, with
     /// its pooled connections, unless the egress rules changed (connections they would
     /// now refuse must not be reused).
@@ -44,16 +44,16 @@ pub struct Live {
     /// The interception CA, when an upstream intercepts.
     pub(crate) authority: Option<Arc<Authority>>,
     /// Where shared limits are decided, with `[cluster]`.
-    pub cluster: Option<Arc<Cluster>>,
+    pub(crate) cluster: Option<Arc<Cluster>>,
     /// `[egress]` with the upstreams' host names, as the resolver applies them.
-    pub egress_rules: Arc<Rules>,
+    pub(crate) egress_rules: Arc<Rules>,
     /// Each route's per-request metric handles.
-    pub route_metrics: crate::metrics::RouteTable,
+    pub(crate) route_metrics: crate::metrics::RouteTable,
 }
 
 impl Live {
     /// Routes a request with this config (see [`Router::route`]).
-    pub fn route(
+    pub(crate) fn route(
         &self,
         host: &str,
         port: u16,
@@ -76,8 +76,8 @@ impl Deref for Live {
 
 pub struct App {
     live: watch::Sender<Arc<Live>>,
-    pub metrics: Metrics,
-    pub limiter: Limiter,
+    pub(crate) metrics: Metrics,
+    pub(crate) limiter: Limiter,
     /// Client connections open now (proxy listener), against `proxy.max_connections`.
     pub(crate) client_connections: Arc<std::sync::atomic::AtomicUsize>,
     /// Replay copies of request bodies, against `proxy.max_replay_memory`.
@@ -109,11 +109,6 @@ pub struct AppBuilder {
 }
 
 impl AppBuilder {
-    pub fn registry(mut self, registry: Registry) -> Self {
-        self.registry = registry;
-        self
-    }
-
     /// Replaces name resolution (the egress rules still apply to what it returns).
     pub fn lookup(mut self, lookup: Arc<dyn Lookup>) -> Self {
         self.resolver = Resolver::new(lookup);
@@ -265,7 +260,7 @@ pub enum BuildError {
 
 /// Why a reload left the old config in force.
 #[derive(Debug, thiserror::Error)]
-pub enum ReloadError {
+pub(crate) enum ReloadError {
     #[error("no config file to reload: the config was not loaded from a file")]
     NoFile,
     #[error(transparent)]
@@ -276,16 +271,16 @@ pub enum ReloadError {
 
 /// What a successful reload changed, for the log and `POST /reload`.
 #[derive(Debug, Clone, serde::Serialize)]
-pub struct ReloadSummary {
-    pub sha256: String,
+pub(crate) struct ReloadSummary {
+    pub(crate) sha256: String,
     /// False when the file's bytes are those of the live config: nothing was swapped.
-    pub changed: bool,
-    pub added: Vec<String>,
-    pub removed: Vec<String>,
+    pub(crate) changed: bool,
+    pub(crate) added: Vec<String>,
+    pub(crate) removed: Vec<String>,
     /// Upstreams whose settings differ (limits, families, policies, hosts, ...).
-    pub modified: Vec<String>,
+    pub(crate) modified: Vec<String>,
     /// Settings that differ but only take effect after a restart; left as they were.
-    pub restart_needed: Vec<String>,
+    pub(crate) restart_needed: Vec<String>,
 }
 
 impl App {
@@ -301,7 +296,7 @@ impl App {
 
     /// The config in force now, with everything built from it. A request keeps the `Arc`
     /// it started with.
-    pub fn config(&self) -> Arc<Live> {
+    pub(crate) fn config(&self) -> Arc<Live> {
         self.live.borrow().clone()
     }
 
@@ -321,14 +316,14 @@ impl App {
         self.idle_conns.len()
     }
 
-    pub fn config_path(&self) -> Option<&Path> {
+    pub(crate) fn config_path(&self) -> Option<&Path> {
         self.path.as_deref()
     }
 
     /// Reads the config file again and applies it: the one code path of every trigger
     /// (file change, SIGHUP, `POST /reload`). Logged and counted either way; on error the
     /// old config stays in force, untouched.
-    pub fn reload(&self) -> Result<ReloadSummary, ReloadError> {
+    pub(crate) fn reload(&self) -> Result<ReloadSummary, ReloadError> {
         let result = match &self.path {
             Some(path) => Config::load(path)
                 .map(|mut c| {
@@ -368,7 +363,7 @@ impl App {
 
     /// Validates and builds everything `config` needs, then swaps it in. Settings that
     /// cannot change live keep their running values.
-    pub fn apply(&self, mut config: Config) -> Result<ReloadSummary, ReloadError> {
+    pub(crate) fn apply(&self, mut config: Config) -> Result<ReloadSummary, ReloadError> {
         let _one = self.reloading.lock();
         let old = self.config();
         let summary = diff(&old, &config);
@@ -425,7 +420,7 @@ impl App {
         Ok(summary)
     }
 
-    pub fn is_draining(&self) -> bool {
+    pub(crate) fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Acquire)
     }
 

@@ -8,21 +8,21 @@ use http_body_util::combinators::UnsyncBoxBody;
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Bodies in both directions: streamed from the peer, or small and made here.
-pub type Body = UnsyncBoxBody<Bytes, BoxError>;
+pub(crate) type Body = UnsyncBoxBody<Bytes, BoxError>;
 
-pub fn full(bytes: impl Into<Bytes>) -> Body {
+pub(crate) fn full(bytes: impl Into<Bytes>) -> Body {
     http_body_util::Full::new(bytes.into())
         .map_err(|never| match never {})
         .boxed_unsync()
 }
 
-pub fn empty() -> Body {
+pub(crate) fn empty() -> Body {
     http_body_util::Empty::new()
         .map_err(|never| match never {})
         .boxed_unsync()
 }
 
-pub fn stream<B>(body: B) -> Body
+pub(crate) fn stream<B>(body: B) -> Body
 where
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,

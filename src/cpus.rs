@@ -9,12 +9,12 @@
 #[derive(Debug, Clone)]
 pub struct Machine {
     /// CPUs online in the machine.
-    pub online: usize,
+    pub(crate) online: usize,
     /// The CPUs this process may run on (its affinity, which a cpuset narrows).
-    pub allowed: Vec<usize>,
+    pub(crate) allowed: Vec<usize>,
     /// `std::thread::available_parallelism`: the affinity, further bounded by a cgroup
     /// CPU quota when there is one.
-    pub parallelism: usize,
+    pub(crate) parallelism: usize,
 }
 
 impl Machine {

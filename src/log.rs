@@ -60,7 +60,7 @@ static SINK: OnceLock<Sink> = OnceLock::new();
 static DROPPED: AtomicU64 = AtomicU64::new(0);
 
 /// Lines dropped so far because stderr was not read fast enough.
-pub fn dropped_lines() -> u64 {
+pub(crate) fn dropped_lines() -> u64 {
     DROPPED.load(Ordering::Relaxed)
 }
 
@@ -258,22 +258,22 @@ fn access_format() -> AccessFormat {
 }
 
 /// One request's access line.
-pub struct Access<'a> {
-    pub method: &'a str,
-    pub host: &'a str,
-    pub path: &'a str,
-    pub upstream: &'a str,
-    pub family: &'a str,
-    pub status: u16,
-    pub outcome: &'a str,
-    pub duration: Duration,
+pub(crate) struct Access<'a> {
+    pub(crate) method: &'a str,
+    pub(crate) host: &'a str,
+    pub(crate) path: &'a str,
+    pub(crate) upstream: &'a str,
+    pub(crate) family: &'a str,
+    pub(crate) status: u16,
+    pub(crate) outcome: &'a str,
+    pub(crate) duration: Duration,
     /// When the request ended (the reading `duration` was taken from): the line's
     /// timestamp is derived from it rather than from another clock read.
-    pub at: Instant,
+    pub(crate) at: Instant,
 }
 
 /// Writes `a`'s access line in the chosen format.
-pub fn access(a: &Access<'_>) {
+pub(crate) fn access(a: &Access<'_>) {
     let format = access_format();
     match format {
         AccessFormat::Off => {}
@@ -317,12 +317,12 @@ thread_local! {
 /// took its lock, whose cache line then moved between the workers' cores, 0.2 µs per
 /// request (the git history of docs/BENCHMARKS.md). A worker's lines keep their order; lines of different
 /// workers can reach stderr out of order by as much as one batch of work.
-pub fn batch_thread() {
+pub(crate) fn batch_thread() {
     LINE.with_borrow_mut(|line| line.batching = true);
 }
 
 /// Hands the calling thread's held lines to the writer (see [`batch_thread`]).
-pub fn flush_thread() {
+pub(crate) fn flush_thread() {
     let _ = LINE.try_with(|line| {
         if let Ok(mut line) = line.try_borrow_mut() {
             line.hand_over(SINK.get());

@@ -10,10 +10,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 
-use sluice::config::Overrides;
-use sluice::cpus;
-use sluice::proxy::server::Workers;
-use sluice::{App, Config, Server};
+use sluice::Overrides;
+use sluice::{App, Config, Server, Workers};
 
 #[derive(Parser)]
 #[command(
@@ -194,7 +192,7 @@ fn main() -> ExitCode {
 /// Logs go through one bounded buffer to a writer thread (`sluice::log`): a slow or full
 /// stderr pipe never blocks a request. The returned guard writes what is left when
 /// dropped. Without a writer thread (it could not start), lines are written directly.
-fn init_logging(format: LogFormat, queue: usize) -> Option<sluice::log::Guard> {
+fn init_logging(format: LogFormat, queue: usize) -> Option<sluice::LogGuard> {
     let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // The file watcher traces every inotify event it sees: with RUST_LOG=trace and the
@@ -207,18 +205,18 @@ fn init_logging(format: LogFormat, queue: usize) -> Option<sluice::log::Guard> {
     // Colours only for a person at a terminal: a pipe (a container runtime, a file) gets
     // plain text, without escape codes around every field.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let guard = match sluice::log::install(queue) {
+    let guard = match sluice::install_log(queue) {
         Ok(g) => Some(g),
         Err(e) => {
             eprintln!("cannot start the log writer, writing directly: {e}");
             None
         }
     };
-    sluice::metrics::warn_on_dropped_log_lines();
+    sluice::warn_on_dropped_log_lines();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(ansi)
-        .with_writer(sluice::log::Stderr);
+        .with_writer(sluice::LogWriter);
     match format {
         // Fields as `name=value` written directly: the default field formatter styles
         // every field name through the colour machinery even with colours off, a third
@@ -243,8 +241,8 @@ fn init_logging(format: LogFormat, queue: usize) -> Option<sluice::log::Guard> {
     }
     // The access line, one per request, is formatted by sluice::log in the same layout
     // as the formatter above; colours at a terminal leave it to the formatter.
-    use sluice::log::AccessFormat;
-    sluice::log::set_access_format(
+    use sluice::AccessFormat;
+    sluice::set_access_format(
         match (
             tracing::enabled!(target: "sluice::access", tracing::Level::INFO),
             format,
@@ -259,7 +257,7 @@ fn init_logging(format: LogFormat, queue: usize) -> Option<sluice::log::Guard> {
 }
 
 fn ca_new(dir: &Path) -> anyhow::Result<()> {
-    let (cert, key) = sluice::tls::ca::write_new_ca(dir)?;
+    let (cert, key) = sluice::write_new_ca(dir)?;
     println!("wrote {} and {}", cert.display(), key.display());
     println!(
         "set [tls] ca_cert = {:?} and ca_key = {:?}; clients must trust {}",
@@ -308,10 +306,7 @@ fn explain(path: &Path, method: &str, url: &str, headers: &[String]) -> anyhow::
         let value = HeaderValue::from_str(value.trim()).context("invalid header value")?;
         map.append(name, value);
     }
-    print!(
-        "{}",
-        sluice::explain::explain(&config, &method, &url, &map)?
-    );
+    print!("{}", sluice::explain(&config, &method, &url, &map)?);
     Ok(())
 }
 
@@ -331,7 +326,7 @@ fn run(
     overrides: Overrides,
 ) -> anyhow::Result<()> {
     let config = Config::load(path)?;
-    match sluice::rlimit::raise_nofile() {
+    match sluice::raise_nofile() {
         Ok((before, after)) if after > before => {
             tracing::info!(
                 from = before,
@@ -346,11 +341,11 @@ fn run(
         tracing::warn!(config = %path.display(), "{w}");
     }
     let pin = match pin {
-        PinArg::Auto => cpus::Pin::Auto,
-        PinArg::On => cpus::Pin::On,
-        PinArg::Off => cpus::Pin::Off,
+        PinArg::Auto => sluice::Pin::Auto,
+        PinArg::On => sluice::Pin::On,
+        PinArg::Off => sluice::Pin::Off,
     };
-    let plan = cpus::plan(&cpus::Machine::probe(), workers, cpu_request_millis, pin);
+    let plan = sluice::plan_workers(&sluice::Machine::probe(), workers, cpu_request_millis, pin);
     let (workers, pinned) = Workers::start(plan.workers, plan.cpus.clone())
         .context("cannot start the worker threads")?;
     let pinned = pinned.map_or_else(|| "no".to_string(), |cpus| format!("{cpus:?}"));

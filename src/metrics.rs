@@ -11,78 +11,78 @@ use prometheus::{
 
 #[derive(Clone)]
 pub struct Metrics {
-    pub registry: Registry,
+    pub(crate) registry: Registry,
     /// `{upstream, family, outcome}`: one per request, outcome = final status or `sluice_<reason>`.
-    pub requests: IntCounterVec,
+    pub(crate) requests: IntCounterVec,
     /// `{upstream, family, status}`: one per upstream attempt.
-    pub upstream_responses: IntCounterVec,
+    pub(crate) upstream_responses: IntCounterVec,
     /// `{upstream, family}`: time from sending an attempt to its response headers.
-    pub upstream_duration: HistogramVec,
+    pub(crate) upstream_duration: HistogramVec,
     /// `{upstream, family}`: time from arrival to admission, zero waits included.
-    pub queue_wait: HistogramVec,
+    pub(crate) queue_wait: HistogramVec,
     /// `{upstream, family}`: requests waiting now, over all partitions.
-    pub queue_depth: IntGaugeVec,
+    pub(crate) queue_depth: IntGaugeVec,
     /// `{upstream, family, reason}`: requests refused by the limiter's bounds.
-    pub rejections: IntCounterVec,
+    pub(crate) rejections: IntCounterVec,
     /// `{upstream, family, action}`: upstream 429s by what was done about them.
-    pub upstream_429: IntCounterVec,
+    pub(crate) upstream_429: IntCounterVec,
     /// `{upstream, family}`: upstream 429s for requests admitted at the instant a rate
     /// limit allowed them: the provider's window edge is later than sluice believed.
-    pub edge_429: IntCounterVec,
+    pub(crate) edge_429: IntCounterVec,
     /// `{upstream, family, reason}`: retries made (reason: status or failure) or refused
     /// (`budget_exhausted`).
-    pub retries: IntCounterVec,
+    pub(crate) retries: IntCounterVec,
     /// `{upstream, state}`: 1 for the current state of each upstream's circuit.
-    pub breaker_state: IntGaugeVec,
+    pub(crate) breaker_state: IntGaugeVec,
     /// `{upstream, family, state}`: the same for families with a circuit of their own.
-    pub family_breaker_state: IntGaugeVec,
+    pub(crate) family_breaker_state: IntGaugeVec,
     /// Failed TLS handshakes with clients of intercepted tunnels (untrusted CA, ...).
-    pub tls_handshake_failures: prometheus::IntCounter,
+    pub(crate) tls_handshake_failures: prometheus::IntCounter,
     /// Live partitions (sets of buckets) over all upstreams, as of the last sweep.
-    pub partitions: IntGauge,
+    pub(crate) partitions: IntGauge,
     /// `{upstream, result}`: requests that asked to switch protocols (`Upgrade`), by
     /// result: `switched`, `refused` (the upstream answered otherwise), `failed`.
-    pub upgrades: IntCounterVec,
+    pub(crate) upgrades: IntCounterVec,
     /// `{upstream}`: switched connections open now.
-    pub upgraded: IntGaugeVec,
+    pub(crate) upgraded: IntGaugeVec,
     /// `{upstream}`: its live partitions, as of the last sweep (or the scrape, when few).
-    pub upstream_partitions: IntGaugeVec,
+    pub(crate) upstream_partitions: IntGaugeVec,
     /// `{upstream}`: a keyed upstream's `max_partitions`.
-    pub max_partitions: IntGaugeVec,
+    pub(crate) max_partitions: IntGaugeVec,
     /// `{upstream}`: requests per second its tightest rate limit allows, as configured.
-    pub configured_rate: GaugeVec,
+    pub(crate) configured_rate: GaugeVec,
     /// `{upstream}`: requests per second its slowest partition may send now, by the
     /// provider's announced budget (`learn`); the configured rate when none is slowed.
-    pub effective_rate: GaugeVec,
+    pub(crate) effective_rate: GaugeVec,
     /// `{upstream}`: partitions pacing to an announced budget now.
-    pub learned_partitions: IntGaugeVec,
+    pub(crate) learned_partitions: IntGaugeVec,
     /// `{upstream, family}`: the lowest share of its configured rate an adaptive family's
     /// partition may send now.
-    pub adaptive_share: GaugeVec,
+    pub(crate) adaptive_share: GaugeVec,
     /// Request body bytes held for replay, as of the scrape.
-    pub replay_bytes: IntGauge,
+    pub(crate) replay_bytes: IntGauge,
     /// Client connections open, as of the scrape.
-    pub client_connections: IntGauge,
+    pub(crate) client_connections: IntGauge,
     /// Client connections answered 503 because `max_connections` were open.
-    pub connections_refused: prometheus::IntCounter,
+    pub(crate) connections_refused: prometheus::IntCounter,
     /// `{op}`: Redis script calls (reserve, flush, absorb), from sending to the answer.
-    pub cluster_calls: HistogramVec,
+    pub(crate) cluster_calls: HistogramVec,
     /// `{kind}`: failed Redis calls, by `cluster::link::Fault` label.
-    pub cluster_errors: IntCounterVec,
+    pub(crate) cluster_errors: IntCounterVec,
     /// `{mode}`: 1 for how global limits are decided now: redis, local, allow or deny.
-    pub cluster_mode: IntGaugeVec,
+    pub(crate) cluster_mode: IntGaugeVec,
     /// `{result}`: global admissions: reserved, later (beyond the horizon, asked again),
     /// too_late (beyond max_wait), handed_over, local, allowed, denied.
-    pub cluster_reservations: IntCounterVec,
+    pub(crate) cluster_reservations: IntCounterVec,
     /// `{upstream, family}`: time from a request's local admission to its global one.
-    pub cluster_wait: HistogramVec,
+    pub(crate) cluster_wait: HistogramVec,
     /// `{result}`: reloads by result, success or failure.
-    pub config_reloads: IntCounterVec,
+    pub(crate) config_reloads: IntCounterVec,
     /// `{sha256}`: 1 for the config in force.
-    pub config_info: IntGaugeVec,
+    pub(crate) config_info: IntGaugeVec,
     /// 1 when the last reload (or the start) loaded the file, 0 when it was refused.
-    pub config_last_reload_successful: prometheus::IntGauge,
-    pub log_lines_dropped: prometheus::IntCounter,
+    pub(crate) config_last_reload_successful: prometheus::IntGauge,
+    pub(crate) log_lines_dropped: prometheus::IntCounter,
 }
 
 /// The commit the binary was built from: `SLUICE_REVISION` at build time (the
@@ -117,14 +117,14 @@ pub fn warn_on_dropped_log_lines() {
 /// lookup by label values hashes every value and takes the vector's lock, three times per
 /// request otherwise.
 /// Every series is created on first use: one that never counted anything does not appear.
-pub struct RouteMetrics {
+pub(crate) struct RouteMetrics {
     /// `sluice_upstream_duration_seconds`.
     durations: HistogramVec,
     upstream_duration: Lazy<Histogram>,
     /// `sluice_requests_total` by outcome.
-    pub requests: ByOutcome,
+    pub(crate) requests: ByOutcome,
     /// `sluice_upstream_responses_total` by status.
-    pub upstream_responses: ByOutcome,
+    pub(crate) upstream_responses: ByOutcome,
 }
 
 /// A handle created by its first use.
@@ -150,7 +150,7 @@ const COMMON_OUTCOMES: [&str; 8] = ["200", "201", "204", "304", "404", "429", "5
 /// A counter vector with its upstream and family labels bound; the common outcomes'
 /// counters are created on first use (a series appears only once it counts something)
 /// and kept.
-pub struct ByOutcome {
+pub(crate) struct ByOutcome {
     vec: IntCounterVec,
     upstream: String,
     family: String,
@@ -167,7 +167,7 @@ impl ByOutcome {
         }
     }
 
-    pub fn inc(&self, outcome: &str) {
+    pub(crate) fn inc(&self, outcome: &str) {
         let labels = [self.upstream.as_str(), self.family.as_str(), outcome];
         match COMMON_OUTCOMES.iter().position(|c| *c == outcome) {
             Some(i) => self.common[i]
@@ -179,7 +179,7 @@ impl ByOutcome {
 }
 
 impl RouteMetrics {
-    pub fn new(metrics: &Metrics, upstream: &str, family: &str) -> RouteMetrics {
+    pub(crate) fn new(metrics: &Metrics, upstream: &str, family: &str) -> RouteMetrics {
         RouteMetrics {
             durations: metrics.upstream_duration.clone(),
             upstream_duration: Lazy::new(),
@@ -189,7 +189,7 @@ impl RouteMetrics {
     }
 
     /// Records an attempt's time to response headers.
-    pub fn upstream_duration(&self, seconds: f64) {
+    pub(crate) fn upstream_duration(&self, seconds: f64) {
         let r = &self.requests;
         self.upstream_duration
             .get(|| {
@@ -202,13 +202,13 @@ impl RouteMetrics {
 
 /// [`RouteMetrics`] for every route of a config: by upstream index, then family index
 /// with requests of no family last; and unmatched requests.
-pub struct RouteTable {
+pub(crate) struct RouteTable {
     upstreams: Vec<Vec<RouteMetrics>>,
     unmatched: RouteMetrics,
 }
 
 impl RouteTable {
-    pub fn new(config: &crate::config::Config, metrics: &Metrics) -> RouteTable {
+    pub(crate) fn new(config: &crate::config::Config, metrics: &Metrics) -> RouteTable {
         let upstreams = config
             .upstreams
             .iter()
@@ -228,7 +228,7 @@ impl RouteTable {
     }
 
     /// The handles of `route` (labelled as [`crate::route::labels`] names it).
-    pub fn get(&self, route: Option<&crate::route::Route>) -> &RouteMetrics {
+    pub(crate) fn get(&self, route: Option<&crate::route::Route>) -> &RouteMetrics {
         let Some(r) = route else {
             return &self.unmatched;
         };
@@ -241,7 +241,7 @@ impl RouteTable {
 }
 
 /// 1 ms to 60 s, roughly ×2.5 per step: resolves fast APIs and long queue waits alike.
-pub const LATENCY_BUCKETS: &[f64] = &[
+pub(crate) const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
@@ -521,7 +521,7 @@ impl Metrics {
     }
 
     /// Shows `sha256` as the config in force, in place of `previous`.
-    pub fn config_info(&self, sha256: &str, previous: Option<&str>) {
+    pub(crate) fn config_info(&self, sha256: &str, previous: Option<&str>) {
         if let Some(p) = previous.filter(|p| *p != sha256) {
             let _ = self.config_info.remove_label_values(&[p]);
         }
@@ -530,7 +530,7 @@ impl Metrics {
 
     /// Drops the circuit gauges of an upstream a reload removed, so no stale state is
     /// exported for it. Counters and histograms stay: they are history.
-    pub fn forget_upstream(&self, upstream: &str, families: &[&str]) {
+    pub(crate) fn forget_upstream(&self, upstream: &str, families: &[&str]) {
         for state in ["closed", "open", "half_open"] {
             let _ = self.breaker_state.remove_label_values(&[upstream, state]);
             for f in families {
@@ -542,7 +542,7 @@ impl Metrics {
     }
 
     /// Prometheus text exposition of everything registered.
-    pub fn render(&self) -> String {
+    pub(crate) fn render(&self) -> String {
         let (now, seen) = (crate::log::dropped_lines(), self.log_lines_dropped.get());
         if now > seen {
             self.log_lines_dropped.inc_by(now - seen);

@@ -39,7 +39,7 @@ pub const WRITER_GONE: Duration = Duration::from_secs(5);
 /// The watch on the config's directory and the SIGHUP handler, for an app loaded from a
 /// file. Both are registered by [`Triggers::new`], so nothing that happens after it is
 /// missed; [`Triggers::start`] begins acting on them.
-pub struct Triggers {
+pub(crate) struct Triggers {
     path: Option<PathBuf>,
     watch: Option<(notify::RecommendedWatcher, Events, Names)>,
     hup: Option<tokio::signal::unix::Signal>,
@@ -47,7 +47,7 @@ pub struct Triggers {
 
 impl Triggers {
     /// Must run inside the tokio runtime (the signal handler registers with it).
-    pub fn new(app: &App) -> Triggers {
+    pub(crate) fn new(app: &App) -> Triggers {
         let Some(path) = app.config_path().map(Path::to_path_buf) else {
             return Triggers {
                 path: None,
@@ -71,7 +71,7 @@ impl Triggers {
     }
 
     /// Acts on the triggers until `stop` is cancelled.
-    pub fn start(self, app: &Arc<App>, stop: &CancellationToken) {
+    pub(crate) fn start(self, app: &Arc<App>, stop: &CancellationToken) {
         let Some(path) = self.path else { return };
         if let Some((watcher, events, names)) = self.watch {
             tokio::spawn(on_file_change(
@@ -286,7 +286,7 @@ async fn on_sighup(app: Arc<App>, mut hup: tokio::signal::unix::Signal, stop: Ca
 }
 
 /// Runs a reload off the async threads: it reads files (config, CA certificates).
-pub async fn reload(app: &Arc<App>) -> Result<crate::app::ReloadSummary, String> {
+pub(crate) async fn reload(app: &Arc<App>) -> Result<crate::app::ReloadSummary, String> {
     let app = app.clone();
     match tokio::task::spawn_blocking(move || app.reload()).await {
         Ok(r) => r.map_err(|e| e.to_string()),

@@ -5,11 +5,11 @@
 
 /// Descriptors kept out of the connection cap's reach: idle upstream connections, the
 /// admin listener and its clients, the config watcher, Redis, log files.
-pub const RESERVED: u64 = 256;
+pub(crate) const RESERVED: u64 = 256;
 
 /// The default cap, however many descriptors there are: beyond it a sidecar is better
 /// served by a second replica than by one bigger proxy.
-pub const DEFAULT_MAX_CONNECTIONS: u64 = 10_000;
+pub(crate) const DEFAULT_MAX_CONNECTIONS: u64 = 10_000;
 
 /// Raises the soft open-file limit to the hard one; returns (before, after).
 #[cfg(unix)]
@@ -47,7 +47,7 @@ pub fn raise_nofile() -> std::io::Result<(u64, u64)> {
 /// The soft open-file limit now, if the platform has one.
 #[cfg(unix)]
 #[allow(unsafe_code, reason = "getrlimit has no safe wrapper in std")]
-pub fn nofile() -> Option<u64> {
+pub(crate) fn nofile() -> Option<u64> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -57,13 +57,13 @@ pub fn nofile() -> Option<u64> {
 }
 
 #[cfg(not(unix))]
-pub fn nofile() -> Option<u64> {
+pub(crate) fn nofile() -> Option<u64> {
     None
 }
 
 /// The connection cap when the config names none: what the descriptors allow beyond the
 /// reserve, two per connection, at most [`DEFAULT_MAX_CONNECTIONS`].
-pub fn default_max_connections(nofile: Option<u64>) -> u64 {
+pub(crate) fn default_max_connections(nofile: Option<u64>) -> u64 {
     match nofile {
         // RLIM_INFINITY and other huge values are as good as unlimited.
         Some(n) => (n.saturating_sub(RESERVED) / 2).clamp(16, DEFAULT_MAX_CONNECTIONS),

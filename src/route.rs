@@ -54,7 +54,7 @@ impl Router {
     }
 
     /// Index of the upstream for `host` (already normalised) and `port`.
-    pub fn upstream(&self, host: &str, port: u16) -> Option<usize> {
+    pub(crate) fn upstream(&self, host: &str, port: u16) -> Option<usize> {
         let fits = |p: &Option<u16>| p.is_none_or(|p| p == port);
         if let Some((_, i)) = self
             .exact
@@ -81,7 +81,7 @@ pub fn normalize_host(host: &str) -> String {
 /// [`normalize_host`], borrowed from `host` when it is already in that form (most hosts
 /// are: a request then allocates nothing for it), with the address when it is an IP
 /// literal.
-pub fn normal_host(host: &str) -> (Cow<'_, str>, Option<IpAddr>) {
+pub(crate) fn normal_host(host: &str) -> (Cow<'_, str>, Option<IpAddr>) {
     // Dots and brackets in any nesting (`[api.example.com.].`) until none is left, so
     // that normalising is done in one go: a dot left in would make the host miss its
     // upstream (found by fuzzing).
@@ -159,7 +159,7 @@ impl Partition {
     /// reader of those cannot confirm a guessed low-entropy value (a tenant id, a short
     /// key) by hashing it. SHA-256 over key and a fixed-length input needs no HMAC: no
     /// length extension can change what is hashed.
-    pub fn short(&self) -> String {
+    pub(crate) fn short(&self) -> String {
         let mut h = Sha256::new();
         h.update(display_key());
         h.update(self.0.to_be_bytes());
@@ -170,7 +170,7 @@ impl Partition {
 
 /// The environment variable that sets the key of displayed partition hashes: replicas and
 /// `sluice explain` that share it show the same hash for the same value.
-pub const PARTITION_SECRET_ENV: &str = "SLUICE_PARTITION_SECRET";
+pub(crate) const PARTITION_SECRET_ENV: &str = "SLUICE_PARTITION_SECRET";
 
 /// The key of displayed partition hashes: from [`PARTITION_SECRET_ENV`], else random for
 /// this process.
@@ -231,14 +231,14 @@ impl Router {
 
 impl Route {
     /// The policy this route runs under in `config`: its family's, else its upstream's.
-    pub fn policy<'c>(&self, config: &'c Config) -> &'c Policy {
+    pub(crate) fn policy<'c>(&self, config: &'c Config) -> &'c Policy {
         let u = &config.upstreams[self.upstream];
         self.family.map_or(&u.policy, |f| &u.families[f].policy)
     }
 }
 
 /// Metric labels for a route of `config`: `("unmatched", "-")` when there is none.
-pub fn labels<'c>(config: &'c Config, route: Option<&Route>) -> (&'c str, &'c str) {
+pub(crate) fn labels<'c>(config: &'c Config, route: Option<&Route>) -> (&'c str, &'c str) {
     match route {
         None => ("unmatched", "-"),
         Some(r) => {

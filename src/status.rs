@@ -14,24 +14,24 @@ use prometheus::core::Collector;
 use crate::metrics::Metrics;
 
 /// Samples kept per upstream and family: three minutes at one a second.
-pub const HISTORY: usize = 180;
+pub(crate) const HISTORY: usize = 180;
 
 /// How often the ring is sampled.
-pub const EVERY: Duration = Duration::from_secs(1);
+pub(crate) const EVERY: Duration = Duration::from_secs(1);
 
 /// One upstream and family's counters at one instant, as the metrics have them.
 #[derive(Debug, Clone, Default)]
-pub struct Sample {
+pub(crate) struct Sample {
     /// Admissions so far (`sluice_queue_wait_seconds` count).
-    pub admitted: u64,
+    pub(crate) admitted: u64,
     /// Waiting now (`sluice_queue_depth`).
-    pub depth: i64,
+    pub(crate) depth: i64,
     /// Refused by the queue bounds so far (`sluice_rejections_total`).
-    pub rejected: u64,
+    pub(crate) rejected: u64,
     /// Cumulative wait histogram buckets, by upper bound in seconds.
-    pub wait_buckets: Vec<(f64, u64)>,
+    pub(crate) wait_buckets: Vec<(f64, u64)>,
     /// Upstream answers so far by status (`sluice_upstream_responses_total`).
-    pub statuses: HashMap<String, u64>,
+    pub(crate) statuses: HashMap<String, u64>,
 }
 
 /// Labels `upstream` and `family` of a collected series, and the value of `extra`
@@ -55,27 +55,25 @@ pub(crate) fn labels<'a>(
 type Key = (String, String);
 
 #[derive(Debug)]
-pub struct Status {
-    pub started: Instant,
-    pub started_at: SystemTime,
+pub(crate) struct Status {
+    pub(crate) started: Instant,
     last_reload: Mutex<Option<Reloaded>>,
     ring: Mutex<HashMap<Key, VecDeque<Sample>>>,
 }
 
 /// The last reload's outcome, as the page shows it.
 #[derive(Debug, Clone, serde::Serialize)]
-pub struct Reloaded {
-    pub at: String,
-    pub result: &'static str,
+pub(crate) struct Reloaded {
+    pub(crate) at: String,
+    pub(crate) result: &'static str,
     /// The file's position and what is wrong there, when it failed.
-    pub error: Option<String>,
+    pub(crate) error: Option<String>,
 }
 
 impl Default for Status {
     fn default() -> Status {
         Status {
             started: Instant::now(),
-            started_at: SystemTime::now(),
             last_reload: Mutex::new(None),
             ring: Mutex::new(HashMap::new()),
         }
@@ -84,7 +82,7 @@ impl Default for Status {
 
 impl Status {
     /// A reload ended: `error` is `None` when it succeeded.
-    pub fn reloaded(&self, error: Option<String>) {
+    pub(crate) fn reloaded(&self, error: Option<String>) {
         *self.last_reload.lock() = Some(Reloaded {
             at: httpdate::fmt_http_date(SystemTime::now()),
             result: if error.is_none() {
@@ -96,14 +94,14 @@ impl Status {
         });
     }
 
-    pub fn last_reload(&self) -> Option<Reloaded> {
+    pub(crate) fn last_reload(&self) -> Option<Reloaded> {
         self.last_reload.lock().clone()
     }
 
     /// The last reload as anyone who reaches the admin port may see it: where the file is
     /// wrong and what kind of error, without the values the message quotes (an API key
     /// pasted into the wrong field would be one). `POST /reload` and the log say all.
-    pub fn last_reload_public(&self) -> Option<Reloaded> {
+    pub(crate) fn last_reload_public(&self) -> Option<Reloaded> {
         self.last_reload().map(|mut r| {
             r.error = r.error.map(|e| without_values(&e));
             r
@@ -113,7 +111,7 @@ impl Status {
     /// Reads the metrics once and appends a sample for every upstream and family they
     /// have series for; those gone from the metrics (a reload removed them) leave the ring.
     /// Reading never creates a series.
-    pub fn sample(&self, m: &Metrics) {
+    pub(crate) fn sample(&self, m: &Metrics) {
         let mut now: HashMap<Key, Sample> = HashMap::new();
         let key = |u: &str, f: &str| (u.to_string(), f.to_string());
         for mf in m.queue_wait.collect() {
@@ -163,7 +161,7 @@ impl Status {
     }
 
     /// What the page shows of `upstream`/`family` from its history, if it has one.
-    pub fn summary(&self, upstream: &str, family: &str) -> Option<serde_json::Value> {
+    pub(crate) fn summary(&self, upstream: &str, family: &str) -> Option<serde_json::Value> {
         let ring = self.ring.lock();
         let r = ring.get(&(upstream.to_string(), family.to_string()))?;
         let last = r.back()?;
@@ -217,7 +215,7 @@ impl Status {
 /// The `q` quantile of a histogram's bucket counts (cumulative, by upper bound), as
 /// Prometheus's `histogram_quantile` estimates it: linear within the bucket. `None`
 /// with no observations.
-pub fn quantile(buckets: &[(f64, u64)], q: f64) -> Option<f64> {
+pub(crate) fn quantile(buckets: &[(f64, u64)], q: f64) -> Option<f64> {
     let total = buckets.last()?.1;
     if total == 0 {
         return None;

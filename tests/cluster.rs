@@ -8,9 +8,9 @@ mod support;
 use std::time::Duration;
 
 use proptest::prelude::*;
-use sluice::cluster::{GlobalLimit, script_args};
-use sluice::config::{CounterAlign, Limit, Margin, Rounding, Scope, WindowAlign};
-use sluice::limit::kinds::LimitState;
+use sluice::LimitState;
+use sluice::{CounterAlign, Limit, Margin, Rounding, Scope, WindowAlign};
+use sluice::{GlobalLimit, script_args};
 use support::provider::{Clock, Counter};
 use support::redis::Redis;
 use tokio::time::Instant;
@@ -295,7 +295,7 @@ proptest! {
         shape in shape().prop_filter("no fixed windows", |s| s.kind != 'f' && s.kind != 'k'),
         gaps in prop::collection::vec(prop_oneof![2 => Just(0u64), 1 => 0..300_000u64], 1..40),
     ) {
-        let script = redis::Script::new(sluice::cluster::script());
+        let script = redis::Script::new(sluice::cluster_script());
         let (_, con) = redis();
         let mut con = con.lock();
         let keys = Keys { script: &script, tag: format!("{{m{}}}", rand_id()), shape: &shape };
@@ -336,7 +336,7 @@ proptest! {
         shape in shape(),
         reqs in prop::collection::vec(req(), 1..50),
     ) {
-        let script = redis::Script::new(sluice::cluster::script());
+        let script = redis::Script::new(sluice::cluster_script());
         let (_, con) = redis();
         let mut con = con.lock();
         let keys = Keys { script: &script, tag: format!("{{p{}}}", rand_id()), shape: &shape };
@@ -411,7 +411,7 @@ fn small_limits_take_turns_and_pay_no_margin() {
         margin_us: 20_000,
         offset_us: 0,
     };
-    let script = redis::Script::new(sluice::cluster::script());
+    let script = redis::Script::new(sluice::cluster_script());
     let (_, con) = redis();
     let mut con = con.lock();
     let keys = Keys {

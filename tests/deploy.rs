@@ -173,7 +173,7 @@ async fn metrics_carry_the_process_and_the_build() {
     assert!(metric(&m, "process_resident_memory_bytes").unwrap() > 1e6);
     let build = format!(
         "sluice_build_info{{revision=\"{}\",version=\"{}\"}}",
-        sluice::metrics::REVISION,
+        sluice::REVISION,
         env!("CARGO_PKG_VERSION")
     );
     assert_eq!(metric(&m, &build), Some(1.0), "{m}");

@@ -715,7 +715,7 @@ struct CountedLookup {
     lookups: Arc<AtomicUsize>,
 }
 
-impl sluice::egress::Lookup for CountedLookup {
+impl sluice::Lookup for CountedLookup {
     fn lookup(
         &self,
         host: String,
@@ -1032,7 +1032,7 @@ async fn request_trailers_are_not_forwarded() {
 #[tokio::test]
 async fn idle_admin_connections_from_one_peer_lock_nobody_out() {
     // A thousand sockets here: the soft open-file limit may be 1024.
-    let _ = sluice::rlimit::raise_nofile();
+    let _ = sluice::raise_nofile();
     let proxy = Proxy::start("").await;
     let mut held = Vec::new();
     for _ in 0..1000 {

@@ -34,7 +34,7 @@ async fn world() -> World {
     let ws = ws_echo(None).await;
     let wss_intercepted = ws_echo(Some(certs.server.clone())).await;
     let wss_tunnelled = ws_echo(Some(certs.server.clone())).await;
-    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
     let up_ca = certs.ca_path.display().to_string();
     let upstream = |name: &str, addr: SocketAddr, mode: &str| {
         format!(

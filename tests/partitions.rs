@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use prometheus::Registry;
-use sluice::config::Config;
-use sluice::limit::{Limiter, PARTITION_MEMORY, max_partitions, partition_bytes};
-use sluice::metrics::Metrics;
-use sluice::route::{Partition, Route};
+use sluice::Config;
+use sluice::Metrics;
+use sluice::{Limiter, PARTITION_MEMORY, max_partitions, partition_bytes};
+use sluice::{Partition, Route};
 
 /// Bytes the process holds on the heap now, as glibc's malloc lays them out: each
 /// allocation takes its size plus an 8-byte header, rounded up to 16, at least 32.

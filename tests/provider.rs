@@ -15,9 +15,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use proptest::prelude::*;
-use sluice::config::{CounterAlign, Limit, Margin, Rounding, Scope, WindowAlign};
-use sluice::limit::exposure::{Algorithm, exposure};
-use sluice::limit::kinds::LimitState;
+use sluice::LimitState;
+use sluice::{Algorithm, exposure};
+use sluice::{CounterAlign, Limit, Margin, Rounding, Scope, WindowAlign};
 use support::Proxy;
 use support::provider::{Clock, Counter, Delays, Provider, Relay};
 use tokio::time::Instant;

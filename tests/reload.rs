@@ -91,7 +91,7 @@ async fn post_reload_answers_what_changed_and_refuses_bad_files() {
     assert_eq!(v["restart_needed"], serde_json::json!([]), "{body}");
     assert_eq!(live_permits(&proxy).await, 5);
     // Published without the file's secrets: as `sluice check` prints it.
-    let sha = sluice::config::Config::load(&path).unwrap().digest;
+    let sha = sluice::Config::load(&path).unwrap().digest;
 
     let bad = [
         ("not toml", format!("{good}\n[[upstream]\n"), "expected"),
@@ -299,7 +299,7 @@ async fn a_symlinked_config_edited_where_it_lives_is_picked_up() {
     std::os::unix::fs::symlink(&target, &path).unwrap();
     let proxy = Proxy::from_file(&path).await;
     // After the watcher's first look at the file (one debounce after start).
-    tokio::time::sleep(sluice::reload::DEBOUNCE * 3).await;
+    tokio::time::sleep(sluice::RELOAD_DEBOUNCE * 3).await;
     // Written in place, in the other directory: nothing happens beside the symlink.
     std::fs::write(&target, config(&window(9, "1s"), "")).unwrap();
     assert!(
@@ -313,7 +313,10 @@ async fn a_symlinked_config_edited_where_it_lives_is_picked_up() {
 /// its first change; one written whole and left open is read after WRITER_GONE.
 #[tokio::test]
 async fn a_file_written_in_place_is_read_when_its_writer_closes_it() {
-    use sluice::reload::{DEBOUNCE, MAX_DELAY, WRITER_GONE};
+    use sluice::{
+        RELOAD_DEBOUNCE as DEBOUNCE, RELOAD_MAX_DELAY as MAX_DELAY,
+        RELOAD_WRITER_GONE as WRITER_GONE,
+    };
     use std::io::Write;
     let (_dir, path, proxy) = proxy_on_file(&config(&window(2, "1s"), "")).await;
     // After the watcher's first look at the file (one debounce after start).

@@ -36,7 +36,7 @@ fn strs(v: &[&str]) -> Vec<String> {
 async fn intercepted_https_is_limited_like_plain_http_over_h1_and_h2() {
     let dir = tempfile::tempdir().unwrap();
     let up = tls_upstream(dir.path()).await;
-    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
     let proxy = Proxy::start(
         &format!(
             "[tls]\nca_cert = {:?}\nca_key = {:?}\n\
@@ -117,7 +117,7 @@ async fn intercepted_https_is_limited_like_plain_http_over_h1_and_h2() {
 async fn an_untrusted_upstream_certificate_is_a_502() {
     let dir = tempfile::tempdir().unwrap();
     let up = tls_upstream(dir.path()).await;
-    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
     // No upstream_ca: the upstream's private CA is not trusted.
     let proxy = Proxy::start(&format!(
         "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
@@ -189,7 +189,7 @@ async fn a_tunnel_to_an_unmatched_host_still_works() {
 async fn reqwest_with_the_ca_added_over_http1_and_http2() {
     let dir = tempfile::tempdir().unwrap();
     let up = tls_upstream(dir.path()).await;
-    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
     let proxy = Proxy::start(&format!(
         "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
          [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\nupstream_ca = {:?}\n",
@@ -292,8 +292,8 @@ async fn a_generated_ca_is_trusted_through_the_bundle_it_writes() {
 
     // With key_dir, a restarted sluice finds the CA it made before.
     let keys = dir.path().join("keys");
-    let first = sluice::tls::ca::Authority::generate_in(&keys).unwrap();
-    let again = sluice::tls::ca::Authority::generate_in(&keys).unwrap();
+    let first = sluice::Authority::generate_in(&keys).unwrap();
+    let again = sluice::Authority::generate_in(&keys).unwrap();
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));
     first.write_trust(&a).unwrap();
     again.write_trust(&b).unwrap();
@@ -301,7 +301,7 @@ async fn a_generated_ca_is_trusted_through_the_bundle_it_writes() {
         std::fs::read(a.join("ca.pem")).unwrap(),
         std::fs::read(b.join("ca.pem")).unwrap()
     );
-    let fresh = sluice::tls::ca::Authority::generate().unwrap();
+    let fresh = sluice::Authority::generate().unwrap();
     fresh.write_trust(&b).unwrap();
     assert_ne!(
         std::fs::read(a.join("ca.pem")).unwrap(),
@@ -334,7 +334,7 @@ async fn closed_after<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> Duration {
 #[tokio::test]
 async fn silent_intercepted_connections_are_closed() {
     let dir = tempfile::tempdir().unwrap();
-    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
     let proxy = Proxy::start(&format!(
         "tunnel_idle_timeout = \"1s\"\n[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
          [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n"
@@ -369,7 +369,7 @@ async fn silent_intercepted_connections_are_closed() {
 async fn intercepted_clients_offering_http_1_0_or_no_alpn_are_served() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let dir = tempfile::tempdir().unwrap();
-    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
     let proxy = Proxy::start(&format!(
         "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
          [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n\
@@ -430,7 +430,7 @@ async fn intercepted_clients_offering_http_1_0_or_no_alpn_are_served() {
 async fn expect_100_continue_inside_interception_over_h1_and_h2() {
     let dir = tempfile::tempdir().unwrap();
     let up = tls_upstream(dir.path()).await;
-    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
     let proxy = Proxy::start(&format!(
         "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
          [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n\
@@ -499,7 +499,7 @@ async fn expect_100_continue_inside_interception_over_h1_and_h2() {
 async fn a_rapid_reset_flood_inside_interception_is_bounded() {
     let dir = tempfile::tempdir().unwrap();
     let up = tls_upstream(dir.path()).await;
-    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
     let proxy = Proxy::start(&format!(
         "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
          [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n\
@@ -673,7 +673,7 @@ fn runs(program: &str, arg: &str) -> bool {
 async fn the_documented_trust_recipes_work() {
     let dir = tempfile::tempdir().unwrap();
     let up = tls_upstream(dir.path()).await;
-    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
     let proxy = Proxy::start(&format!(
         "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
          [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\nupstream_ca = {:?}\n",

@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use sluice::proxy::server::Workers;
+use sluice::Workers;
 use support::{Proxy, Upstream, eventually, get, read_response};
 
 #[tokio::test]

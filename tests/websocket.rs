@@ -221,7 +221,7 @@ async fn a_wss_websocket_passes_through_interception() {
     let dir = tempfile::tempdir().unwrap();
     let certs = support::certs::for_localhost(dir.path(), &[b"h2", b"http/1.1"]);
     let up = ws_echo(Some(certs.server.clone())).await;
-    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
     let proxy = Proxy::start(&format!(
         "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
          [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n\
@@ -260,7 +260,7 @@ async fn extended_connect_is_not_offered_inside_intercepted_h2() {
     support::crypto();
     let dir = tempfile::tempdir().unwrap();
     let up = support::certs::tls_upstream(dir.path()).await;
-    let (ca_cert, ca_key) = sluice::tls::ca::write_new_ca(&dir.path().join("ca")).unwrap();
+    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
     let proxy = Proxy::start(&format!(
         "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
          [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n\

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum State {
+pub(super) enum State {
     Closed,
     Open,
     /// One probe is out; everyone else stays on the fallback until it answers.
@@ -15,7 +15,7 @@ pub enum State {
 }
 
 #[derive(Debug)]
-pub struct Breaker {
+pub(super) struct Breaker {
     failures: u32,
     open_for: Duration,
     in_a_row: u32,
@@ -26,7 +26,7 @@ pub struct Breaker {
 }
 
 impl Breaker {
-    pub fn new(failures: u32, open_for: Duration) -> Breaker {
+    pub(super) fn new(failures: u32, open_for: Duration) -> Breaker {
         Breaker {
             failures: failures.max(1),
             open_for,
@@ -37,7 +37,7 @@ impl Breaker {
         }
     }
 
-    pub fn state(&self, now: Instant) -> State {
+    pub(super) fn state(&self, now: Instant) -> State {
         match self.open_until {
             None => State::Closed,
             Some(_) if self.probing => State::Probing,
@@ -48,7 +48,7 @@ impl Breaker {
 
     /// Whether a call may go to Redis now. After `open_for` the first caller is let
     /// through as the probe.
-    pub fn allow(&mut self, now: Instant) -> bool {
+    pub(super) fn allow(&mut self, now: Instant) -> bool {
         match self.open_until {
             None => true,
             Some(t) if now < t || self.probing => false,
@@ -60,11 +60,11 @@ impl Breaker {
     }
 
     /// Until when calls are held back (for `Retry-After`), if they are.
-    pub fn open_until(&self) -> Option<Instant> {
+    pub(super) fn open_until(&self) -> Option<Instant> {
         self.open_until
     }
 
-    pub fn success(&mut self, now: Instant) {
+    pub(super) fn success(&mut self, now: Instant) {
         if let Some((_, back @ None)) = &mut self.outage {
             *back = Some(now);
         }
@@ -74,13 +74,13 @@ impl Breaker {
     }
 
     /// When the breaker last opened, and when a call succeeded after that, if one has.
-    pub fn outage(&self) -> Option<(Instant, Option<Instant>)> {
+    pub(super) fn outage(&self) -> Option<(Instant, Option<Instant>)> {
         self.outage
     }
 
     /// Opens now, as if `failures` calls in a row had failed; returns whether it was
     /// closed.
-    pub fn trip(&mut self, now: Instant) -> bool {
+    pub(super) fn trip(&mut self, now: Instant) -> bool {
         let was_closed = self.open_until.is_none();
         if was_closed {
             self.outage = Some((now, None));
@@ -92,7 +92,7 @@ impl Breaker {
     }
 
     /// A failed call; returns whether this one opened the breaker.
-    pub fn failure(&mut self, now: Instant) -> bool {
+    pub(super) fn failure(&mut self, now: Instant) -> bool {
         self.in_a_row = self.in_a_row.saturating_add(1);
         let was_closed = self.open_until.is_none();
         if self.probing || self.in_a_row >= self.failures {

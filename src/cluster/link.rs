@@ -14,7 +14,7 @@ use crate::config::{ClusterConfig, RedisTarget, redact_url};
 
 /// Why a call to Redis failed, as `sluice_cluster_errors_total{kind}` labels it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Fault {
+pub(crate) enum Fault {
     /// No answer within `timeout`.
     Timeout,
     /// Could not connect, or find the primary through Sentinel.
@@ -52,7 +52,9 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 19] = [
+    /// Every fault, for the test that their labels are distinct.
+    #[cfg(test)]
+    pub(crate) const ALL: [Fault; 19] = [
         Fault::Timeout,
         Fault::Connect,
         Fault::Auth,
@@ -74,7 +76,7 @@ impl Fault {
         Fault::BreakerOpen,
     ];
 
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Fault::Timeout => "timeout",
             Fault::Connect => "connect",
@@ -102,7 +104,7 @@ impl Fault {
     /// or hung, or it leads to a node that is no longer the primary, which a new
     /// connection finds again (DNS resolved anew, Sentinel asked anew, Cluster slots
     /// read anew).
-    pub fn reconnects(self) -> bool {
+    pub(crate) fn reconnects(self) -> bool {
         matches!(
             self,
             Fault::Timeout
@@ -118,7 +120,7 @@ impl Fault {
     }
 
     /// A failure of a call that reached Redis, by the error's code.
-    pub fn of(e: &RedisError) -> Fault {
+    pub(crate) fn of(e: &RedisError) -> Fault {
         if e.is_timeout() {
             return Fault::Timeout;
         }
@@ -153,7 +155,7 @@ impl Fault {
     /// A failure to connect: `Connect`, unless Redis answered with a reason. A refused
     /// password comes without a code (the client reports it as its own kind), from a
     /// Sentinel as from the primary.
-    pub fn of_connect(e: &RedisError) -> Fault {
+    pub(crate) fn of_connect(e: &RedisError) -> Fault {
         match e.code().map(Fault::of_code) {
             Some(f) if f != Fault::Script => f,
             _ if e.kind() == redis::ErrorKind::AuthenticationFailed => Fault::Auth,
@@ -164,7 +166,7 @@ impl Fault {
 }
 
 /// The clients for one `[cluster]`, with its secrets read.
-pub enum Link {
+pub(crate) enum Link {
     Primary(redis::Client),
     Cluster(redis::cluster::ClusterClient),
     /// Asked for the primary at every connection.
@@ -173,7 +175,7 @@ pub enum Link {
 
 /// A connection on any topology: both kinds multiplex, so one is shared by every call.
 #[derive(Clone)]
-pub enum Conn {
+pub(crate) enum Conn {
     Single(MultiplexedConnection),
     Cluster(ClusterConnection),
 }
@@ -209,14 +211,14 @@ impl ConnectionLike for Conn {
 /// `[cluster]` with its secrets read: what a reload compares to tell whether the link
 /// must be made again.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Resolved {
-    pub urls: Vec<String>,
-    pub password: Option<String>,
-    pub sentinel_password: Option<String>,
+pub(crate) struct Resolved {
+    pub(crate) urls: Vec<String>,
+    pub(crate) password: Option<String>,
+    pub(crate) sentinel_password: Option<String>,
 }
 
 impl Resolved {
-    pub fn of(config: &ClusterConfig) -> Result<Resolved, String> {
+    pub(crate) fn of(config: &ClusterConfig) -> Result<Resolved, String> {
         let read = |s: &Option<crate::config::Secret>| s.as_ref().map(|s| s.read()).transpose();
         Ok(Resolved {
             urls: match &config.redis {
@@ -235,7 +237,7 @@ impl Resolved {
 const CLUSTER_RETRIES: u32 = 3;
 
 impl Link {
-    pub fn new(config: &ClusterConfig, r: &Resolved) -> Result<Link, String> {
+    pub(crate) fn new(config: &ClusterConfig, r: &Resolved) -> Result<Link, String> {
         let certs = match &config.ca {
             Some(ca) => Some(redis::TlsCertificates {
                 client_tls: None,
@@ -315,7 +317,7 @@ impl Link {
 
     /// A new connection: DNS resolved again, the Sentinels asked again, the Cluster's
     /// slots read again.
-    pub async fn connect(&self, timeout: Duration) -> Result<Conn, RedisError> {
+    pub(crate) async fn connect(&self, timeout: Duration) -> Result<Conn, RedisError> {
         let config = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(timeout))
             .set_response_timeout(Some(timeout));

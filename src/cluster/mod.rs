@@ -29,8 +29,8 @@
 //! what it admitted in the windows still running before it reserves again.
 
 mod breaker;
-pub mod link;
-pub mod partition;
+pub(crate) mod link;
+pub(crate) mod partition;
 
 use parking_lot::Mutex;
 use std::sync::Arc;
@@ -40,7 +40,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::config::{ClusterConfig, OnRedisError};
-pub use crate::limit::shared::{GlobalLimit, Kind, micros};
+pub(crate) use crate::limit::shared::{GlobalLimit, Kind, micros};
 use crate::metrics::Metrics;
 use breaker::Breaker;
 use link::{Conn, Fault, Link, Resolved};
@@ -72,7 +72,7 @@ pub enum ClusterError {
 
 /// A failed call.
 #[derive(Debug, thiserror::Error)]
-pub enum CallError {
+pub(crate) enum CallError {
     #[error("no answer within the cluster timeout")]
     Timeout,
     #[error("cannot connect: {1}")]
@@ -98,7 +98,7 @@ impl CallError {
 
 /// How global limits are decided at a given moment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
+pub(crate) enum Mode {
     Redis,
     Local,
     Allow,
@@ -106,7 +106,7 @@ pub enum Mode {
 }
 
 impl Mode {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Mode::Redis => "redis",
             Mode::Local => "local",
@@ -139,7 +139,7 @@ pub fn script_args(l: &GlobalLimit) -> [String; 4] {
 
 /// What one call returned.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Reply {
+pub(crate) enum Reply {
     /// Reserved `wait` from Redis's `now` (microseconds); `openings`: for each fixed
     /// window of the call, the instant its window opened.
     Reserved {
@@ -217,7 +217,7 @@ impl Reply {
 }
 
 /// The Redis side of shared limits: the connection, the script, the breaker, the mode.
-pub struct Cluster {
+pub(crate) struct Cluster {
     config: ClusterConfig,
     /// The settings with their secrets read, to tell whether a reload changes them.
     resolved: Resolved,
@@ -241,7 +241,7 @@ pub struct Cluster {
 /// other calls succeed (one node of a Redis Cluster failing, say). With the breaker,
 /// this bounds a replica's calls to about twice its request rate whatever Redis
 /// answers.
-pub const OWN_FAILURES: u32 = 2;
+pub(crate) const OWN_FAILURES: u32 = 2;
 
 /// A kind of failure is logged at most this often; the line says how many it stands for.
 const WARN_EVERY: Duration = Duration::from_secs(10);
@@ -255,7 +255,10 @@ impl std::fmt::Debug for Cluster {
 }
 
 impl Cluster {
-    pub fn new(config: &ClusterConfig, metrics: &Metrics) -> Result<Arc<Cluster>, ClusterError> {
+    pub(crate) fn new(
+        config: &ClusterConfig,
+        metrics: &Metrics,
+    ) -> Result<Arc<Cluster>, ClusterError> {
         let resolved = Resolved::of(config).map_err(ClusterError::Config)?;
         // redis-rs builds its TLS config from the process's default provider: the same
         // ring that every other TLS connection of sluice uses.
@@ -278,13 +281,9 @@ impl Cluster {
         Ok(Arc::new(c))
     }
 
-    pub fn config(&self) -> &ClusterConfig {
-        &self.config
-    }
-
     /// Whether `config` describes this very cluster (the same settings, and the same URLs
     /// and passwords where they are read from a variable or a file).
-    pub fn same(&self, config: &ClusterConfig) -> bool {
+    pub(crate) fn same(&self, config: &ClusterConfig) -> bool {
         self.config == *config && Resolved::of(config).is_ok_and(|r| r == self.resolved)
     }
 
@@ -303,7 +302,7 @@ impl Cluster {
 
     /// How global limits are decided now: through Redis while the breaker lets calls
     /// through, else as `on_redis_error` says.
-    pub fn mode(&self, now: Instant) -> Mode {
+    pub(crate) fn mode(&self, now: Instant) -> Mode {
         let m = if self.breaker().state(now) == breaker::State::Closed {
             Mode::Redis
         } else {
@@ -337,7 +336,7 @@ impl Cluster {
     /// The last outage during which replicas may have admitted without Redis: when the
     /// breaker opened, and when Redis answered again if it has (`None` under `deny`,
     /// where nothing is admitted without Redis).
-    pub fn outage(&self) -> Option<(Instant, Option<Instant>)> {
+    pub(crate) fn outage(&self) -> Option<(Instant, Option<Instant>)> {
         match self.config.on_redis_error {
             OnRedisError::Deny => None,
             OnRedisError::Local | OnRedisError::Allow => self.breaker().outage(),
@@ -345,7 +344,7 @@ impl Cluster {
     }
 
     /// When the breaker lets a call through again, if it is holding them back.
-    pub fn reopens_at(&self) -> Option<Instant> {
+    pub(crate) fn reopens_at(&self) -> Option<Instant> {
         self.breaker().open_until()
     }
 
@@ -403,7 +402,7 @@ impl Cluster {
     }
 
     /// Opens the breaker now: a request gave up on Redis after failed calls of its own.
-    pub fn trip(&self, now: Instant) {
+    pub(crate) fn trip(&self, now: Instant) {
         if self.breaker().trip(now) {
             tracing::warn!(
                 redis = %self.config.redis,
@@ -468,7 +467,7 @@ impl Cluster {
     }
 
     /// For `/buckets` and `explain`.
-    pub fn describe(&self) -> serde_json::Value {
+    pub(crate) fn describe(&self) -> serde_json::Value {
         let now = Instant::now();
         serde_json::json!({
             "redis": self.config.redis.to_string(),

@@ -38,7 +38,7 @@ const LAZY_WINDOW_MAX: Duration = Duration::from_secs(2);
 /// takes the instant Redis gives without turns.
 const MAX_TURNS: u32 = 8;
 
-pub struct Shared {
+pub(crate) struct Shared {
     /// `{sluice:<upstream>:<partition>}`: every key of the partition carries this hash
     /// tag, so one call's keys share a Redis Cluster slot. The partition is the hash of
     /// the key value, never the value.
@@ -122,7 +122,7 @@ fn count(cluster: &Cluster, result: &str) {
 /// What the request holding the turn finds: a reservation left by a request that gave
 /// up on it, and the answer the next reservation waits on.
 #[derive(Default)]
-pub struct Gate {
+pub(crate) struct Gate {
     handed: Option<Reserved>,
     /// The next reservation waits on the answers of those before: ask once they are in,
     /// and no later than this instant, the last one's latest arrival.
@@ -191,7 +191,7 @@ struct Mine {
 }
 
 /// How a request got through its global limits.
-pub enum Admission {
+pub(crate) enum Admission {
     /// Reserved through Redis, or admitted by the local fallback: follow it with a hold.
     Held(Hold),
     /// `on_redis_error = "allow"` while Redis is away.
@@ -199,7 +199,7 @@ pub enum Admission {
 }
 
 impl Shared {
-    pub fn new(upstream: &str, partition: Option<Partition>) -> Shared {
+    pub(crate) fn new(upstream: &str, partition: Option<Partition>) -> Shared {
         let p = partition.map_or_else(|| "-".to_string(), |p| format!("{:032x}", p.0));
         Shared {
             tag: format!("{{sluice:{upstream}:{p}}}"),
@@ -235,7 +235,7 @@ impl Shared {
     /// Admits a request, already admitted by its local limits, through `limits`, FIFO
     /// among the requests of `family` on this replica. Gives up with `QueueTimeout` when
     /// the instant would be later than `deadline`.
-    pub async fn admit(
+    pub(crate) async fn admit(
         self: &Arc<Self>,
         cluster: &Arc<Cluster>,
         family: &str,
@@ -893,7 +893,7 @@ impl Shared {
     }
 
     /// For `/buckets`: this replica's view of each global limit it has used.
-    pub fn describe(&self) -> serde_json::Value {
+    pub(crate) fn describe(&self) -> serde_json::Value {
         let mut st = self.state();
         let now = Instant::now();
         let now_us = st.redis_now(now);
@@ -996,7 +996,7 @@ fn remember(
 /// `ceil(replicas / permits)` windows (a bucket: a burst of one), so that every replica
 /// keeps serving; the provider may then see up to `replicas` requests in one window, which
 /// `sluice check` and the startup log say. `None` only for what has no rate (concurrency).
-pub fn share(spec: &Limit, replicas: u32) -> Option<Limit> {
+pub(crate) fn share(spec: &Limit, replicas: u32) -> Option<Limit> {
     let replicas = replicas.max(1);
     // Permits per window, and how many windows that many take.
     let split = |n: u32| match std::num::NonZeroU32::new(n / replicas) {
@@ -1098,7 +1098,7 @@ fn num(x: f64) -> String {
 
 /// A request admitted through its global limits, followed to its send and answer so that
 /// Redis (or the local fallback) counts it as the provider does.
-pub struct Hold {
+pub(crate) struct Hold {
     shared: Arc<Shared>,
     cluster: Arc<Cluster>,
     r: Reserved,
@@ -1128,7 +1128,7 @@ impl Hold {
 
     /// Handed to its upstream connection at `at`. Later than the margin after the
     /// reserved instant, Redis must hold the permit longer: corrected at once.
-    pub fn sent(&self, at: Instant) {
+    pub(crate) fn sent(&self, at: Instant) {
         if let Some(id) = self.fallback {
             self.fallback_event(|s| s.sent(id, Some(0), at));
         }
@@ -1145,7 +1145,7 @@ impl Hold {
     }
 
     /// Answered at `at`, having been sent at `sent`: it reached the provider by then.
-    pub fn answered(&self, sent: Instant, at: Instant, took: Duration) {
+    pub(crate) fn answered(&self, sent: Instant, at: Instant, took: Duration) {
         if let Some(id) = self.fallback {
             self.fallback_event(|s| s.answered(id, at, took));
         }
@@ -1175,7 +1175,7 @@ impl Hold {
     }
 
     /// Never handed to a connection: the provider did not see it.
-    pub fn unsent(&self) {
+    pub(crate) fn unsent(&self) {
         if self.fallback.is_some() {
             self.fallback_event(|s| s.unsent(0));
         }

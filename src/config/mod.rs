@@ -3,9 +3,9 @@
 //! carries its complete policy (`[defaults]` ← `[[upstream]]` ← `[[upstream.family]]`).
 //! Every error names `file:line:col`.
 
-pub mod pattern;
-pub mod spec;
-pub mod units;
+pub(crate) mod pattern;
+pub(crate) mod spec;
+pub(crate) mod units;
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -18,14 +18,13 @@ use http::{HeaderName, Method};
 use serde::{Serialize, Serializer};
 use sha2::{Digest, Sha256};
 
-pub use pattern::{HostPattern, PathGlob};
-pub use spec::{
-    Action, AdminControl, BudgetSpec, CooldownScope, CounterAlign, Jitter, Learn,
-    LimitSpec as Limit, OnRedisError, Priority, RetryOn, Rounding, Scheme, Scope, TlsMode,
-    Unmatched, WindowAlign,
+pub(crate) use pattern::{HostPattern, PathGlob};
+pub(crate) use spec::{
+    Action, AdminControl, CooldownScope, CounterAlign, Jitter, Learn, LimitSpec as Limit,
+    OnRedisError, Priority, RetryOn, Rounding, Scheme, TlsMode, Unmatched, WindowAlign,
 };
 use spec::{AdaptiveSpec, BreakerSpec, ConfigSpec, PolicySpec, RetrySpec};
-pub use units::Margin;
+pub(crate) use units::Margin;
 use units::{ser_duration, ser_opt_duration};
 
 /// A config that could not be loaded; `Display` gives `file:line:col: message`.
@@ -64,13 +63,13 @@ type Result<T, E = Invalid> = std::result::Result<T, E>;
 #[derive(Debug, Serialize)]
 pub struct Config {
     pub proxy: ProxyConfig,
-    pub defaults: Policy,
+    pub(crate) defaults: Policy,
     pub upstreams: Vec<Upstream>,
-    pub tls: Option<TlsConfig>,
-    pub cluster: Option<ClusterConfig>,
-    pub egress: EgressConfig,
+    pub(crate) tls: Option<TlsConfig>,
+    pub(crate) cluster: Option<ClusterConfig>,
+    pub(crate) egress: EgressConfig,
     /// SHA-256 of the file's bytes: a reload of an unchanged file does nothing.
-    pub sha256: String,
+    pub(crate) sha256: String,
     /// What is published of the config in force (`sluice_config_info`, `/status.json`,
     /// `sluice check`): a SHA-256 of the effective config with its secrets redacted, so
     /// that replicas with the same config agree while the hash is no test of a guessed
@@ -83,25 +82,25 @@ pub struct Config {
 pub struct ProxyConfig {
     pub listen: SocketAddr,
     pub admin: SocketAddr,
-    pub unmatched: Unmatched,
-    pub max_replay_body: u64,
+    pub(crate) unmatched: Unmatched,
+    pub(crate) max_replay_body: u64,
     /// Replay copies held at once across the process; beyond it requests are not retried.
-    pub max_replay_memory: u64,
+    pub(crate) max_replay_memory: u64,
     /// Client connections served at once; `None`: from the open-file limit (`rlimit`).
-    pub max_connections: Option<u64>,
+    pub(crate) max_connections: Option<u64>,
     /// A CONNECT tunnel with no bytes either way for this long is closed.
     #[serde(serialize_with = "ser_duration")]
-    pub tunnel_idle_timeout: Duration,
+    pub(crate) tunnel_idle_timeout: Duration,
     /// Protocols a forwarded request may switch to (`Upgrade`), lower case.
-    pub upgrades: Vec<String>,
+    pub(crate) upgrades: Vec<String>,
     /// How long a write to a client may stay blocked (nginx's `send_timeout`).
     #[serde(serialize_with = "ser_duration")]
-    pub send_timeout: Duration,
+    pub(crate) send_timeout: Duration,
     #[serde(serialize_with = "ser_duration")]
-    pub drain_timeout: Duration,
+    pub(crate) drain_timeout: Duration,
     #[serde(serialize_with = "ser_duration")]
-    pub shutdown_delay: Duration,
-    pub admin_control: AdminControl,
+    pub(crate) shutdown_delay: Duration,
+    pub(crate) admin_control: AdminControl,
 }
 
 /// What the command line or the environment sets over the file (`--listen`,
@@ -117,7 +116,7 @@ pub struct Overrides {
 }
 
 impl Overrides {
-    pub fn apply(&self, config: &mut Config) {
+    pub(crate) fn apply(&self, config: &mut Config) {
         if let Some(d) = self.shutdown_delay {
             config.proxy.shutdown_delay = d;
         }
@@ -131,114 +130,114 @@ impl Overrides {
 }
 
 #[derive(Debug, Clone, Serialize)]
-pub struct Policy {
-    pub max_queue: u32,
+pub(crate) struct Policy {
+    pub(crate) max_queue: u32,
     #[serde(serialize_with = "ser_duration")]
-    pub max_wait: Duration,
+    pub(crate) max_wait: Duration,
     #[serde(serialize_with = "ser_duration")]
-    pub attempt_timeout: Duration,
+    pub(crate) attempt_timeout: Duration,
     #[serde(serialize_with = "ser_duration")]
-    pub total_timeout: Duration,
-    pub retry: RetryPolicy,
-    pub breaker: BreakerPolicy,
+    pub(crate) total_timeout: Duration,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) breaker: BreakerPolicy,
 }
 
 #[derive(Debug, Clone, Serialize)]
-pub struct RetryPolicy {
-    pub max_attempts: u32,
-    pub backoff: Backoff,
-    pub on: Vec<RetryOn>,
+pub(crate) struct RetryPolicy {
+    pub(crate) max_attempts: u32,
+    pub(crate) backoff: Backoff,
+    pub(crate) on: Vec<RetryOn>,
     #[serde(serialize_with = "ser_duration")]
-    pub max_retry_after: Duration,
+    pub(crate) max_retry_after: Duration,
     /// The longest a 429 may pause the bucket; `None`: `max_retry_after`.
     #[serde(serialize_with = "ser_opt_duration")]
-    pub max_cooldown: Option<Duration>,
+    pub(crate) max_cooldown: Option<Duration>,
     #[serde(serialize_with = "ser_header_name")]
-    pub idempotency_header: HeaderName,
-    pub budget: BudgetPolicy,
+    pub(crate) idempotency_header: HeaderName,
+    pub(crate) budget: BudgetPolicy,
 }
 
 impl RetryPolicy {
     /// How long a provider's wait hint may pause a bucket: a bogus `Retry-After: 86400`
     /// must not freeze a queue for a day.
-    pub fn cooldown_cap(&self) -> Duration {
+    pub(crate) fn cooldown_cap(&self) -> Duration {
         self.max_cooldown.unwrap_or(self.max_retry_after)
     }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct BudgetPolicy {
-    pub ratio: f64,
-    pub min_per_second: u32,
+pub(crate) struct BudgetPolicy {
+    pub(crate) ratio: f64,
+    pub(crate) min_per_second: u32,
     #[serde(serialize_with = "ser_duration")]
-    pub window: Duration,
+    pub(crate) window: Duration,
 }
 
 #[derive(Debug, Clone, Serialize)]
-pub struct Backoff {
+pub(crate) struct Backoff {
     #[serde(serialize_with = "ser_duration")]
-    pub base: Duration,
+    pub(crate) base: Duration,
     #[serde(serialize_with = "ser_duration")]
-    pub max: Duration,
-    pub jitter: Jitter,
+    pub(crate) max: Duration,
+    pub(crate) jitter: Jitter,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct BreakerPolicy {
-    pub failure_ratio: f64,
-    pub min_requests: u32,
+pub(crate) struct BreakerPolicy {
+    pub(crate) failure_ratio: f64,
+    pub(crate) min_requests: u32,
     #[serde(serialize_with = "ser_duration")]
-    pub window: Duration,
+    pub(crate) window: Duration,
     #[serde(serialize_with = "ser_duration")]
-    pub open_for: Duration,
+    pub(crate) open_for: Duration,
 }
 
 #[derive(Debug, Serialize)]
 pub struct Upstream {
-    pub name: String,
+    pub(crate) name: String,
     pub hosts: Vec<HostPattern>,
-    pub key: Option<KeySource>,
+    pub(crate) key: Option<KeySource>,
     /// Live partitions `key` may make at most; `None`: as many as fit in
     /// `limit::PARTITION_MEMORY`.
-    pub max_partitions: Option<u32>,
-    pub tls: TlsMode,
-    pub scheme: Scheme,
+    pub(crate) max_partitions: Option<u32>,
+    pub(crate) tls: TlsMode,
+    pub(crate) scheme: Scheme,
     pub upstream_ca: Option<PathBuf>,
     pub limits: Vec<Limit>,
     pub families: Vec<Family>,
-    pub classify: Vec<ClassifyRule>,
-    pub idempotency_generate: bool,
-    pub cooldown: CooldownScope,
+    pub(crate) classify: Vec<ClassifyRule>,
+    pub(crate) idempotency_generate: bool,
+    pub(crate) cooldown: CooldownScope,
     /// Whether the provider's announced budget slows this upstream's partitions down.
-    pub learn: Learn,
+    pub(crate) learn: Learn,
     /// AIMD for its families that set none of their own, and for requests of no family.
-    pub adaptive: Option<Adaptive>,
+    pub(crate) adaptive: Option<Adaptive>,
     /// Whether responses describe the sluice bucket they paid in `RateLimit` and
     /// `RateLimit-Policy` fields.
-    pub ratelimit_headers: bool,
+    pub(crate) ratelimit_headers: bool,
     /// The share of this upstream's requests that get an access-log line: 1 (all, the
     /// default), 0 (none), or a sample in between for very hot paths.
-    pub access_log: f64,
-    pub policy: Policy,
+    pub(crate) access_log: f64,
+    pub(crate) policy: Policy,
 }
 
 #[derive(Debug, Serialize)]
 pub struct Family {
-    pub name: String,
+    pub(crate) name: String,
     /// `None` matches every method.
     #[serde(serialize_with = "ser_methods")]
-    pub methods: Option<Vec<Method>>,
+    pub(crate) methods: Option<Vec<Method>>,
     /// Empty matches every path.
-    pub paths: Vec<PathGlob>,
-    pub priority: Priority,
-    pub limits: Vec<Limit>,
+    pub(crate) paths: Vec<PathGlob>,
+    pub(crate) priority: Priority,
+    pub(crate) limits: Vec<Limit>,
     /// Whether the family set `[breaker]` itself (its own circuit) or inherits the upstream's.
-    pub own_breaker: bool,
+    pub(crate) own_breaker: bool,
     /// Its own `adaptive`, else the upstream's.
-    pub adaptive: Option<Adaptive>,
+    pub(crate) adaptive: Option<Adaptive>,
     /// Where a request's tenant comes from: its queue then serves tenants in turns.
-    pub tenant: Option<KeySource>,
-    pub policy: Policy,
+    pub(crate) tenant: Option<KeySource>,
+    pub(crate) policy: Policy,
 }
 
 /// AIMD on unannounced 429s: each 429 that classification retries or cools down
@@ -246,15 +245,15 @@ pub struct Family {
 /// answers without one adds `increase` of the configured rate; never above the
 /// configured rate, never below `floor` of it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Adaptive {
-    pub decrease: f64,
-    pub increase: f64,
-    pub floor: f64,
-    pub successes: u32,
+pub(crate) struct Adaptive {
+    pub(crate) decrease: f64,
+    pub(crate) increase: f64,
+    pub(crate) floor: f64,
+    pub(crate) successes: u32,
 }
 
 impl Family {
-    pub fn matches(&self, method: &Method, path: &str) -> bool {
+    pub(crate) fn matches(&self, method: &Method, path: &str) -> bool {
         self.methods.as_ref().is_none_or(|m| m.contains(method))
             && (self.paths.is_empty() || self.paths.iter().any(|g| g.matches(path)))
     }
@@ -262,7 +261,7 @@ impl Family {
 
 /// Where a request's partition key comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeySource {
+pub(crate) enum KeySource {
     Header(HeaderName),
 }
 
@@ -290,34 +289,34 @@ pub struct ClassifyRule {
 }
 
 #[derive(Debug, PartialEq, Serialize)]
-pub struct TlsConfig {
-    pub ca_cert: Option<PathBuf>,
-    pub ca_key: Option<PathBuf>,
+pub(crate) struct TlsConfig {
+    pub(crate) ca_cert: Option<PathBuf>,
+    pub(crate) ca_key: Option<PathBuf>,
     /// Make the interception CA at start instead of reading one.
-    pub generate_ca: bool,
+    pub(crate) generate_ca: bool,
     /// Where the CA certificate and a bundle of the public roots plus it are written,
     /// for the application to trust (a volume it shares with sluice).
-    pub trust_dir: Option<PathBuf>,
+    pub(crate) trust_dir: Option<PathBuf>,
     /// Where a generated CA's key is kept across restarts (a volume only sluice mounts);
     /// without it the key lives in memory only.
-    pub key_dir: Option<PathBuf>,
+    pub(crate) key_dir: Option<PathBuf>,
 }
 
 /// `[egress]`, see `egress::Rules` for how it combines with the built-in list.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct EgressConfig {
-    pub allow: Vec<ipnet::IpNet>,
-    pub deny: Vec<ipnet::IpNet>,
+pub(crate) struct EgressConfig {
+    pub(crate) allow: Vec<ipnet::IpNet>,
+    pub(crate) deny: Vec<ipnet::IpNet>,
     /// Ports CONNECT may open besides those an upstream's host pattern names.
-    pub connect_ports: Vec<PortRange>,
+    pub(crate) connect_ports: Vec<PortRange>,
 }
 
 /// Inclusive; one port is a range of one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PortRange(pub u16, pub u16);
+pub(crate) struct PortRange(pub u16, pub u16);
 
 impl PortRange {
-    pub fn contains(&self, port: u16) -> bool {
+    pub(crate) fn contains(&self, port: u16) -> bool {
         (self.0..=self.1).contains(&port)
     }
 }
@@ -339,31 +338,31 @@ impl Serialize for PortRange {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ClusterConfig {
-    pub redis: RedisTarget,
+pub(crate) struct ClusterConfig {
+    pub(crate) redis: RedisTarget,
     /// The data nodes' password (`cluster_nodes`, `sentinels`).
-    pub password: Option<Secret>,
+    pub(crate) password: Option<Secret>,
     /// The Sentinels' own password.
-    pub sentinel_password: Option<Secret>,
+    pub(crate) sentinel_password: Option<Secret>,
     /// Extra CA for `rediss://`, besides the public roots.
-    pub ca: Option<PathBuf>,
-    pub on_redis_error: OnRedisError,
+    pub(crate) ca: Option<PathBuf>,
+    pub(crate) on_redis_error: OnRedisError,
     /// How many replicas share the budget; `local` fallback gives each `limit / replicas`.
-    pub replicas: Option<u32>,
+    pub(crate) replicas: Option<u32>,
     /// Every Redis call, connecting included, ends within this.
     #[serde(serialize_with = "ser_duration")]
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     /// Consecutive failed calls that open the breaker around Redis.
-    pub failures: u32,
+    pub(crate) failures: u32,
     /// How long the breaker stays open before one call probes Redis again.
     #[serde(serialize_with = "ser_duration")]
-    pub open_for: Duration,
+    pub(crate) open_for: Duration,
 }
 
 /// Where the Redis URL comes from. The URL may hold a password: only `/config`'s redacted
 /// form of it, or the name of the variable or file, is ever shown.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RedisSource {
+pub(crate) enum RedisSource {
     Url(String),
     /// An environment variable holding the URL.
     Env(String),
@@ -373,7 +372,7 @@ pub enum RedisSource {
 
 impl RedisSource {
     /// The URL, read from where it lives.
-    pub fn url(&self) -> std::result::Result<String, String> {
+    pub(crate) fn url(&self) -> std::result::Result<String, String> {
         let url = match self {
             RedisSource::Url(u) => u.clone(),
             RedisSource::Env(name) => std::env::var(name).map_err(|_| {
@@ -392,7 +391,7 @@ impl RedisSource {
 
 /// The Redis topology shared limits live on.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RedisTarget {
+pub(crate) enum RedisTarget {
     /// One primary, or a managed endpoint whose name follows the primary across failovers.
     Primary(RedisSource),
     /// A Redis Cluster, found from these seed nodes.
@@ -430,7 +429,7 @@ impl Serialize for RedisTarget {
 
 /// A secret kept out of the config file: the variable or the file that holds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Secret {
+pub(crate) enum Secret {
     Env(String),
     File(PathBuf),
 }
@@ -454,7 +453,7 @@ impl Secret {
     }
 
     /// The secret, read from where it lives (a file again at each reload).
-    pub fn read(&self) -> std::result::Result<String, String> {
+    pub(crate) fn read(&self) -> std::result::Result<String, String> {
         match self {
             Secret::Env(name) => std::env::var(name)
                 .map_err(|_| format!("the environment variable {name} is not set")),
@@ -513,7 +512,7 @@ fn ser_methods<S: Serializer>(m: &Option<Vec<Method>>, s: S) -> Result<S::Ok, S:
 
 /// `redis://user:secret@host/0` → `redis://user:***@host/0`: a password in the URL must not
 /// leave the process through `/config`.
-pub fn redact_url(url: &str) -> String {
+pub(crate) fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_string();
     };
@@ -527,10 +526,10 @@ pub fn redact_url(url: &str) -> String {
 
 /// The largest config file read. Real ones are a few KiB; the cap makes `-c /dev/zero` or a
 /// log file named by mistake fail at once instead of reading until memory runs out.
-pub const MAX_CONFIG_BYTES: u64 = 4 << 20;
+pub(crate) const MAX_CONFIG_BYTES: u64 = 4 << 20;
 
 /// Reads a UTF-8 file of at most `cap` bytes; a longer one is an error, not truncated.
-pub fn read_capped(path: &Path, cap: u64) -> std::io::Result<String> {
+pub(crate) fn read_capped(path: &Path, cap: u64) -> std::io::Result<String> {
     use std::io::Read;
     let mut bytes = Vec::new();
     std::fs::File::open(path)?
@@ -547,7 +546,7 @@ pub fn read_capped(path: &Path, cap: u64) -> std::io::Result<String> {
 }
 
 /// The SHA-256 a config made from `text` reports as `sha256`.
-pub fn text_sha256(text: &str) -> String {
+pub(crate) fn text_sha256(text: &str) -> String {
     hex(&Sha256::digest(text.as_bytes()))
 }
 
@@ -585,7 +584,7 @@ impl Config {
 
     /// The first upstream that intercepts TLS while no CA is configured: `sluice run`
     /// refuses to start then, `sluice check` warns.
-    pub fn intercept_without_ca(&self) -> Option<&str> {
+    pub(crate) fn intercept_without_ca(&self) -> Option<&str> {
         let has_ca = self
             .tls
             .as_ref()
@@ -687,7 +686,7 @@ impl Config {
     }
 }
 
-pub fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write;
     bytes
         .iter()

@@ -12,9 +12,9 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer, de};
 pub struct HostPattern {
     /// Lower-case host name or IP literal (without brackets). For a wildcard this is the
     /// suffix including its leading dot (`.example.com`).
-    pub host: String,
-    pub wildcard: bool,
-    pub port: Option<u16>,
+    pub(crate) host: String,
+    pub(crate) wildcard: bool,
+    pub(crate) port: Option<u16>,
 }
 
 impl HostPattern {

@@ -11,51 +11,51 @@ use super::units::{Bytes, Dur, Margin, PosDur};
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ConfigSpec {
+pub(crate) struct ConfigSpec {
     #[serde(default)]
-    pub proxy: ProxySpec,
+    pub(crate) proxy: ProxySpec,
     #[serde(default)]
-    pub defaults: PolicySpec,
+    pub(crate) defaults: PolicySpec,
     #[serde(default)]
-    pub upstream: Vec<UpstreamSpec>,
-    pub tls: Option<TlsSpec>,
-    pub cluster: Option<Spanned<ClusterSpec>>,
+    pub(crate) upstream: Vec<UpstreamSpec>,
+    pub(crate) tls: Option<TlsSpec>,
+    pub(crate) cluster: Option<Spanned<ClusterSpec>>,
     #[serde(default)]
-    pub egress: EgressSpec,
+    pub(crate) egress: EgressSpec,
 }
 
 /// `[egress]`: which destinations the proxy may connect to (docs/security.md).
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct EgressSpec {
-    pub allow: Option<Vec<Spanned<String>>>,
-    pub deny: Option<Vec<Spanned<String>>>,
-    pub connect_ports: Option<Vec<Spanned<PortSpec>>>,
+pub(crate) struct EgressSpec {
+    pub(crate) allow: Option<Vec<Spanned<String>>>,
+    pub(crate) deny: Option<Vec<Spanned<String>>>,
+    pub(crate) connect_ports: Option<Vec<Spanned<PortSpec>>>,
 }
 
 /// `443` or `"8000-8999"`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
-pub enum PortSpec {
+pub(crate) enum PortSpec {
     One(u16),
     Range(String),
 }
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ProxySpec {
-    pub listen: Option<Spanned<String>>,
-    pub admin: Option<Spanned<String>>,
-    pub unmatched: Option<Unmatched>,
-    pub max_replay_body: Option<Bytes>,
-    pub max_replay_memory: Option<Bytes>,
-    pub max_connections: Option<std::num::NonZeroU64>,
-    pub tunnel_idle_timeout: Option<PosDur>,
-    pub upgrades: Option<Spanned<Vec<String>>>,
-    pub send_timeout: Option<PosDur>,
-    pub drain_timeout: Option<Dur>,
-    pub shutdown_delay: Option<Dur>,
-    pub admin_control: Option<AdminControl>,
+pub(crate) struct ProxySpec {
+    pub(crate) listen: Option<Spanned<String>>,
+    pub(crate) admin: Option<Spanned<String>>,
+    pub(crate) unmatched: Option<Unmatched>,
+    pub(crate) max_replay_body: Option<Bytes>,
+    pub(crate) max_replay_memory: Option<Bytes>,
+    pub(crate) max_connections: Option<std::num::NonZeroU64>,
+    pub(crate) tunnel_idle_timeout: Option<PosDur>,
+    pub(crate) upgrades: Option<Spanned<Vec<String>>>,
+    pub(crate) send_timeout: Option<PosDur>,
+    pub(crate) drain_timeout: Option<Dur>,
+    pub(crate) shutdown_delay: Option<Dur>,
+    pub(crate) admin_control: Option<AdminControl>,
 }
 
 /// Who may use the admin endpoints that change or reveal state (`POST /reload`,
@@ -63,7 +63,7 @@ pub struct ProxySpec {
 /// admin listener.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum AdminControl {
+pub(crate) enum AdminControl {
     /// Clients connecting from a loopback address: the pod itself, `kubectl
     /// port-forward`, a shell on the host.
     #[default]
@@ -74,7 +74,7 @@ pub enum AdminControl {
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Unmatched {
+pub(crate) enum Unmatched {
     #[default]
     Pass,
     Deny,
@@ -83,47 +83,47 @@ pub enum Unmatched {
 /// The policy keys that `[defaults]`, `[[upstream]]` and `[[upstream.family]]` share.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct PolicySpec {
-    pub max_queue: Option<NonZeroU32>,
-    pub max_wait: Option<Dur>,
-    pub attempt_timeout: Option<PosDur>,
-    pub total_timeout: Option<PosDur>,
-    pub retry: Option<RetrySpec>,
-    pub breaker: Option<BreakerSpec>,
+pub(crate) struct PolicySpec {
+    pub(crate) max_queue: Option<NonZeroU32>,
+    pub(crate) max_wait: Option<Dur>,
+    pub(crate) attempt_timeout: Option<PosDur>,
+    pub(crate) total_timeout: Option<PosDur>,
+    pub(crate) retry: Option<RetrySpec>,
+    pub(crate) breaker: Option<BreakerSpec>,
 }
 
 #[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RetrySpec {
-    pub max_attempts: Option<NonZeroU32>,
-    pub backoff: Option<Spanned<BackoffSpec>>,
-    pub on: Option<Vec<RetryOn>>,
-    pub max_retry_after: Option<Dur>,
-    pub max_cooldown: Option<Dur>,
-    pub idempotency_header: Option<Spanned<String>>,
-    pub budget: Option<BudgetSpec>,
+pub(crate) struct RetrySpec {
+    pub(crate) max_attempts: Option<NonZeroU32>,
+    pub(crate) backoff: Option<Spanned<BackoffSpec>>,
+    pub(crate) on: Option<Vec<RetryOn>>,
+    pub(crate) max_retry_after: Option<Dur>,
+    pub(crate) max_cooldown: Option<Dur>,
+    pub(crate) idempotency_header: Option<Spanned<String>>,
+    pub(crate) budget: Option<BudgetSpec>,
 }
 
 /// Retry budget: retries may add `ratio` of the requests plus `min_per_second`.
 #[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct BudgetSpec {
-    pub ratio: Option<Spanned<f64>>,
-    pub min_per_second: Option<u32>,
-    pub window: Option<PosDur>,
+pub(crate) struct BudgetSpec {
+    pub(crate) ratio: Option<Spanned<f64>>,
+    pub(crate) min_per_second: Option<u32>,
+    pub(crate) window: Option<PosDur>,
 }
 
 #[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct BackoffSpec {
-    pub base: Option<PosDur>,
-    pub max: Option<PosDur>,
-    pub jitter: Option<Jitter>,
+pub(crate) struct BackoffSpec {
+    pub(crate) base: Option<PosDur>,
+    pub(crate) max: Option<PosDur>,
+    pub(crate) jitter: Option<Jitter>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Jitter {
+pub(crate) enum Jitter {
     Full,
     Equal,
     Decorrelated,
@@ -132,7 +132,7 @@ pub enum Jitter {
 
 /// One entry of `retry.on`: a status code or a transport failure class.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RetryOn {
+pub(crate) enum RetryOn {
     Status(u16),
     Connect,
     Reset,
@@ -181,83 +181,83 @@ impl Serialize for RetryOn {
 
 #[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct BreakerSpec {
-    pub failure_ratio: Option<Spanned<f64>>,
-    pub min_requests: Option<NonZeroU32>,
-    pub window: Option<PosDur>,
-    pub open_for: Option<PosDur>,
+pub(crate) struct BreakerSpec {
+    pub(crate) failure_ratio: Option<Spanned<f64>>,
+    pub(crate) min_requests: Option<NonZeroU32>,
+    pub(crate) window: Option<PosDur>,
+    pub(crate) open_for: Option<PosDur>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct UpstreamSpec {
-    pub name: Spanned<String>,
-    pub hosts: Spanned<Vec<Spanned<HostPattern>>>,
-    pub key: Option<Spanned<String>>,
-    pub max_partitions: Option<Spanned<std::num::NonZeroU32>>,
+pub(crate) struct UpstreamSpec {
+    pub(crate) name: Spanned<String>,
+    pub(crate) hosts: Spanned<Vec<Spanned<HostPattern>>>,
+    pub(crate) key: Option<Spanned<String>>,
+    pub(crate) max_partitions: Option<Spanned<std::num::NonZeroU32>>,
     #[serde(default)]
-    pub tls: TlsMode,
+    pub(crate) tls: TlsMode,
     #[serde(default)]
-    pub scheme: Scheme,
-    pub upstream_ca: Option<String>,
+    pub(crate) scheme: Scheme,
+    pub(crate) upstream_ca: Option<String>,
     #[serde(default)]
-    pub limits: Vec<Spanned<LimitSpec>>,
+    pub(crate) limits: Vec<Spanned<LimitSpec>>,
     #[serde(default)]
-    pub family: Vec<FamilySpec>,
+    pub(crate) family: Vec<FamilySpec>,
     #[serde(default)]
-    pub classify: Vec<Spanned<ClassifySpec>>,
-    pub idempotency_generate: Option<bool>,
-    pub cooldown: Option<CooldownScope>,
+    pub(crate) classify: Vec<Spanned<ClassifySpec>>,
+    pub(crate) idempotency_generate: Option<bool>,
+    pub(crate) cooldown: Option<CooldownScope>,
     #[serde(default)]
-    pub learn: Learn,
-    pub ratelimit_headers: Option<bool>,
-    pub adaptive: Option<Spanned<AdaptiveSpec>>,
-    pub access_log: Option<Spanned<f64>>,
+    pub(crate) learn: Learn,
+    pub(crate) ratelimit_headers: Option<bool>,
+    pub(crate) adaptive: Option<Spanned<AdaptiveSpec>>,
+    pub(crate) access_log: Option<Spanned<f64>>,
     // Policy overrides; listed one by one because serde cannot flatten with
     // `deny_unknown_fields`.
-    pub max_queue: Option<NonZeroU32>,
-    pub max_wait: Option<Dur>,
-    pub attempt_timeout: Option<PosDur>,
-    pub total_timeout: Option<PosDur>,
-    pub retry: Option<RetrySpec>,
-    pub breaker: Option<BreakerSpec>,
+    pub(crate) max_queue: Option<NonZeroU32>,
+    pub(crate) max_wait: Option<Dur>,
+    pub(crate) attempt_timeout: Option<PosDur>,
+    pub(crate) total_timeout: Option<PosDur>,
+    pub(crate) retry: Option<RetrySpec>,
+    pub(crate) breaker: Option<BreakerSpec>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct FamilySpec {
-    pub name: Spanned<String>,
-    pub methods: Option<Vec<Spanned<String>>>,
-    pub paths: Option<Vec<PathGlob>>,
+pub(crate) struct FamilySpec {
+    pub(crate) name: Spanned<String>,
+    pub(crate) methods: Option<Vec<Spanned<String>>>,
+    pub(crate) paths: Option<Vec<PathGlob>>,
     #[serde(default)]
-    pub priority: Priority,
+    pub(crate) priority: Priority,
     #[serde(default)]
-    pub limits: Vec<Spanned<LimitSpec>>,
-    pub adaptive: Option<Spanned<AdaptiveSpec>>,
-    pub tenant: Option<Spanned<String>>,
-    pub max_queue: Option<NonZeroU32>,
-    pub max_wait: Option<Dur>,
-    pub attempt_timeout: Option<PosDur>,
-    pub total_timeout: Option<PosDur>,
-    pub retry: Option<RetrySpec>,
-    pub breaker: Option<BreakerSpec>,
+    pub(crate) limits: Vec<Spanned<LimitSpec>>,
+    pub(crate) adaptive: Option<Spanned<AdaptiveSpec>>,
+    pub(crate) tenant: Option<Spanned<String>>,
+    pub(crate) max_queue: Option<NonZeroU32>,
+    pub(crate) max_wait: Option<Dur>,
+    pub(crate) attempt_timeout: Option<PosDur>,
+    pub(crate) total_timeout: Option<PosDur>,
+    pub(crate) retry: Option<RetrySpec>,
+    pub(crate) breaker: Option<BreakerSpec>,
 }
 
 /// `adaptive = { ... }`: AIMD on unannounced 429s (`docs/adaptive.md`); every key optional.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct AdaptiveSpec {
-    pub decrease: Option<f64>,
-    pub increase: Option<f64>,
-    pub floor: Option<f64>,
-    pub successes: Option<NonZeroU32>,
+pub(crate) struct AdaptiveSpec {
+    pub(crate) decrease: Option<f64>,
+    pub(crate) increase: Option<f64>,
+    pub(crate) floor: Option<f64>,
+    pub(crate) successes: Option<NonZeroU32>,
 }
 
 /// Gathers the policy keys an upstream or a family sets, to merge over the level above.
 macro_rules! policy_of {
     ($t:ty) => {
         impl $t {
-            pub fn policy(&self) -> PolicySpec {
+            pub(crate) fn policy(&self) -> PolicySpec {
                 PolicySpec {
                     max_queue: self.max_queue,
                     max_wait: self.max_wait,
@@ -276,7 +276,7 @@ policy_of!(FamilySpec);
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum TlsMode {
+pub(crate) enum TlsMode {
     #[default]
     Tunnel,
     Intercept,
@@ -284,7 +284,7 @@ pub enum TlsMode {
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Scheme {
+pub(crate) enum Scheme {
     #[default]
     Http,
     Https,
@@ -292,7 +292,7 @@ pub enum Scheme {
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Priority {
+pub(crate) enum Priority {
     High,
     #[default]
     Normal,
@@ -303,7 +303,7 @@ pub enum Priority {
 /// announces in its `RateLimit` / `X-RateLimit-*` fields (`docs/adaptive.md`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Learn {
+pub(crate) enum Learn {
     #[default]
     Off,
     Headers,
@@ -311,7 +311,7 @@ pub enum Learn {
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum CooldownScope {
+pub(crate) enum CooldownScope {
     #[default]
     Family,
     Upstream,
@@ -466,13 +466,13 @@ pub enum LimitSpec {
 /// The margin a limit gets when it names none: a fifth of its window or emission
 /// interval, at most [`DEFAULT_MARGIN_CAP`]. It only costs throughput when the provider
 /// answers more slowly than the margin (see `LimitSpec::margin`).
-pub const DEFAULT_MARGIN: Margin = Margin::Fraction(200_000);
-pub const DEFAULT_MARGIN_CAP: std::time::Duration = std::time::Duration::from_secs(1);
+pub(crate) const DEFAULT_MARGIN: Margin = Margin::Fraction(200_000);
+pub(crate) const DEFAULT_MARGIN_CAP: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl LimitSpec {
     /// A letter for the kind, one per state machine: a reload carries a limit's state,
     /// and a shared limit keeps its Redis key, only while it stays the same.
-    pub fn kind_letter(&self) -> char {
+    pub(crate) fn kind_letter(&self) -> char {
         match self {
             LimitSpec::TokenBucket { .. } => 't',
             LimitSpec::SlidingWindow { .. } => 's',
@@ -508,7 +508,7 @@ impl LimitSpec {
     }
 
     /// The period a rate is written over: the window, or `per`; `None` for concurrency.
-    pub fn period(&self) -> Option<std::time::Duration> {
+    pub(crate) fn period(&self) -> Option<std::time::Duration> {
         match *self {
             LimitSpec::TokenBucket { per, .. } | LimitSpec::LeakyBucket { per, .. } => Some(per),
             LimitSpec::Concurrency { .. } => None,
@@ -517,7 +517,7 @@ impl LimitSpec {
     }
 
     /// Requests per second over the limit's own period; `None` for concurrency.
-    pub fn rate_per_second(&self) -> Option<f64> {
+    pub(crate) fn rate_per_second(&self) -> Option<f64> {
         match *self {
             LimitSpec::TokenBucket { rate, per, .. } | LimitSpec::LeakyBucket { rate, per, .. } => {
                 Some(f64::from(rate.get()) / per.as_secs_f64())
@@ -530,7 +530,7 @@ impl LimitSpec {
     }
 
     /// How many requests may go at once from rest, as the provider allows them.
-    pub fn burst(&self) -> Option<u32> {
+    pub(crate) fn burst(&self) -> Option<u32> {
         match *self {
             LimitSpec::TokenBucket { burst, .. } => Some(burst.get()),
             LimitSpec::LeakyBucket { burst, .. } => Some(burst.saturating_add(1)),
@@ -540,7 +540,7 @@ impl LimitSpec {
         }
     }
 
-    pub fn scope(&self) -> Scope {
+    pub(crate) fn scope(&self) -> Scope {
         match *self {
             LimitSpec::TokenBucket { scope, .. }
             | LimitSpec::SlidingWindow { scope, .. }
@@ -552,7 +552,7 @@ impl LimitSpec {
         }
     }
 
-    pub fn is_global(&self) -> bool {
+    pub(crate) fn is_global(&self) -> bool {
         self.scope() == Scope::Global
     }
 
@@ -573,7 +573,7 @@ impl LimitSpec {
     }
 
     /// The margin as written, if any.
-    pub fn margin_spec(&self) -> Option<Margin> {
+    pub(crate) fn margin_spec(&self) -> Option<Margin> {
         match *self {
             LimitSpec::TokenBucket { margin, .. }
             | LimitSpec::SlidingWindow { margin, .. }
@@ -587,7 +587,7 @@ impl LimitSpec {
 
     /// How far an edge 429 may grow the margin (see `limit::Cell::refused_at_edge`);
     /// `None`: it never grows.
-    pub fn margin_max(&self) -> Option<std::time::Duration> {
+    pub(crate) fn margin_max(&self) -> Option<std::time::Duration> {
         let span = self.span()?;
         match *self {
             LimitSpec::TokenBucket { margin_max, .. }
@@ -617,10 +617,12 @@ mod opt_dur_serde {
     use serde::{Deserialize, Deserializer, Serializer};
     use std::time::Duration;
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<Duration>, D::Error> {
         Dur::deserialize(d).map(|p| Some(p.0))
     }
-    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    pub(super) fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
         ser_opt_duration(d, s)
     }
 }
@@ -630,10 +632,10 @@ mod pos_dur_serde {
     use serde::{Deserialize, Deserializer, Serializer};
     use std::time::Duration;
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
         PosDur::deserialize(d).map(|p| p.0)
     }
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    pub(super) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
         ser_duration(d, s)
     }
 }
@@ -648,57 +650,57 @@ pub enum Action {
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ClassifySpec {
-    pub status: Option<u16>,
-    pub json: Option<String>,
-    pub equals: Option<Vec<String>>,
-    pub body_contains: Option<String>,
-    pub action: Action,
+pub(crate) struct ClassifySpec {
+    pub(crate) status: Option<u16>,
+    pub(crate) json: Option<String>,
+    pub(crate) equals: Option<Vec<String>>,
+    pub(crate) body_contains: Option<String>,
+    pub(crate) action: Action,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct TlsSpec {
-    pub ca_cert: Option<String>,
-    pub ca_key: Option<String>,
-    pub generate_ca: Option<Spanned<bool>>,
-    pub trust_dir: Option<String>,
-    pub key_dir: Option<String>,
+pub(crate) struct TlsSpec {
+    pub(crate) ca_cert: Option<String>,
+    pub(crate) ca_key: Option<String>,
+    pub(crate) generate_ca: Option<Spanned<bool>>,
+    pub(crate) trust_dir: Option<String>,
+    pub(crate) key_dir: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ClusterSpec {
+pub(crate) struct ClusterSpec {
     /// The URL itself; or where to read it, so that a password stays out of the file.
-    pub redis: Option<Spanned<String>>,
-    pub redis_env: Option<Spanned<String>>,
-    pub redis_file: Option<Spanned<String>>,
+    pub(crate) redis: Option<Spanned<String>>,
+    pub(crate) redis_env: Option<Spanned<String>>,
+    pub(crate) redis_file: Option<Spanned<String>>,
     /// A Redis Cluster: seed nodes, `redis://host:port` each.
-    pub cluster_nodes: Option<Spanned<Vec<String>>>,
+    pub(crate) cluster_nodes: Option<Spanned<Vec<String>>>,
     /// Sentinel: the Sentinels' URLs, and the name of the primary they watch.
-    pub sentinels: Option<Spanned<Vec<String>>>,
-    pub sentinel_master: Option<Spanned<String>>,
+    pub(crate) sentinels: Option<Spanned<Vec<String>>>,
+    pub(crate) sentinel_master: Option<Spanned<String>>,
     /// The data nodes' password for `cluster_nodes` and `sentinels`, from a variable or
     /// a file, so that it stays out of the config.
-    pub password_env: Option<String>,
-    pub password_file: Option<String>,
+    pub(crate) password_env: Option<String>,
+    pub(crate) password_file: Option<String>,
     /// The Sentinels' own password, if they require one.
-    pub sentinel_password_env: Option<String>,
-    pub sentinel_password_file: Option<String>,
+    pub(crate) sentinel_password_env: Option<String>,
+    pub(crate) sentinel_password_file: Option<String>,
     /// A PEM file of the CA that signs a `rediss://` server's certificate, when it is not
     /// one of the public roots.
-    pub ca: Option<String>,
+    pub(crate) ca: Option<String>,
     #[serde(default)]
-    pub on_redis_error: OnRedisError,
-    pub replicas: Option<NonZeroU32>,
-    pub timeout: Option<PosDur>,
-    pub failures: Option<NonZeroU32>,
-    pub open_for: Option<PosDur>,
+    pub(crate) on_redis_error: OnRedisError,
+    pub(crate) replicas: Option<NonZeroU32>,
+    pub(crate) timeout: Option<PosDur>,
+    pub(crate) failures: Option<NonZeroU32>,
+    pub(crate) open_for: Option<PosDur>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum OnRedisError {
+pub(crate) enum OnRedisError {
     #[default]
     Local,
     Allow,

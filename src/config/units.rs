@@ -9,15 +9,15 @@ use serde::{Deserialize, Deserializer, Serializer, de};
 
 /// A duration written as a humantime string; zero is allowed (e.g. `shutdown_delay = "0s"`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Dur(pub Duration);
+pub(crate) struct Dur(pub Duration);
 
 /// A duration that must be greater than zero (windows, timeouts, refill periods).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PosDur(pub Duration);
+pub(crate) struct PosDur(pub Duration);
 
 /// A byte count written as `"64KiB"`, `"1MiB"`, `"10MB"` or a bare integer of bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Bytes(pub u64);
+pub(crate) struct Bytes(pub u64);
 
 pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s.trim()).map_err(|e| {
@@ -45,7 +45,7 @@ impl<'de> Deserialize<'de> for PosDur {
 
 /// Parses a size; binary (KiB, MiB, GiB) and decimal (KB, MB, GB) units, case-sensitive
 /// as in the IEC/SI symbols, so `"1mb"` is rejected rather than guessed at.
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
+pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
@@ -102,7 +102,7 @@ pub enum Margin {
 
 impl Margin {
     /// The margin as a duration, for a limit whose window or emission interval is `span`.
-    pub fn of(self, span: Duration) -> Duration {
+    pub(crate) fn of(self, span: Duration) -> Duration {
         match self {
             Margin::Duration(d) => d,
             Margin::Fraction(ppm) => {
@@ -171,19 +171,22 @@ impl serde::Serialize for Margin {
 }
 
 /// Serializes a duration the way it is written in the file, for `/config` and `explain`.
-pub fn ser_duration<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn ser_duration<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&fmt_duration(*d))
 }
 
 /// `None` as null: "not set, see the key it falls back to".
-pub fn ser_opt_duration<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn ser_opt_duration<S: Serializer>(
+    d: &Option<Duration>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
     match d {
         Some(d) => ser_duration(d, s),
         None => s.serialize_none(),
     }
 }
 
-pub fn fmt_duration(d: Duration) -> String {
+pub(crate) fn fmt_duration(d: Duration) -> String {
     humantime::format_duration(d).to_string().replace(' ', "")
 }
 

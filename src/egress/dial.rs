@@ -19,12 +19,12 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 /// RFC 8305 §5 recommends 250 ms between attempts.
-pub const ATTEMPT_DELAY: Duration = Duration::from_millis(250);
+pub(super) const ATTEMPT_DELAY: Duration = Duration::from_millis(250);
 
 type Attempt = Pin<Box<dyn Future<Output = io::Result<TcpStream>> + Send>>;
 
 /// Connects to the first of `addrs` to answer, racing them as the module describes.
-pub async fn connect(addrs: &[SocketAddr]) -> io::Result<TcpStream> {
+pub(crate) async fn connect(addrs: &[SocketAddr]) -> io::Result<TcpStream> {
     let order = interleave(addrs);
     let mut next = 0;
     let mut running: Vec<Attempt> = Vec::new();
@@ -75,7 +75,7 @@ pub async fn connect(addrs: &[SocketAddr]) -> io::Result<TcpStream> {
 
 /// `addrs` with the families alternating, each family's addresses in the resolver's
 /// order, the first address's family first (RFC 8305 §4).
-pub fn interleave(addrs: &[SocketAddr]) -> Vec<SocketAddr> {
+pub(super) fn interleave(addrs: &[SocketAddr]) -> Vec<SocketAddr> {
     let Some(first) = addrs.first() else {
         return Vec::new();
     };

@@ -11,7 +11,7 @@ use ipnet::IpNet;
 
 /// Why a built-in rule refuses an address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Class {
+pub(crate) enum Class {
     Unspecified,
     Loopback,
     LinkLocal,
@@ -62,7 +62,7 @@ static PARSED: LazyLock<Vec<(IpNet, Class)>> = LazyLock::new(|| {
 });
 
 /// The built-in rule `ip` falls under, if any (`ip` in canonical form).
-pub fn builtin(ip: IpAddr) -> Option<Class> {
+pub(crate) fn builtin(ip: IpAddr) -> Option<Class> {
     PARSED
         .iter()
         .find_map(|(net, class)| net.contains(&ip).then_some(*class))
@@ -71,7 +71,7 @@ pub fn builtin(ip: IpAddr) -> Option<Class> {
 /// One form per destination: IPv6 addresses that mean an IPv4 host as such (mapped,
 /// compatible, SIIT-translated, the NAT64 well-known prefix) become that IPv4 address, so
 /// every rule written for IPv4 applies to them.
-pub fn canonical(ip: IpAddr) -> IpAddr {
+pub(crate) fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V4(_) => ip,
         IpAddr::V6(v6) => match as_v4(v6) {
@@ -106,7 +106,7 @@ fn as_v4(v6: Ipv6Addr) -> Option<Ipv4Addr> {
 /// layout a /48 allows), 6to4 (RFC 3056), Teredo server and client (RFC 4380) and an ISATAP
 /// interface identifier (RFC 5214). The rules refuse the IPv6 address when they refuse any
 /// of these.
-pub fn embedded_v4(ip: IpAddr) -> Vec<Ipv4Addr> {
+pub(crate) fn embedded_v4(ip: IpAddr) -> Vec<Ipv4Addr> {
     let IpAddr::V6(v6) = ip else {
         return Vec::new();
     };

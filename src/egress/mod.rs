@@ -10,9 +10,9 @@
 //! `[egress] connect_ports`).
 
 mod dial;
-pub mod ip;
+pub(crate) mod ip;
 
-pub use dial::connect;
+pub(crate) use dial::connect;
 
 use parking_lot::RwLock;
 use std::fmt;
@@ -34,7 +34,7 @@ use ip::Class;
 
 /// Why a destination is refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Why {
+pub(crate) enum Why {
     OwnListener,
     Configured,
     Builtin(Class),
@@ -57,7 +57,7 @@ impl fmt::Display for Why {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum EgressError {
+pub(crate) enum EgressError {
     #[error("destination {addr} is {why}")]
     Denied { addr: SocketAddr, why: Why },
     #[error(
@@ -73,13 +73,13 @@ pub enum EgressError {
 
 impl EgressError {
     /// A refusal by the rules, as opposed to a name that could not be resolved.
-    pub fn is_refusal(&self) -> bool {
+    pub(crate) fn is_refusal(&self) -> bool {
         matches!(self, EgressError::Denied { .. } | EgressError::Port { .. })
     }
 
     /// A copy, to take it out of the error that wraps it (an `io::Error` does not clone:
     /// a lookup failure keeps its kind and message).
-    pub fn copy(&self) -> EgressError {
+    pub(crate) fn copy(&self) -> EgressError {
         match self {
             EgressError::Denied { addr, why } => EgressError::Denied {
                 addr: *addr,
@@ -94,7 +94,7 @@ impl EgressError {
 
 /// The rules of one config; rebuilt on reload.
 #[derive(Debug, Default, PartialEq)]
-pub struct Rules {
+pub(crate) struct Rules {
     deny: Vec<IpNet>,
     allow: Vec<IpNet>,
     connect_ports: Vec<PortRange>,
@@ -105,7 +105,7 @@ pub struct Rules {
 }
 
 impl Rules {
-    pub fn new(config: &Config) -> Rules {
+    pub(crate) fn new(config: &Config) -> Rules {
         let patterns = config.upstreams.iter().flat_map(|u| u.hosts.iter());
         Rules {
             deny: config.egress.deny.clone(),
@@ -117,7 +117,7 @@ impl Rules {
     }
 
     /// Whether CONNECT may open `host:port` (`host` normalised).
-    pub fn connect_port(&self, host: &str, port: u16) -> Result<(), EgressError> {
+    pub(crate) fn connect_port(&self, host: &str, port: u16) -> Result<(), EgressError> {
         if self.connect_ports.iter().any(|r| r.contains(port))
             || self.with_port.iter().any(|p| p.matches(host, port))
         {
@@ -158,7 +158,7 @@ pub trait Lookup: Send + Sync + 'static {
 }
 
 /// The system resolver (getaddrinfo on a blocking thread, through tokio).
-pub struct SystemLookup;
+pub(crate) struct SystemLookup;
 
 impl Lookup for SystemLookup {
     fn lookup(&self, host: String) -> BoxFuture<io::Result<Vec<IpAddr>>> {
@@ -172,7 +172,7 @@ impl Lookup for SystemLookup {
 /// Resolves and applies the egress rules. If any address of a name is forbidden the whole
 /// name is refused: connecting to "the other" address would be a race we do not want to win.
 #[derive(Clone)]
-pub struct Resolver {
+pub(crate) struct Resolver {
     lookup: Arc<dyn Lookup>,
     /// The live config's rules, for connections made below the request (pooled client).
     rules: Arc<RwLock<Arc<Rules>>>,
@@ -187,7 +187,7 @@ impl Default for Resolver {
 }
 
 impl Resolver {
-    pub fn new(lookup: Arc<dyn Lookup>) -> Resolver {
+    pub(crate) fn new(lookup: Arc<dyn Lookup>) -> Resolver {
         Resolver {
             lookup,
             rules: Arc::default(),
@@ -196,12 +196,12 @@ impl Resolver {
     }
 
     /// The rules connections use from now on.
-    pub fn set_rules(&self, rules: Arc<Rules>) {
+    pub(crate) fn set_rules(&self, rules: Arc<Rules>) {
         *self.rules.write() = rules;
     }
 
     /// The listeners sluice serves on, never a destination.
-    pub fn set_own(&self, addrs: Vec<SocketAddr>) {
+    pub(crate) fn set_own(&self, addrs: Vec<SocketAddr>) {
         let _ = self.own.set(addrs);
     }
 
@@ -211,7 +211,7 @@ impl Resolver {
 
     /// Whether `rules` let a connection to `ip:port` through, for a request to `host`
     /// (normalised, see [`normalize_host`]).
-    pub fn check(
+    pub(crate) fn check(
         &self,
         rules: &Rules,
         host: &str,
@@ -246,7 +246,11 @@ impl Resolver {
 
     /// The addresses of `host` (a name or an IP literal in any spelling) that `rules`
     /// allow (the live rules).
-    pub async fn resolve(&self, host: &str, port: u16) -> Result<Vec<SocketAddr>, EgressError> {
+    pub(crate) async fn resolve(
+        &self,
+        host: &str,
+        port: u16,
+    ) -> Result<Vec<SocketAddr>, EgressError> {
         let host = normalize_host(host);
         let ips = match host.parse::<IpAddr>() {
             Ok(ip) => vec![ip],
@@ -276,7 +280,7 @@ fn is_local(ip: IpAddr) -> bool {
 
 /// Why a pooled connection could not be made.
 #[derive(Debug, thiserror::Error)]
-pub enum ConnectError {
+pub(crate) enum ConnectError {
     #[error(transparent)]
     Egress(#[from] EgressError),
     #[error("the URL has no host")]
@@ -288,7 +292,7 @@ pub enum ConnectError {
 /// The pooled client's connector: every connection passes the live rules, with the port
 /// known (which hyper-util's resolver interface does not give).
 #[derive(Clone)]
-pub struct Connector(pub Resolver);
+pub(crate) struct Connector(pub Resolver);
 
 impl tower_service::Service<Uri> for Connector {
     type Response = TokioIo<TcpStream>;

@@ -17,20 +17,20 @@ use tokio::time::Instant;
 use crate::config::Adaptive;
 
 /// How long an idle partition keeps a lowered rate before it may be swept.
-pub const FORGET_AFTER: Duration = Duration::from_secs(60);
+pub(crate) const FORGET_AFTER: Duration = Duration::from_secs(60);
 
 /// What a family adapts: its `adaptive` settings, and the rate limit it adapts below.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Adapts {
-    pub spec: Adaptive,
+pub(crate) struct Adapts {
+    pub(crate) spec: Adaptive,
     /// Requests per second the tightest rate limit allows.
-    pub rate: f64,
+    pub(crate) rate: f64,
     /// That limit's period: the least time between two cuts.
-    pub every: Duration,
+    pub(crate) every: Duration,
 }
 
 #[derive(Debug, Clone)]
-pub struct Aimd {
+pub(crate) struct Aimd {
     spec: Adaptive,
     every: Duration,
     /// Requests per second the family's tightest rate limit allows.
@@ -45,7 +45,7 @@ pub struct Aimd {
 }
 
 impl Aimd {
-    pub fn new(a: Adapts) -> Aimd {
+    pub(crate) fn new(a: Adapts) -> Aimd {
         Aimd {
             spec: a.spec,
             every: a.every,
@@ -59,7 +59,7 @@ impl Aimd {
 
     /// The same state under a reloaded spec and configured rate; the effective rate
     /// keeps its share of the configured one.
-    pub fn carry(&self, a: Adapts) -> Aimd {
+    pub(crate) fn carry(&self, a: Adapts) -> Aimd {
         let share = self.rate / self.configured;
         Aimd {
             spec: a.spec,
@@ -70,18 +70,18 @@ impl Aimd {
         }
     }
 
-    pub fn rate(&self) -> f64 {
+    pub(crate) fn rate(&self) -> f64 {
         self.rate
     }
 
-    pub fn configured(&self) -> f64 {
+    pub(crate) fn configured(&self) -> f64 {
         self.configured
     }
 
     /// Whether a partition idle now may drop this state: at the configured rate, or a
     /// minute after its last cut (a partition that comes back starts at the configured
     /// rate again rather than being kept in memory for ever).
-    pub fn forgettable(&self, now: Instant) -> bool {
+    pub(crate) fn forgettable(&self, now: Instant) -> bool {
         !self.slowed()
             || self
                 .last_decrease
@@ -89,7 +89,7 @@ impl Aimd {
     }
 
     /// Whether it holds admissions back at all.
-    pub fn slowed(&self) -> bool {
+    pub(crate) fn slowed(&self) -> bool {
         self.rate < self.configured
     }
 
@@ -99,18 +99,18 @@ impl Aimd {
         Duration::try_from_secs_f64(1.0 / self.rate).unwrap_or(Duration::from_secs(86_400 * 365))
     }
 
-    pub fn can_take(&self, now: Instant) -> bool {
+    pub(crate) fn can_take(&self, now: Instant) -> bool {
         !self.slowed() || self.next.is_none_or(|n| now >= n)
     }
 
-    pub fn take(&mut self, now: Instant) {
+    pub(crate) fn take(&mut self, now: Instant) {
         if self.slowed() {
             self.next = Some(self.next.map_or(now, |n| n.max(now)) + self.interval());
         }
     }
 
     /// The earliest instant the `n`-th next admission could pass.
-    pub fn ready_at(&self, n: u64, now: Instant) -> Instant {
+    pub(crate) fn ready_at(&self, n: u64, now: Instant) -> Instant {
         if !self.slowed() {
             return now;
         }
@@ -126,7 +126,7 @@ impl Aimd {
 
     /// A 429 that classification retries or cools down, to a request admitted at
     /// `admitted`, arrived at `now`.
-    pub fn refused(&mut self, admitted: Instant, now: Instant) {
+    pub(crate) fn refused(&mut self, admitted: Instant, now: Instant) {
         self.run = 0;
         if self
             .last_decrease
@@ -140,7 +140,7 @@ impl Aimd {
     }
 
     /// An answer that was not such a 429.
-    pub fn succeeded(&mut self) {
+    pub(crate) fn succeeded(&mut self) {
         if !self.slowed() {
             return;
         }

@@ -16,62 +16,62 @@ use tokio::time::Instant;
 use super::aimd::{Adapts, Aimd};
 use super::kinds::{Id, LimitState};
 use super::learned::Learned;
-pub use super::queue::{Queue, Queued, Tenant};
+pub(crate) use super::queue::{Queue, Queued, Tenant};
 use crate::config::{Limit, Priority};
 use crate::policy::announced::Announced;
 
 /// What a family's bucket is made of, from the config.
 #[derive(Debug, Clone)]
-pub struct FamilySpec {
-    pub name: String,
-    pub priority: Priority,
-    pub limits: Vec<Limit>,
-    pub max_queue: u32,
-    pub max_wait: Duration,
+pub(crate) struct FamilySpec {
+    pub(crate) name: String,
+    pub(crate) priority: Priority,
+    pub(crate) limits: Vec<Limit>,
+    pub(crate) max_queue: u32,
+    pub(crate) max_wait: Duration,
     /// Pays only the upstream's concurrency limits: the queue of CONNECT tunnels, which
     /// carry no visible requests for rate limits to count.
-    pub concurrency_only: bool,
+    pub(crate) concurrency_only: bool,
     /// `adaptive`, and the rate limit it adapts below.
-    pub adaptive: Option<Adapts>,
+    pub(crate) adaptive: Option<Adapts>,
     /// Whether its queue takes tenants in turns (`tenant`); `max_queue` then bounds each
     /// tenant's waiting requests, and [`FAIR_QUEUE_TENANTS`] times it the family's.
-    pub fair: bool,
+    pub(crate) fair: bool,
 }
 
 /// With tenants, a family holds at most this many times `max_queue` waiting requests in
 /// all: tenant values come from clients, and memory must stay bounded.
-pub const FAIR_QUEUE_TENANTS: usize = 10;
+pub(crate) const FAIR_QUEUE_TENANTS: usize = 10;
 
 /// An upstream's limits and its families. The last family is the one for requests that
 /// match no family: no limits of its own, the upstream's queue bounds.
 #[derive(Debug, Clone)]
-pub struct PartitionSpec {
-    pub upstream_limits: Arc<[Limit]>,
-    pub families: Vec<Arc<FamilySpec>>,
+pub(crate) struct PartitionSpec {
+    pub(crate) upstream_limits: Arc<[Limit]>,
+    pub(crate) families: Vec<Arc<FamilySpec>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reject {
+pub(crate) enum Reject {
     QueueFull { retry_after: Duration },
     QueueTimeout { retry_after: Duration },
 }
 
 #[derive(Debug)]
-pub struct Admitted<W> {
+pub(crate) struct Admitted<W> {
     /// The family's slot at the moment of admission.
-    pub family: usize,
-    pub seq: u64,
-    pub since: Instant,
-    pub at: Instant,
+    pub(crate) family: usize,
+    pub(crate) seq: u64,
+    pub(crate) since: Instant,
+    pub(crate) at: Instant,
     /// The rate limit it waited for, if it waited for one: it was admitted at that
     /// limit's edge, the instant the limit allowed it.
-    pub edge: Option<LimitRef>,
-    pub waiter: W,
+    pub(crate) edge: Option<LimitRef>,
+    pub(crate) waiter: W,
 }
 
 /// One of the limits an admission paid: its family's `i`-th or its upstream's `i`-th.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LimitRef {
+pub(crate) enum LimitRef {
     Family(usize),
     Upstream(usize),
 }
@@ -79,12 +79,12 @@ pub enum LimitRef {
 /// A family's slot in a bucket. Slots can move when a reload reorders families, so
 /// whoever holds on to one across an unlock names it by `id`, which never changes.
 #[derive(Debug)]
-pub struct FamilyBucket<W> {
-    pub id: u32,
-    pub spec: Arc<FamilySpec>,
-    pub limits: Vec<LimitState>,
-    pub paused_until: Option<Instant>,
-    pub queue: Queue<W>,
+pub(crate) struct FamilyBucket<W> {
+    pub(crate) id: u32,
+    pub(crate) spec: Arc<FamilySpec>,
+    pub(crate) limits: Vec<LimitState>,
+    pub(crate) paused_until: Option<Instant>,
+    pub(crate) queue: Queue<W>,
     holds_concurrency: bool,
     /// Whether an admission pays a limit counted in time (so its send matters).
     pays_rate: bool,
@@ -93,7 +93,7 @@ pub struct FamilyBucket<W> {
     /// The effective rate under `adaptive`, paid like one more family limit.
     /// Boxed, as is `learned`: few partitions have one, and every partition pays for the
     /// field's size.
-    pub aimd: Option<Box<Aimd>>,
+    pub(crate) aimd: Option<Box<Aimd>>,
 }
 
 /// What the upstream's limits make every admission of a family do.
@@ -156,22 +156,22 @@ impl<W> FamilyBucket<W> {
 /// A family named the way that survives a reload: its id, and the slot it was last seen
 /// in (checked first, so the common case is not a search).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FamilyRef {
-    pub id: u32,
-    pub slot: usize,
+pub(crate) struct FamilyRef {
+    pub(crate) id: u32,
+    pub(crate) slot: usize,
 }
 
 #[derive(Debug)]
-pub struct Bucket<W> {
-    pub upstream_spec: Arc<[Limit]>,
-    pub upstream: Vec<LimitState>,
-    pub paused_until: Option<Instant>,
+pub(crate) struct Bucket<W> {
+    pub(crate) upstream_spec: Arc<[Limit]>,
+    pub(crate) upstream: Vec<LimitState>,
+    pub(crate) paused_until: Option<Instant>,
     /// The pace the provider's announced budget sets, paid like an upstream rate limit
     /// (`learn = "headers"`).
-    pub learned: Option<Box<Learned>>,
+    pub(crate) learned: Option<Box<Learned>>,
     /// The spec's families in its order, then retired ones (removed by a reload) that
     /// still have requests queued.
-    pub families: Vec<FamilyBucket<W>>,
+    pub(crate) families: Vec<FamilyBucket<W>>,
     next_seq: u64,
     next_id: u32,
     waiting: usize,
@@ -181,10 +181,10 @@ pub struct Bucket<W> {
 
 /// How far an edge placed by an announced reset may be from the provider's: the reset
 /// and the `Date` it is read against are whole seconds.
-pub const ANNOUNCED_SLACK: Duration = Duration::from_secs(2);
+pub(crate) const ANNOUNCED_SLACK: Duration = Duration::from_secs(2);
 
 /// The shortest window on the clock whose edges an announced reset places.
-pub const ALIGNABLE: Duration = Duration::from_secs(20);
+pub(crate) const ALIGNABLE: Duration = Duration::from_secs(20);
 
 /// The upstream limits a family pays: all of them, or only concurrency for tunnels.
 fn paid(
@@ -214,13 +214,13 @@ fn paused(until: Option<Instant>, now: Instant) -> bool {
 }
 
 /// Whole seconds, rounded up, at least one: the form `Retry-After` takes.
-pub fn retry_after(wait: Duration) -> Duration {
+pub(crate) fn retry_after(wait: Duration) -> Duration {
     Duration::from_secs(wait.as_secs() + u64::from(wait.subsec_nanos() > 0))
         .max(Duration::from_secs(1))
 }
 
 impl<W> Bucket<W> {
-    pub fn new(spec: &PartitionSpec, now: Instant) -> Bucket<W> {
+    pub(crate) fn new(spec: &PartitionSpec, now: Instant) -> Bucket<W> {
         let upstream: Vec<LimitState> = spec
             .upstream_limits
             .iter()
@@ -255,7 +255,7 @@ impl<W> Bucket<W> {
     /// pauses and arrival order are kept. A family the spec no longer has stays, retired,
     /// after the spec's families while requests are queued in it: they finish under its
     /// old limits. Returns the previous slot of each retired family kept, in order.
-    pub fn reconfigure(&mut self, spec: &PartitionSpec, now: Instant) -> Vec<usize> {
+    pub(crate) fn reconfigure(&mut self, spec: &PartitionSpec, now: Instant) -> Vec<usize> {
         self.epoch += 1;
         let epoch = self.epoch;
         let upstream = std::mem::take(&mut self.upstream);
@@ -320,7 +320,7 @@ impl<W> Bucket<W> {
     }
 
     /// The current slot of a family named by `r`, if it still exists.
-    pub fn find(&self, r: FamilyRef) -> Option<usize> {
+    pub(crate) fn find(&self, r: FamilyRef) -> Option<usize> {
         if self.families.get(r.slot).is_some_and(|f| f.id == r.id) {
             return Some(r.slot);
         }
@@ -328,40 +328,40 @@ impl<W> Bucket<W> {
     }
 
     /// The slot of the family called `name`, current or retired.
-    pub fn slot_named(&self, name: &str) -> Option<usize> {
+    pub(crate) fn slot_named(&self, name: &str) -> Option<usize> {
         self.families.iter().position(|f| f.spec.name == name)
     }
 
-    pub fn family_ref(&self, slot: usize) -> FamilyRef {
+    pub(crate) fn family_ref(&self, slot: usize) -> FamilyRef {
         FamilyRef {
             id: self.families[slot].id,
             slot,
         }
     }
 
-    pub fn epoch(&self) -> u64 {
+    pub(crate) fn epoch(&self) -> u64 {
         self.epoch
     }
 
     /// Requests queued in every family.
-    pub fn waiting(&self) -> usize {
+    pub(crate) fn waiting(&self) -> usize {
         self.waiting
     }
 
     /// Whether an admission in `family` holds a permit until the response ends.
-    pub fn holds_concurrency(&self, family: usize) -> bool {
+    pub(crate) fn holds_concurrency(&self, family: usize) -> bool {
         self.families[family].holds_concurrency
     }
 
     /// Whether an admission in `family` pays a limit counted in time, whose accounting
     /// follows the request to its upstream connection.
-    pub fn pays_rate(&self, family: usize) -> bool {
+    pub(crate) fn pays_rate(&self, family: usize) -> bool {
         self.families[family].pays_rate
     }
 
     /// The earliest instant the `n`-th request of `family`'s queue could be admitted, if
     /// it can be known (a lower bound: other families may take upstream permits first).
-    pub fn eta(&mut self, family: usize, n: u64, now: Instant) -> Option<Instant> {
+    pub(crate) fn eta(&mut self, family: usize, n: u64, now: Instant) -> Option<Instant> {
         self.eta_by(family, n, now).map(|(at, _)| at)
     }
 
@@ -414,14 +414,14 @@ impl<W> Bucket<W> {
 
     /// Bounds for a new arrival: a full queue, or a wait known to exceed `max_wait`.
     #[cfg(test)]
-    pub fn check(&mut self, family: usize, now: Instant) -> Result<(), Reject> {
+    pub(crate) fn check(&mut self, family: usize, now: Instant) -> Result<(), Reject> {
         let max_wait = self.families[family].spec.max_wait;
         self.check_within(family, None, now, max_wait)
     }
 
     /// As [`Bucket::check`], for an arrival that waits at most `max_wait` (no more than
     /// its family's, when the client asks for less).
-    pub fn check_within(
+    pub(crate) fn check_within(
         &mut self,
         family: usize,
         tenant: Option<Tenant>,
@@ -451,7 +451,7 @@ impl<W> Bucket<W> {
     }
 
     /// `Retry-After` for a waiter of `family` whose `max_wait` ran out at position `seq`.
-    pub fn timeout_hint(
+    pub(crate) fn timeout_hint(
         &mut self,
         family: usize,
         seq: u64,
@@ -466,7 +466,13 @@ impl<W> Bucket<W> {
         retry_after(eta.map_or(Duration::ZERO, |t| t - now))
     }
 
-    pub fn push(&mut self, family: usize, tenant: Option<Tenant>, waiter: W, now: Instant) -> u64 {
+    pub(crate) fn push(
+        &mut self,
+        family: usize,
+        tenant: Option<Tenant>,
+        waiter: W,
+        now: Instant,
+    ) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
         self.families[family].queue.push_back(Queued {
@@ -480,7 +486,7 @@ impl<W> Bucket<W> {
     }
 
     /// Empties every queue (shutdown), returning each waiter with its family.
-    pub fn take_all_waiters(&mut self) -> Vec<(usize, W)> {
+    pub(crate) fn take_all_waiters(&mut self) -> Vec<(usize, W)> {
         let mut out = Vec::with_capacity(self.waiting);
         for (i, f) in self.families.iter_mut().enumerate() {
             out.extend(f.queue.drain().into_iter().map(|q| (i, q.waiter)));
@@ -491,7 +497,7 @@ impl<W> Bucket<W> {
 
     /// Removes a waiter that gave up; `None` if it is no longer queued (it was admitted).
     /// Returns its slot with it.
-    pub fn cancel(
+    pub(crate) fn cancel(
         &mut self,
         family: FamilyRef,
         seq: u64,
@@ -506,7 +512,7 @@ impl<W> Bucket<W> {
     /// A request of `family` arriving at `now` to a bucket where no one waits: admitted
     /// at once when every limit it pays allows it (its sequence number returned), exactly
     /// as queueing it and dispatching would, without the queue.
-    pub fn admit_now(&mut self, family: usize, now: Instant) -> Option<u64> {
+    pub(crate) fn admit_now(&mut self, family: usize, now: Instant) -> Option<u64> {
         if self.waiting != 0 || paused(self.paused_until, now) {
             return None;
         }
@@ -531,7 +537,7 @@ impl<W> Bucket<W> {
     }
 
     /// Admits every waiter that can go at `now`, in order, into `out`.
-    pub fn dispatch(&mut self, now: Instant, out: &mut Vec<Admitted<W>>) {
+    pub(crate) fn dispatch(&mut self, now: Instant, out: &mut Vec<Admitted<W>>) {
         if paused(self.paused_until, now) {
             return;
         }
@@ -576,7 +582,11 @@ impl<W> Bucket<W> {
     }
 
     /// The spec and state of limit `r` of `family`, if both still exist.
-    pub fn limit(&mut self, family: FamilyRef, r: LimitRef) -> Option<(&Limit, &mut LimitState)> {
+    pub(crate) fn limit(
+        &mut self,
+        family: FamilyRef,
+        r: LimitRef,
+    ) -> Option<(&Limit, &mut LimitState)> {
         match r {
             LimitRef::Family(i) => {
                 let slot = self.find(family)?;
@@ -602,7 +612,7 @@ impl<W> Bucket<W> {
 
     /// Gives back everything an admission of `epoch` in `family` took: its grant never
     /// reached its request.
-    pub fn undo(&mut self, family: FamilyRef, epoch: u64) {
+    pub(crate) fn undo(&mut self, family: FamilyRef, epoch: u64) {
         for l in self.paid_by(family) {
             l.undo(epoch);
         }
@@ -610,14 +620,14 @@ impl<W> Bucket<W> {
 
     /// Admission `id` (of `epoch`, `None` if already undone) was handed to its upstream
     /// connection at `now`.
-    pub fn sent(&mut self, family: FamilyRef, id: Id, epoch: Option<u64>, now: Instant) {
+    pub(crate) fn sent(&mut self, family: FamilyRef, id: Id, epoch: Option<u64>, now: Instant) {
         for l in self.paid_by(family) {
             l.sent(id, epoch, now);
         }
     }
 
     /// The response to admission `id` arrived at `now`, `took` after its send.
-    pub fn answered(&mut self, family: FamilyRef, id: Id, now: Instant, took: Duration) {
+    pub(crate) fn answered(&mut self, family: FamilyRef, id: Id, now: Instant, took: Duration) {
         for l in self.paid_by(family) {
             l.answered(id, now, took);
         }
@@ -625,7 +635,7 @@ impl<W> Bucket<W> {
 
     /// Admission of `epoch` never reached its upstream connection: its rate permits
     /// come back (its concurrency permits come back with `release`).
-    pub fn unsent(&mut self, family: FamilyRef, epoch: u64) {
+    pub(crate) fn unsent(&mut self, family: FamilyRef, epoch: u64) {
         for l in self.paid_by(family) {
             l.unsent(epoch);
         }
@@ -633,7 +643,7 @@ impl<W> Bucket<W> {
 
     /// A response admitted in `epoch` ended: its concurrency permits come back, from its
     /// family if that still exists, and from the upstream.
-    pub fn release(&mut self, family: FamilyRef, epoch: u64) {
+    pub(crate) fn release(&mut self, family: FamilyRef, epoch: u64) {
         if let Some(slot) = self.find(family) {
             for l in &mut self.families[slot].limits {
                 l.release(epoch);
@@ -647,7 +657,7 @@ impl<W> Bucket<W> {
     /// The answer to a request of `family` admitted at `admitted` arrived at `now`:
     /// `refused` when it was a 429 that classification retries or cools down.
     /// Returns the family's effective rate before and after, if it still adapts.
-    pub fn adapt(
+    pub(crate) fn adapt(
         &mut self,
         family: FamilyRef,
         refused: bool,
@@ -666,14 +676,14 @@ impl<W> Bucket<W> {
     }
 
     /// Whether admissions in `family` adapt their rate (`adaptive`).
-    pub fn adapts(&self, family: usize) -> bool {
+    pub(crate) fn adapts(&self, family: usize) -> bool {
         self.families[family].aimd.is_some()
     }
 
     /// A response announced the provider's budget at `now` (`learn = "headers"`): below
     /// what the upstream's rate limits would still admit, it sets the pace until the
     /// provider's reset; at or above it, any pace learned before is lifted.
-    pub fn learn(&mut self, a: Announced, now: Instant) -> bool {
+    pub(crate) fn learn(&mut self, a: Announced, now: Instant) -> bool {
         let believed = self
             .upstream
             .iter_mut()
@@ -708,7 +718,7 @@ impl<W> Bucket<W> {
 
     /// Pauses one family (or, with `None`, the whole upstream) until `until`; a later
     /// pause never shortens an earlier one.
-    pub fn pause(&mut self, family: Option<usize>, until: Instant) {
+    pub(crate) fn pause(&mut self, family: Option<usize>, until: Instant) {
         let slot = match family {
             Some(f) => &mut self.families[f].paused_until,
             None => &mut self.paused_until,
@@ -718,7 +728,7 @@ impl<W> Bucket<W> {
 
     /// When the driver should look again: the earliest instant a waiting head could be
     /// admitted by time alone. `None` when only a release or a new event can help.
-    pub fn next_wakeup(&mut self, now: Instant) -> Option<Instant> {
+    pub(crate) fn next_wakeup(&mut self, now: Instant) -> Option<Instant> {
         let mut next: Option<Instant> = None;
         for i in 0..self.families.len() {
             if self.families[i].queue.is_empty() {
@@ -737,7 +747,7 @@ impl<W> Bucket<W> {
 
     /// Nothing queued, nothing held, every limit full, no pause: indistinguishable from a
     /// new bucket, so it can be dropped.
-    pub fn is_idle(&mut self, now: Instant) -> bool {
+    pub(crate) fn is_idle(&mut self, now: Instant) -> bool {
         self.waiting == 0
             && !paused(self.paused_until, now)
             && !self.learned.as_ref().is_some_and(|l| l.active(now))

@@ -31,7 +31,7 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
-    pub const ALL: [Algorithm; 6] = [
+    pub(crate) const ALL: [Algorithm; 6] = [
         Algorithm::SlidingLog,
         Algorithm::SlidingCounter,
         Algorithm::ClockWindows,
@@ -68,9 +68,9 @@ impl Algorithm {
 pub struct Verdict {
     pub algorithm: Algorithm,
     /// What the algorithm allows: requests per window, or at once.
-    pub allowed: u64,
+    pub(crate) allowed: u64,
     /// The most the limit lets through in that measure.
-    pub worst: u64,
+    pub(crate) worst: u64,
 }
 
 impl Verdict {
@@ -79,7 +79,7 @@ impl Verdict {
     }
 
     /// "its estimate reaches 24 (12 allowed)".
-    pub fn overrun(&self) -> String {
+    pub(crate) fn overrun(&self) -> String {
         format!(
             "{} ({} allowed)",
             self.algorithm.measure(self.worst),

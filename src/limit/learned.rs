@@ -11,14 +11,13 @@ use tokio::time::Instant;
 use crate::policy::announced::Announced;
 
 #[derive(Debug, Clone)]
-pub struct Learned {
+pub(crate) struct Learned {
     /// What the provider said, and when the response arrived.
-    pub announced: Announced,
-    pub seen: Instant,
+    pub(crate) announced: Announced,
     /// The provider's reset: from then on the configured limits alone decide.
-    pub reset: Instant,
+    pub(crate) reset: Instant,
     /// Admissions left before the reset.
-    pub left: u64,
+    pub(crate) left: u64,
     /// Between two admissions: the time to the reset shared by what remained.
     interval: Duration,
     /// The earliest next admission.
@@ -30,7 +29,7 @@ impl Learned {
     /// more, means slowing down. `None`: it does not (sluice is the only spender it sees).
     /// `before`: the pace learned so far, whose spacing a new announcement keeps (every
     /// response would otherwise let the next request through at once).
-    pub fn from(
+    pub(crate) fn from(
         a: Announced,
         believed: u64,
         now: Instant,
@@ -49,7 +48,6 @@ impl Learned {
             .map_or(now, |b| b.next.clamp(now, now + interval));
         Some(Learned {
             announced: a,
-            seen: now,
             reset: now + a.reset,
             left: a.remaining,
             interval,
@@ -57,15 +55,15 @@ impl Learned {
         })
     }
 
-    pub fn active(&self, now: Instant) -> bool {
+    pub(crate) fn active(&self, now: Instant) -> bool {
         now < self.reset
     }
 
-    pub fn can_take(&self, now: Instant) -> bool {
+    pub(crate) fn can_take(&self, now: Instant) -> bool {
         !self.active(now) || (self.left > 0 && now >= self.next)
     }
 
-    pub fn take(&mut self, now: Instant) {
+    pub(crate) fn take(&mut self, now: Instant) {
         if self.active(now) {
             self.left = self.left.saturating_sub(1);
             self.next = self.next.max(now) + self.interval;
@@ -73,7 +71,7 @@ impl Learned {
     }
 
     /// The earliest instant the `n`-th next admission could pass.
-    pub fn ready_at(&self, n: u64, now: Instant) -> Instant {
+    pub(crate) fn ready_at(&self, n: u64, now: Instant) -> Instant {
         if !self.active(now) {
             return now;
         }
@@ -87,7 +85,7 @@ impl Learned {
     }
 
     /// Requests per second the provider's announcement leaves, over its whole window.
-    pub fn rate(&self) -> f64 {
+    pub(crate) fn rate(&self) -> f64 {
         self.announced.remaining as f64 / self.announced.reset.as_secs_f64().max(1e-3)
     }
 }

@@ -20,17 +20,17 @@
 //! the response head. A request that never reached its connection gives its rate
 //! permits back.
 
-pub mod aimd;
-pub mod bucket;
-pub mod error;
-pub mod exposure;
-pub mod kinds;
-pub mod learned;
-pub mod queue;
+pub(crate) mod aimd;
+pub(crate) mod bucket;
+pub(crate) mod error;
+pub(crate) mod exposure;
+pub(crate) mod kinds;
+pub(crate) mod learned;
+pub(crate) mod queue;
 mod registry;
-pub mod shared;
+pub(crate) mod shared;
 
-pub use error::LimitError;
+pub(crate) use error::LimitError;
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use std::collections::HashMap;
@@ -57,7 +57,7 @@ use shared::{GlobalLimit, Reservation, Store, StorePartition};
 const TUNNEL: &str = "(tunnel)";
 
 /// How often idle partitions are looked for and dropped.
-pub const SWEEP_EVERY: Duration = Duration::from_secs(5);
+pub(crate) const SWEEP_EVERY: Duration = Duration::from_secs(5);
 
 /// Metric handles of one (upstream, family), resolved once so the hot path does no
 /// label lookups.
@@ -133,7 +133,7 @@ pub fn max_partitions(u: &Upstream) -> usize {
 }
 
 impl Plan {
-    pub fn new(u: &Upstream, metrics: &Metrics) -> Plan {
+    pub(crate) fn new(u: &Upstream, metrics: &Metrics) -> Plan {
         let local = |limits: &[Limit]| -> Vec<Limit> {
             limits.iter().filter(|l| !l.is_global()).cloned().collect()
         };
@@ -336,7 +336,7 @@ impl CellState {
 type OnStore = (std::sync::Weak<dyn Store>, Arc<dyn StorePartition>);
 
 /// One (upstream, partition): its bucket under one lock, and the driver's wake-up.
-pub struct Cell {
+pub(crate) struct Cell {
     name: Arc<str>,
     partition: Option<Partition>,
     state: Mutex<CellState>,
@@ -552,7 +552,7 @@ async fn drive(cell: Arc<Cell>) {
 }
 
 /// Permits in transit from the limiter to a waiter. Dropped unreceived, it gives them back.
-pub struct Grant {
+pub(crate) struct Grant {
     permit: Option<Permit>,
 }
 
@@ -601,7 +601,7 @@ pub struct Permit {
 }
 
 /// What an adaptive family is told of an answer (see [`Permit::feedback`]).
-pub struct Feedback {
+pub(crate) struct Feedback {
     cell: Arc<Cell>,
     family: FamilyRef,
     admitted: Instant,
@@ -611,7 +611,7 @@ impl Feedback {
     /// The answer arrived: `refused` when it was a 429 that classification retries or
     /// cools down (the provider's limit is lower than the configured one), otherwise a
     /// success.
-    pub fn report(self, refused: bool) {
+    pub(crate) fn report(self, refused: bool) {
         let mut st = self.cell.lock();
         let now = Instant::now();
         let rates = st.bucket.adapt(self.family, refused, self.admitted, now);
@@ -647,7 +647,7 @@ impl std::fmt::Debug for Permit {
 
 impl Permit {
     /// Whether the permit must travel with the response body.
-    pub fn holds_concurrency(&self) -> bool {
+    pub(crate) fn holds_concurrency(&self) -> bool {
         self.holds
     }
 
@@ -675,7 +675,7 @@ impl Permit {
 
     /// For a family that adapts its rate: what to tell it of the answer, kept apart
     /// from the permit, which travels on with the response body.
-    pub fn feedback(&self) -> Option<Feedback> {
+    pub(crate) fn feedback(&self) -> Option<Feedback> {
         self.adapts.map(|admitted| Feedback {
             cell: self.cell.clone(),
             family: self.family,
@@ -691,7 +691,7 @@ impl Permit {
 
     /// The response announced the provider's budget for this partition
     /// (`learn = "headers"`): it may set or lift the partition's learned pace.
-    pub fn learn(&self, a: crate::policy::announced::Announced) {
+    pub(crate) fn learn(&self, a: crate::policy::announced::Announced) {
         let mut st = self.cell.lock();
         let now = Instant::now();
         let before = st.bucket.learned.as_ref().is_some_and(|l| l.active(now));
@@ -802,7 +802,7 @@ const UNSENT: u8 = 3;
 /// One admission's way through the limits counted in time, shared by its [`Permit`] and
 /// its [`SendHook`]. `phase` changes only under the cell's lock, so a send that races the
 /// request's cancellation is settled there, one way or the other.
-pub struct Ticket {
+pub(crate) struct Ticket {
     cell: Arc<Cell>,
     family: FamilyRef,
     id: Id,
@@ -868,7 +868,7 @@ pub struct Limiter {
 }
 
 /// One config generation's plans, by upstream index.
-pub type Plans = Arc<[Arc<Plan>]>;
+pub(crate) type Plans = Arc<[Arc<Plan>]>;
 
 /// Builds the plans of every upstream of `config`.
 pub fn plans(config: &Config, metrics: &Metrics) -> Plans {
@@ -891,7 +891,7 @@ impl Limiter {
     }
 
     /// The cluster shared limits go through from now on (`None`: no `[cluster]`).
-    pub fn set_store(&self, store: Option<Arc<dyn Store>>) {
+    pub(crate) fn set_store(&self, store: Option<Arc<dyn Store>>) {
         *self.store.write() = store;
     }
 
@@ -933,7 +933,7 @@ impl Limiter {
     /// due) on `rt` from now on. With one event loop per worker, a driver on a busy
     /// worker's loop wakes as late as that loop gets round to its timers; on a quiet
     /// runtime it wakes on time and hands the permit across.
-    pub fn drive_on(&self, rt: tokio::runtime::Handle) {
+    pub(crate) fn drive_on(&self, rt: tokio::runtime::Handle) {
         let _ = self.timers.set(rt);
     }
 
@@ -1004,7 +1004,7 @@ impl Limiter {
 
     /// As [`Limiter::acquire`], for a request that waits no later than `deadline` (the
     /// client's `sluice-max-wait`) if that comes before its family's `max_wait` runs out.
-    pub async fn acquire_by(
+    pub(crate) async fn acquire_by(
         &self,
         plan: &Arc<Plan>,
         route: &Route,
@@ -1027,7 +1027,7 @@ impl Limiter {
 
     /// Whether a request of `route` pays any limit, local or shared: only then does its
     /// response say how long it waited.
-    pub fn limited(plan: &Plan, route: &Route) -> bool {
+    pub(crate) fn limited(plan: &Plan, route: &Route) -> bool {
         let index = plan.family_index(route.family);
         !plan.spec.upstream_limits.is_empty()
             || !plan.spec.families[index].limits.is_empty()
@@ -1073,7 +1073,7 @@ impl Limiter {
 
     /// A CONNECT tunnel's permit: one of the upstream's concurrency limits for as long as
     /// the tunnel is open, or nothing when it has none.
-    pub async fn acquire_tunnel(
+    pub(crate) async fn acquire_tunnel(
         &self,
         plan: &Arc<Plan>,
         route: &Route,
@@ -1183,7 +1183,7 @@ impl Limiter {
 
     /// End of the drain: every queued request, and any that arrives from now on, is
     /// refused with `ShuttingDown`. Requests already admitted are not touched.
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         self.closed
             .store(true, std::sync::atomic::Ordering::Release);
         for cell in self.registry.cells() {
@@ -1199,7 +1199,7 @@ impl Limiter {
 
     /// Pauses a route's family (`family = true`) or its whole upstream, for this
     /// partition, until `until`: the 429 cool-down hook.
-    pub fn pause(&self, plan: &Arc<Plan>, route: &Route, family: bool, until: Instant) {
+    pub(crate) fn pause(&self, plan: &Arc<Plan>, route: &Route, family: bool, until: Instant) {
         // Its request made the partition; it is gone only if it has been idle since.
         let Ok(cell) = self.cell(plan, route) else {
             return;
@@ -1223,7 +1223,7 @@ impl Limiter {
     }
 
     /// By upstream name: its live partitions, as of the last sweep (or now, when few).
-    pub fn live_partitions(&self) -> HashMap<Arc<str>, usize> {
+    pub(crate) fn live_partitions(&self) -> HashMap<Arc<str>, usize> {
         self.registry.summary(Instant::now()).live.clone()
     }
 
@@ -1232,7 +1232,11 @@ impl Limiter {
     /// a window of `w` seconds, and `RateLimit` with the permits `r` free now and the
     /// whole seconds `t` until one more is. Items are named after the upstream, or
     /// `upstream/family`, with `.N` when a level has several rate limits.
-    pub fn ratelimit_fields(&self, plan: &Arc<Plan>, route: &Route) -> Option<(String, String)> {
+    pub(crate) fn ratelimit_fields(
+        &self,
+        plan: &Arc<Plan>,
+        route: &Route,
+    ) -> Option<(String, String)> {
         let cell = self.cell(plan, route).ok()?;
         let mut st = cell.lock();
         let now = Instant::now();
@@ -1277,14 +1281,14 @@ impl Limiter {
 
     /// By upstream name: the slowest pace a partition learned from the provider and how
     /// many partitions pace now (`learn = "headers"`), as the summary has it.
-    pub fn learned_paces(&self) -> HashMap<Arc<str>, (f64, usize)> {
+    pub(crate) fn learned_paces(&self) -> HashMap<Arc<str>, (f64, usize)> {
         self.registry.summary(Instant::now()).paces.clone()
     }
 
     /// By (upstream, family) name: the lowest share of its configured rate that an
     /// adaptive family's partition may send now (1 when none is slowed), as the summary
     /// has it.
-    pub fn adaptive_shares(&self) -> HashMap<(Arc<str>, String), f64> {
+    pub(crate) fn adaptive_shares(&self) -> HashMap<(Arc<str>, String), f64> {
         self.registry.summary(Instant::now()).shares.clone()
     }
 
@@ -1297,7 +1301,7 @@ impl Limiter {
     /// partition while they are few (up to [`registry::FRESH_UP_TO`]); beyond that the
     /// [`registry::KEPT`] with most requests waiting of each upstream, as of the last
     /// sweep. Also how many partitions are left out.
-    pub fn snapshot(&self) -> (serde_json::Value, usize) {
+    pub(crate) fn snapshot(&self) -> (serde_json::Value, usize) {
         let now = Instant::now();
         let store = self.store();
         let all = self.registry.len();
@@ -1322,7 +1326,7 @@ impl Limiter {
 
     /// For the status page, by upstream name: its `top` partitions with the most requests
     /// waiting (as `/buckets` describes them), and how many others it has.
-    pub fn busiest(&self, top: usize) -> HashMap<Arc<str>, (Vec<serde_json::Value>, usize)> {
+    pub(crate) fn busiest(&self, top: usize) -> HashMap<Arc<str>, (Vec<serde_json::Value>, usize)> {
         let now = Instant::now();
         let store = self.store();
         let summary = self.registry.summary(now);

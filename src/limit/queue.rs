@@ -9,25 +9,25 @@ use std::collections::{HashMap, VecDeque};
 use tokio::time::Instant;
 
 /// A tenant, as a keyed hash of its value (the value itself is never kept).
-pub type Tenant = u64;
+pub(crate) type Tenant = u64;
 
 #[derive(Debug)]
-pub struct Queued<W> {
-    pub seq: u64,
-    pub since: Instant,
-    pub tenant: Option<Tenant>,
-    pub waiter: W,
+pub(crate) struct Queued<W> {
+    pub(crate) seq: u64,
+    pub(crate) since: Instant,
+    pub(crate) tenant: Option<Tenant>,
+    pub(crate) waiter: W,
 }
 
 #[derive(Debug)]
-pub enum Queue<W> {
+pub(crate) enum Queue<W> {
     Fifo(VecDeque<Queued<W>>),
     /// Boxed: most families queue FIFO, and every partition pays for the enum's size.
     Fair(Box<Fair<W>>),
 }
 
 #[derive(Debug)]
-pub struct Fair<W> {
+pub(crate) struct Fair<W> {
     /// Each waiting tenant's requests, in arrival order.
     tenants: HashMap<Option<Tenant>, VecDeque<Queued<W>>>,
     /// Whose turn comes next, front first: each tenant once.
@@ -36,7 +36,7 @@ pub struct Fair<W> {
 }
 
 impl<W> Queue<W> {
-    pub fn new(fair: bool) -> Queue<W> {
+    pub(crate) fn new(fair: bool) -> Queue<W> {
         if fair {
             Queue::Fair(Box::new(Fair {
                 tenants: HashMap::new(),
@@ -48,23 +48,23 @@ impl<W> Queue<W> {
         }
     }
 
-    pub fn is_fair(&self) -> bool {
+    pub(crate) fn is_fair(&self) -> bool {
         matches!(self, Queue::Fair(_))
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match self {
             Queue::Fifo(q) => q.len(),
             Queue::Fair(f) => f.len,
         }
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// When the longest-waiting request arrived.
-    pub fn oldest(&self) -> Option<Instant> {
+    pub(crate) fn oldest(&self) -> Option<Instant> {
         match self {
             Queue::Fifo(q) => q.front().map(|w| w.since),
             Queue::Fair(f) => f
@@ -76,7 +76,7 @@ impl<W> Queue<W> {
     }
 
     /// Tenants with requests waiting, in a queue that takes them in turns.
-    pub fn tenants(&self) -> Option<usize> {
+    pub(crate) fn tenants(&self) -> Option<usize> {
         match self {
             Queue::Fifo(_) => None,
             Queue::Fair(f) => Some(f.turns.len()),
@@ -84,14 +84,14 @@ impl<W> Queue<W> {
     }
 
     /// Requests of `tenant` waiting (all of them in a FIFO queue).
-    pub fn len_of(&self, tenant: Option<Tenant>) -> usize {
+    pub(crate) fn len_of(&self, tenant: Option<Tenant>) -> usize {
         match self {
             Queue::Fifo(q) => q.len(),
             Queue::Fair(f) => f.tenants.get(&tenant).map_or(0, VecDeque::len),
         }
     }
 
-    pub fn push_back(&mut self, q: Queued<W>) {
+    pub(crate) fn push_back(&mut self, q: Queued<W>) {
         match self {
             Queue::Fifo(fifo) => fifo.push_back(q),
             Queue::Fair(f) => {
@@ -111,7 +111,7 @@ impl<W> Queue<W> {
     }
 
     /// The request whose turn is next.
-    pub fn front(&self) -> Option<&Queued<W>> {
+    pub(crate) fn front(&self) -> Option<&Queued<W>> {
         match self {
             Queue::Fifo(q) => q.front(),
             Queue::Fair(f) => f.tenants.get(f.turns.front()?)?.front(),
@@ -120,7 +120,7 @@ impl<W> Queue<W> {
 
     /// Takes the request whose turn it was; its tenant's next turn comes after every
     /// other tenant's.
-    pub fn pop_front(&mut self) -> Option<Queued<W>> {
+    pub(crate) fn pop_front(&mut self) -> Option<Queued<W>> {
         match self {
             Queue::Fifo(q) => q.pop_front(),
             Queue::Fair(f) => {
@@ -144,7 +144,7 @@ impl<W> Queue<W> {
     }
 
     /// Removes request `seq` of `tenant`, if it still waits.
-    pub fn remove(&mut self, seq: u64, tenant: Option<Tenant>) -> Option<Queued<W>> {
+    pub(crate) fn remove(&mut self, seq: u64, tenant: Option<Tenant>) -> Option<Queued<W>> {
         let (q, now_empty) = match self {
             Queue::Fifo(q) => {
                 let i = q.binary_search_by_key(&seq, |w| w.seq).ok()?;
@@ -166,7 +166,7 @@ impl<W> Queue<W> {
     }
 
     /// Everything waiting, in no particular order.
-    pub fn drain(&mut self) -> Vec<Queued<W>> {
+    pub(crate) fn drain(&mut self) -> Vec<Queued<W>> {
         let fair = self.is_fair();
         match std::mem::replace(self, Queue::new(fair)) {
             Queue::Fifo(q) => q.into_iter().collect(),
@@ -176,7 +176,7 @@ impl<W> Queue<W> {
 
     /// The same requests, queued FIFO or by tenant as `fair` says (a reload that added
     /// or removed the family's tenant source); arrival order is kept within each.
-    pub fn refair(&mut self, fair: bool) {
+    pub(crate) fn refair(&mut self, fair: bool) {
         if self.is_fair() == fair {
             return;
         }
@@ -189,7 +189,7 @@ impl<W> Queue<W> {
     }
 
     /// Which turn (1 for the next) a request of `tenant` arriving now would be served at.
-    pub fn turn_for_new(&self, tenant: Option<Tenant>) -> u64 {
+    pub(crate) fn turn_for_new(&self, tenant: Option<Tenant>) -> u64 {
         match self {
             Queue::Fifo(q) => q.len() as u64 + 1,
             Queue::Fair(_) => self.fair_turn(tenant, self.len_of(tenant)),
@@ -197,7 +197,7 @@ impl<W> Queue<W> {
     }
 
     /// Which turn the waiting request `seq` of `tenant` will be served at, if it waits.
-    pub fn turn_of(&self, seq: u64, tenant: Option<Tenant>) -> Option<u64> {
+    pub(crate) fn turn_of(&self, seq: u64, tenant: Option<Tenant>) -> Option<u64> {
         match self {
             Queue::Fifo(q) => q
                 .binary_search_by_key(&seq, |w| w.seq)

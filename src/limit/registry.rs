@@ -24,10 +24,10 @@ const SHARDS: usize = 1024;
 
 /// Up to this many partitions, the summary is taken afresh at each call (its cost is
 /// bounded by this number); beyond it, the one the last sweep kept is read.
-pub const FRESH_UP_TO: usize = 1024;
+pub(super) const FRESH_UP_TO: usize = 1024;
 
 /// Partitions per upstream that the summary keeps, those with most requests waiting first.
-pub const KEPT: usize = 100;
+pub(super) const KEPT: usize = 100;
 
 /// Idle partitions dropped under one write lock of a shard, so that a request for a new
 /// partition of that shard waits for at most this many removals.
@@ -52,16 +52,16 @@ impl Occupancy {
 
 /// What the admin views show of the partitions, bounded whatever their number.
 #[derive(Default)]
-pub struct Summary {
+pub(super) struct Summary {
     /// By upstream: at most [`KEPT`] of its partitions, most requests waiting first. Weak,
     /// so that being shown keeps no partition from being swept.
     pub(super) busiest: HashMap<Arc<str>, Vec<Weak<Cell>>>,
     /// By upstream: the slowest pace a partition learned and how many partitions pace now.
-    pub paces: HashMap<Arc<str>, (f64, usize)>,
+    pub(crate) paces: HashMap<Arc<str>, (f64, usize)>,
     /// By (upstream, family): the lowest share of its configured rate a partition may send.
-    pub shares: HashMap<(Arc<str>, String), f64>,
+    pub(crate) shares: HashMap<(Arc<str>, String), f64>,
     /// By upstream: its live partitions.
-    pub live: HashMap<Arc<str>, usize>,
+    pub(crate) live: HashMap<Arc<str>, usize>,
 }
 
 pub(super) struct Registry {

@@ -17,7 +17,7 @@ use crate::config::{CounterAlign, Limit, Rounding, WindowAlign};
 use crate::route::Partition;
 
 /// Where shared limits are counted.
-pub trait Store: Send + Sync {
+pub(crate) trait Store: Send + Sync {
     /// What one partition (an upstream, and its key value if partitioned) keeps with this
     /// store; made when the partition first pays a shared limit.
     fn partition(
@@ -31,11 +31,11 @@ pub trait Store: Send + Sync {
 
 /// A reservation on its way: `None` when the store lets the request go uncounted (Redis
 /// away with `on_redis_error = "allow"`).
-pub type Reserving<'a> =
+pub(crate) type Reserving<'a> =
     Pin<Box<dyn Future<Output = Result<Option<Box<dyn Reservation>>, LimitError>> + Send + 'a>>;
 
 /// One partition's side of the store.
-pub trait StorePartition: Send + Sync {
+pub(crate) trait StorePartition: Send + Sync {
     /// Reserves an instant for a request its local limits admitted, under every limit of
     /// `limits`, FIFO among the requests of `family` on this replica; waits for it.
     /// `QueueTimeout` when the instant would be later than `deadline`.
@@ -51,7 +51,7 @@ pub trait StorePartition: Send + Sync {
 
 /// One request's reservation: what the store must hear of it to count it as the provider
 /// does. Dropped without a report, the store keeps counting it at its latest arrival.
-pub trait Reservation: Send + Sync {
+pub(crate) trait Reservation: Send + Sync {
     /// Handed to its upstream connection at `at`.
     fn sent(&self, at: Instant);
     /// Answered at `at`, having been sent at `sent`, `took` after.
@@ -62,7 +62,7 @@ pub trait Reservation: Send + Sync {
 
 /// The kind of a shared limit, one per way of counting a store keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
+pub(crate) enum Kind {
     Sliding,
     Fixed,
     /// A fixed window on the clock.
@@ -81,20 +81,20 @@ pub enum Kind {
 pub struct GlobalLimit {
     /// Unique within the upstream and stable across reloads of the same limit:
     /// `u0.s` (the upstream's first limit, a sliding window), `f.orders.1.t`.
-    pub id: Arc<str>,
-    pub spec: Limit,
-    pub kind: Kind,
+    pub(crate) id: Arc<str>,
+    pub(crate) spec: Limit,
+    pub(crate) kind: Kind,
     /// Windows and counters: permits; GCRA: the emission interval in microseconds.
-    pub a: f64,
+    pub(crate) a: f64,
     /// Windows and counters: the window; GCRA: the tolerance.
-    pub b: f64,
+    pub(crate) b: f64,
     /// Where clock windows start, past multiples of the window since the Unix epoch
     /// (microseconds); `None` for any alignment (counters) or none at all.
-    pub offset: Option<f64>,
-    pub margin: Duration,
+    pub(crate) offset: Option<f64>,
+    pub(crate) margin: Duration,
     /// How long an admission matters to it: a window (two for a counter, whose previous
     /// window still weighs), or a GCRA's emission interval times its burst.
-    pub span: Duration,
+    pub(crate) span: Duration,
 }
 
 impl GlobalLimit {
@@ -171,12 +171,12 @@ impl GlobalLimit {
     }
 
     /// Counted in windows, rather than paced.
-    pub fn is_window(&self) -> bool {
+    pub(crate) fn is_window(&self) -> bool {
         self.kind != Kind::Token
     }
 }
 
 /// A duration in microseconds, the unit shared stores count in.
-pub fn micros(d: Duration) -> f64 {
+pub(crate) fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1_000_000.0
 }

@@ -21,22 +21,22 @@ use super::hints::{epoch_or_delta, header};
 /// The longest reset believed: a provider's field is input like any other, and a pace
 /// that would hold a partition back for longer than a day is more likely a bug in the
 /// provider than a budget.
-pub const MAX_RESET: Duration = Duration::from_secs(24 * 3600);
+pub(crate) const MAX_RESET: Duration = Duration::from_secs(24 * 3600);
 
 /// What a response said of the provider's budget for the key it was sent with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Announced {
+pub(crate) struct Announced {
     /// Requests the provider will still accept before its window resets.
-    pub remaining: u64,
+    pub(crate) remaining: u64,
     /// From the response's arrival to the reset.
-    pub reset: Duration,
+    pub(crate) reset: Duration,
     /// Which field said so, for `/buckets` and logs.
-    pub source: &'static str,
+    pub(crate) source: &'static str,
 }
 
 /// Reads the budget a response announces, if it announces one. `now` is the local wall
 /// clock, for resets written as timestamps in a response without `Date`.
-pub fn announced(h: &HeaderMap, now: SystemTime) -> Option<Announced> {
+pub(crate) fn announced(h: &HeaderMap, now: SystemTime) -> Option<Announced> {
     read(h, now).map(|a| Announced {
         reset: a.reset.min(MAX_RESET),
         ..a

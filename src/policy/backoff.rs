@@ -8,7 +8,7 @@ use crate::config::{Backoff, Jitter};
 /// The wait before retry number `retry` (1 for the first retry). `unit` is a uniform
 /// draw in [0, 1); `prev` is the previous delay (for decorrelated jitter; `base` at first).
 /// Never more than `max`.
-pub fn delay(b: &Backoff, retry: u32, prev: Duration, unit: f64) -> Duration {
+pub(crate) fn delay(b: &Backoff, retry: u32, prev: Duration, unit: f64) -> Duration {
     let unit = unit.clamp(0.0, 1.0);
     let exp = b
         .base

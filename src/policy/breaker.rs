@@ -14,14 +14,14 @@ const OK: usize = 0;
 const FAILED: usize = 1;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum State {
+pub(crate) enum State {
     Closed,
     Open { until: Instant },
     HalfOpen { probing: bool },
 }
 
 impl State {
-    pub fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self {
             State::Closed => "closed",
             State::Open { .. } => "open",
@@ -31,7 +31,7 @@ impl State {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Admit {
+pub(crate) enum Admit {
     /// Closed: go ahead.
     Yes,
     /// Half-open: this request is the one probe; report its outcome with `probe = true`.
@@ -41,14 +41,14 @@ pub enum Admit {
 }
 
 #[derive(Debug)]
-pub struct Breaker {
+pub(crate) struct Breaker {
     policy: BreakerPolicy,
     state: State,
     outcomes: Rolling,
 }
 
 impl Breaker {
-    pub fn new(policy: &BreakerPolicy, now: Instant) -> Breaker {
+    pub(crate) fn new(policy: &BreakerPolicy, now: Instant) -> Breaker {
         Breaker {
             policy: policy.clone(),
             state: State::Closed,
@@ -56,11 +56,11 @@ impl Breaker {
         }
     }
 
-    pub fn state(&self) -> State {
+    pub(crate) fn state(&self) -> State {
         self.state
     }
 
-    pub fn admit(&mut self, now: Instant) -> Admit {
+    pub(crate) fn admit(&mut self, now: Instant) -> Admit {
         match self.state {
             State::Closed => Admit::Yes,
             State::Open { until } if now < until => Admit::No {
@@ -78,7 +78,7 @@ impl Breaker {
 
     /// An attempt ended. Outcomes of attempts let in while closed count only while it is
     /// still closed; in half-open only the probe decides.
-    pub fn record(&mut self, failed: bool, probe: bool, now: Instant) {
+    pub(crate) fn record(&mut self, failed: bool, probe: bool, now: Instant) {
         match self.state {
             State::HalfOpen { .. } if probe => {
                 self.outcomes.clear();
@@ -108,7 +108,7 @@ impl Breaker {
     }
 
     /// The probe ended without an outcome (its client went away): let another one try.
-    pub fn abandon_probe(&mut self) {
+    pub(crate) fn abandon_probe(&mut self) {
         if self.state == (State::HalfOpen { probing: true }) {
             self.state = State::HalfOpen { probing: false };
         }

@@ -11,13 +11,13 @@ const REQUESTS: usize = 0;
 const RETRIES: usize = 1;
 
 #[derive(Debug)]
-pub struct RetryBudget {
+pub(crate) struct RetryBudget {
     policy: BudgetPolicy,
     counts: Rolling,
 }
 
 impl RetryBudget {
-    pub fn new(policy: &BudgetPolicy, now: Instant) -> RetryBudget {
+    pub(crate) fn new(policy: &BudgetPolicy, now: Instant) -> RetryBudget {
         RetryBudget {
             policy: policy.clone(),
             counts: Rolling::new(policy.window, now),
@@ -25,12 +25,12 @@ impl RetryBudget {
     }
 
     /// A request arrived (its first attempt).
-    pub fn record_request(&mut self, now: Instant) {
+    pub(crate) fn record_request(&mut self, now: Instant) {
         self.counts.add(REQUESTS, now);
     }
 
     /// Takes one retry from the budget, if there is one left.
-    pub fn try_retry(&mut self, now: Instant) -> bool {
+    pub(crate) fn try_retry(&mut self, now: Instant) -> bool {
         let [requests, retries] = self.counts.totals(now);
         let allowed = self.policy.ratio * requests as f64
             + f64::from(self.policy.min_per_second) * self.policy.window.as_secs_f64();

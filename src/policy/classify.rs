@@ -5,7 +5,7 @@
 use crate::config::{Action, ClassifyRule};
 
 /// How much of a body classification may read; the rest streams on untouched.
-pub const BODY_LIMIT: usize = 64 * 1024;
+pub(crate) const BODY_LIMIT: usize = 64 * 1024;
 
 /// Whether some rule for this status needs the body.
 pub fn needs_body(rules: &[ClassifyRule], status: u16) -> bool {

@@ -14,7 +14,7 @@ const EPOCH_THRESHOLD: u64 = 1_000_000_000;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hint {
     pub wait: Duration,
-    pub source: &'static str,
+    pub(crate) source: &'static str,
 }
 
 /// A field's value as trimmed text; absent when it is not text.

@@ -2,12 +2,12 @@
 //! the retry budget, 429 classification and the circuit breaker. Each is pure in `now`;
 //! [`Policies`] holds the per-upstream state the pipeline shares between requests.
 
-pub mod announced;
-pub mod backoff;
-pub mod breaker;
-pub mod budget;
-pub mod classify;
-pub mod hints;
+pub(crate) mod announced;
+pub(crate) mod backoff;
+pub(crate) mod breaker;
+pub(crate) mod budget;
+pub(crate) mod classify;
+pub(crate) mod hints;
 mod window;
 
 use parking_lot::{Mutex, MutexGuard};
@@ -25,7 +25,7 @@ use crate::metrics::Metrics;
 
 /// Methods RFC 9110 calls idempotent. POST and PATCH are retried only with an
 /// idempotency key: a POST that timed out may have succeeded.
-pub fn is_idempotent(method: &Method) -> bool {
+pub(crate) fn is_idempotent(method: &Method) -> bool {
     matches!(
         method.as_str(),
         "GET" | "HEAD" | "OPTIONS" | "TRACE" | "PUT" | "DELETE"
@@ -35,7 +35,7 @@ pub fn is_idempotent(method: &Method) -> bool {
 /// Whether an attempt's outcome asks for another attempt. A classification rule decides
 /// first (`fail` never retries, `retry` and `cooldown` do); otherwise the `retry.on` list:
 /// statuses such as 400, 401, 403, 404, 409 or 422 are retried only if listed there.
-pub fn wants_retry(
+pub(crate) fn wants_retry(
     status: Option<u16>,
     failure: Option<RetryOn>,
     action: Option<Action>,
@@ -52,7 +52,7 @@ pub fn wants_retry(
 }
 
 /// A circuit with the gauge that shows its state.
-pub struct Circuit {
+pub(crate) struct Circuit {
     breaker: Mutex<Breaker>,
     gauge: IntGaugeVec,
     labels: Vec<String>,
@@ -80,7 +80,7 @@ impl Circuit {
     }
 
     /// Runs `f` on the breaker and updates the gauge if the state changed.
-    pub fn with<R>(&self, f: impl FnOnce(&mut Breaker) -> R) -> R {
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut Breaker) -> R) -> R {
         let mut b = self.breaker.lock();
         let before = b.state();
         let r = f(&mut b);
@@ -96,38 +96,38 @@ impl Circuit {
 /// An upstream's shared policy state. Each piece is shared with the previous config's
 /// after a reload that left its settings unchanged, so a reload neither closes an open
 /// circuit nor refills a spent retry budget.
-pub struct UpstreamPolicies {
-    pub budget: Arc<Mutex<RetryBudget>>,
-    pub breaker: Arc<Circuit>,
+pub(crate) struct UpstreamPolicies {
+    pub(crate) budget: Arc<Mutex<RetryBudget>>,
+    pub(crate) breaker: Arc<Circuit>,
     /// Own circuits of families that set `[breaker]`; `None` shares the upstream's.
-    pub family_breakers: Vec<Option<Arc<Circuit>>>,
+    pub(crate) family_breakers: Vec<Option<Arc<Circuit>>>,
 }
 
 impl UpstreamPolicies {
-    pub fn circuit(&self, family: Option<usize>) -> &Circuit {
+    pub(crate) fn circuit(&self, family: Option<usize>) -> &Circuit {
         family
             .and_then(|f| self.family_breakers[f].as_ref())
             .unwrap_or(&self.breaker)
     }
 
-    pub fn budget(&self) -> MutexGuard<'_, RetryBudget> {
+    pub(crate) fn budget(&self) -> MutexGuard<'_, RetryBudget> {
         self.budget.lock()
     }
 }
 
 /// Shared policy state of every upstream, by upstream index.
-pub struct Policies {
-    pub upstreams: Vec<UpstreamPolicies>,
+pub(crate) struct Policies {
+    pub(crate) upstreams: Vec<UpstreamPolicies>,
 }
 
 impl Policies {
-    pub fn new(config: &Config, metrics: &Metrics) -> Policies {
+    pub(crate) fn new(config: &Config, metrics: &Metrics) -> Policies {
         Policies::carry(config, metrics, None)
     }
 
     /// The policies of `config`, keeping the state of `previous` (the config being
     /// replaced, with its policies) wherever an upstream's or family's settings are equal.
-    pub fn carry(
+    pub(crate) fn carry(
         config: &Config,
         metrics: &Metrics,
         previous: Option<(&Config, &Policies)>,

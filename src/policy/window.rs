@@ -8,7 +8,7 @@ use tokio::time::Instant;
 const SLOTS: usize = 10;
 
 #[derive(Debug, Clone)]
-pub struct Rolling {
+pub(super) struct Rolling {
     base: Instant,
     slot: Duration,
     /// Index (in slot lengths since `base`) of the newest slot written.
@@ -17,7 +17,7 @@ pub struct Rolling {
 }
 
 impl Rolling {
-    pub fn new(window: Duration, now: Instant) -> Rolling {
+    pub(super) fn new(window: Duration, now: Instant) -> Rolling {
         Rolling {
             base: now,
             slot: (window / SLOTS as u32).max(Duration::from_millis(1)),
@@ -40,20 +40,20 @@ impl Rolling {
     }
 
     /// Adds one to counter `which` (0 or 1) at `now`.
-    pub fn add(&mut self, which: usize, now: Instant) {
+    pub(super) fn add(&mut self, which: usize, now: Instant) {
         let i = self.advance(now);
         self.counts[i][which] += 1;
     }
 
     /// Both counters summed over the window ending at `now`.
-    pub fn totals(&mut self, now: Instant) -> [u64; 2] {
+    pub(super) fn totals(&mut self, now: Instant) -> [u64; 2] {
         self.advance(now);
         self.counts
             .iter()
             .fold([0; 2], |acc, c| [acc[0] + c[0], acc[1] + c[1]])
     }
 
-    pub fn clear(&mut self) {
+    pub(super) fn clear(&mut self) {
         self.counts = [[0; 2]; SLOTS];
     }
 }

@@ -12,13 +12,13 @@ use crate::route::Route;
 
 /// What the request counter and the access line say about one request.
 pub(crate) struct Record<'a> {
-    pub route: Option<&'a Route>,
-    pub method: &'a Method,
+    pub(crate) route: Option<&'a Route>,
+    pub(crate) method: &'a Method,
     /// The target host as routed, or `-` when there is none.
-    pub host: &'a str,
+    pub(crate) host: &'a str,
     /// The path without its query, or `-`.
-    pub path: &'a str,
-    pub start: Instant,
+    pub(crate) path: &'a str,
+    pub(crate) start: Instant,
 }
 
 /// Turns the result into the client's response and records it: one counter increment and

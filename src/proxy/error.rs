@@ -14,7 +14,7 @@ use crate::limit::bucket::retry_after as whole_seconds;
 use crate::upstream::error::{AttemptError, chain};
 
 #[derive(Debug, thiserror::Error)]
-pub enum ProxyError {
+pub(crate) enum ProxyError {
     /// A request line in origin-form (`GET /path`) sent to the proxy port.
     #[error(
         "this is a forward proxy: send the absolute URL in the request line \
@@ -78,16 +78,16 @@ impl ProxyError {
     }
 
     /// The `sluice-reason` value; metrics use `sluice_<reason>` as the outcome.
-    pub fn reason(&self) -> &'static str {
+    pub(crate) fn reason(&self) -> &'static str {
         self.kind().0
     }
 
-    pub fn status(&self) -> StatusCode {
+    pub(crate) fn status(&self) -> StatusCode {
         self.kind().1
     }
 
     /// The `Retry-After` a local response carries, when waiting helps.
-    pub fn retry_after(&self) -> Option<Duration> {
+    pub(crate) fn retry_after(&self) -> Option<Duration> {
         match self {
             ProxyError::Limit(
                 LimitError::QueueFull { retry_after }
@@ -100,11 +100,11 @@ impl ProxyError {
         }
     }
 
-    pub fn outcome(&self) -> String {
+    pub(crate) fn outcome(&self) -> String {
         format!("sluice_{}", self.reason())
     }
 
-    pub fn to_response(&self) -> Response<Body> {
+    pub(crate) fn to_response(&self) -> Response<Body> {
         let reason = self.reason();
         let body = serde_json::json!({
             "error": { "code": format!("sluice_{reason}"), "message": self.to_string() }

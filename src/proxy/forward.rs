@@ -27,20 +27,20 @@ use crate::upstream::pinned::PinnedConns;
 
 /// Where an absolute-form request is going.
 #[derive(Debug)]
-pub struct Target {
+pub(crate) struct Target {
     /// Whether the upstream is reached over TLS (intercepted tunnels, `scheme = "https"`).
-    pub https: bool,
+    pub(crate) https: bool,
     /// Normalised for routing (see [`Target::host`]).
     host: Normal,
     /// The host's address when it is an IP literal: the egress rules check it before the
     /// request is queued.
-    pub ip: Option<IpAddr>,
-    pub port: u16,
+    pub(crate) ip: Option<IpAddr>,
+    pub(crate) port: u16,
     /// What goes into `Host`: the URI's host and explicit port, without any userinfo.
     /// Shares the request line's bytes when the URL wrote it that way, as most do.
-    pub host_header: Authority,
+    pub(crate) host_header: Authority,
     /// Shares the request line's bytes rather than copying them.
-    pub path_and_query: PathAndQuery,
+    pub(crate) path_and_query: PathAndQuery,
 }
 
 /// The normalised host: where it is in `host_header` when the URL wrote it in normal form
@@ -52,7 +52,7 @@ enum Normal {
 }
 
 impl Target {
-    pub fn from_uri(uri: &Uri) -> Result<Target, ProxyError> {
+    pub(crate) fn from_uri(uri: &Uri) -> Result<Target, ProxyError> {
         let scheme = uri.scheme_str().ok_or(ProxyError::NotProxyRequest)?;
         match scheme {
             // `ws://` as some WebSocket clients send it to a proxy: HTTP until the 101.
@@ -135,7 +135,7 @@ impl Target {
     }
 
     /// Lower-case, no brackets, no trailing dot.
-    pub fn host(&self) -> &str {
+    pub(crate) fn host(&self) -> &str {
         match &self.host {
             Normal::Within(from, to) => self.host_header.as_str().get(*from..*to).unwrap_or(""),
             Normal::Own(h) => h,
@@ -151,7 +151,7 @@ impl Target {
         }
     }
 
-    pub fn path(&self) -> &str {
+    pub(crate) fn path(&self) -> &str {
         self.path_and_query.path()
     }
 }

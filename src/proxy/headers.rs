@@ -39,7 +39,7 @@ fn fixed_index(name: &str) -> Option<usize> {
 }
 
 /// Removes the fixed hop-by-hop fields and every field that `Connection` names.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // One pass over the few names present (cheap comparisons) finds which fixed ones are
     // there; only those are removed, each removal being a hashed lookup. Most requests
     // have none, most responses only `Connection`.
@@ -86,7 +86,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 
 /// RFC 9110 §7.6.3: a proxy adds itself to `Via` on what it forwards, with the version
 /// of the protocol it received the message in.
-pub fn append_via(headers: &mut HeaderMap, received: http::Version) {
+pub(crate) fn append_via(headers: &mut HeaderMap, received: http::Version) {
     let via = match received {
         http::Version::HTTP_09 => "0.9 sluice",
         http::Version::HTTP_10 => "1.0 sluice",

@@ -13,16 +13,16 @@ use tokio_util::task::TaskTracker;
 /// A client has this long to send a request head once its connection is waiting for one:
 /// it bounds both a head sent byte by byte and a keep-alive connection left idle (hyper's
 /// default, named here because operators ask). Plain and intercepted connections alike.
-pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+pub(crate) const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// What connection and tunnel tasks need to know about shutdown.
 #[derive(Clone)]
 pub(crate) struct Lifecycle {
-    pub tracker: TaskTracker,
+    pub(crate) tracker: TaskTracker,
     /// Cancelled when the drain starts: connections finish their current request and close.
-    pub drain: CancellationToken,
+    pub(crate) drain: CancellationToken,
     /// Cancelled when the drain time is up: whatever still runs is cut.
-    pub stop: CancellationToken,
+    pub(crate) stop: CancellationToken,
 }
 
 /// A connection that can be asked to finish its current exchange and close.

@@ -5,19 +5,19 @@
 //! [`error`] is the one place that turns failures into the responses sluice makes
 //! itself. The request's path through them is drawn in docs/architecture.md.
 
-pub mod access;
-pub mod connect;
-pub mod error;
-pub mod forward;
-pub mod h2server;
-pub mod headers;
-pub mod intercept;
+pub(crate) mod access;
+pub(crate) mod connect;
+pub(crate) mod error;
+pub(crate) mod forward;
+pub(crate) mod h2server;
+pub(crate) mod headers;
+pub(crate) mod intercept;
 pub(crate) mod lifecycle;
-pub mod pipeline;
-pub mod response;
-pub mod rewind;
-pub mod server;
+pub(crate) mod pipeline;
+pub(crate) mod response;
+pub(crate) mod rewind;
+pub(crate) mod server;
 #[cfg(test)]
 mod sizes;
-pub mod splice;
-pub mod upgrade;
+pub(crate) mod splice;
+pub(crate) mod upgrade;

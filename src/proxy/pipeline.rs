@@ -42,7 +42,7 @@ use crate::upstream::{self, Via};
 /// The functions here return `async move` blocks rather than being `async fn`s, which
 /// would keep a second copy of the request (see `forward::forward`).
 #[allow(clippy::manual_async_fn, reason = "see above: arguments stored once")]
-pub fn run<'a>(
+pub(crate) fn run<'a>(
     app: &'a App,
     config: &'a Live,
     upstreams: Option<&'a PinnedConns>,

@@ -18,7 +18,7 @@ use crate::limit::Permit;
 
 /// Reads up to `limit` bytes of `body` for a look at it, and returns them with a body
 /// that still yields every frame, those already read first.
-pub async fn peek(mut body: Body, limit: usize) -> Result<(Bytes, Body), BoxError> {
+pub(crate) async fn peek(mut body: Body, limit: usize) -> Result<(Bytes, Body), BoxError> {
     let mut seen: VecDeque<Frame<Bytes>> = VecDeque::new();
     let mut prefix = BytesMut::new();
     let mut ended = false;
@@ -77,14 +77,14 @@ impl HttpBody for Prefixed {
 
 #[derive(Debug, thiserror::Error)]
 #[error("the upstream body stalled for longer than attempt_timeout ({0:?})")]
-pub struct BodyStalled(Duration);
+pub(crate) struct BodyStalled(Duration);
 
 /// An upstream response body on its way to the client. It holds the request's
 /// concurrency permit until the last frame (or until it is dropped), and fails the body
 /// if the upstream sends nothing for `idle`. (A plain-HTTP upstream's body gives its
 /// connection back itself, see `h1::conn`.)
 /// Generic over the upstream's body so that it is boxed once, here, not twice.
-pub struct ResponseBody<B> {
+pub(crate) struct ResponseBody<B> {
     inner: B,
     permit: Option<Permit>,
     idle: Duration,
@@ -98,7 +98,7 @@ where
     B: HttpBody<Data = Bytes> + Unpin + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    pub fn wrap(inner: B, permit: Option<Permit>, idle: Duration) -> Body {
+    pub(crate) fn wrap(inner: B, permit: Option<Permit>, idle: Duration) -> Body {
         let permit = permit.filter(Permit::holds_concurrency);
         ResponseBody {
             inner,

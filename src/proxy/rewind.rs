@@ -7,14 +7,14 @@ use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-pub struct Rewind<S> {
+pub(crate) struct Rewind<S> {
     read: Vec<u8>,
     at: usize,
     inner: S,
 }
 
 impl<S> Rewind<S> {
-    pub fn new(read: Vec<u8>, inner: S) -> Rewind<S> {
+    pub(crate) fn new(read: Vec<u8>, inner: S) -> Rewind<S> {
         Rewind { read, at: 0, inner }
     }
 }

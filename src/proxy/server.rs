@@ -35,12 +35,11 @@ use crate::upstream::timer::ConnTimer;
 
 /// Request heads larger than this (request line plus headers) are answered 431, close to
 /// Envoy's 60 KiB default.
-pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+pub(crate) const MAX_HEAD_BYTES: usize = 64 * 1024;
 
-/// More header fields than this are answered 431 too (Envoy's default is 100 as well).
-/// It is hyper's default, and left implicit on purpose: naming any limit makes hyper
-/// allocate and fill a header index array for every request instead of using the stack.
-pub const MAX_HEADERS: usize = 100;
+// More than 100 header fields are answered 431 too (Envoy's default is 100 as well):
+// hyper's default, left implicit on purpose, since naming any limit makes hyper allocate
+// and fill a header index array for every request instead of using the stack.
 
 /// Single-threaded runtimes on their own threads, one per core by default, that serve
 /// client connections. Dropping it stops them (after the server has drained).

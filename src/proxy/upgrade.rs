@@ -19,7 +19,7 @@ use crate::upstream::switched::{Side, UpstreamSide};
 
 /// The protocol a request asks to switch to: its `Upgrade` value, when `Connection`
 /// names `upgrade` too.
-pub fn asked(headers: &HeaderMap) -> Option<HeaderValue> {
+pub(crate) fn asked(headers: &HeaderMap) -> Option<HeaderValue> {
     // One lookup on the path of every request: most carry no `Upgrade`.
     let protocol = headers.get(header::UPGRADE)?;
     let says_upgrade = headers.get_all(header::CONNECTION).iter().any(|v| {
@@ -33,7 +33,7 @@ pub fn asked(headers: &HeaderMap) -> Option<HeaderValue> {
 
 /// Whether the first protocol `offer` names (without its version) is one of `allowed`.
 /// `h2c` never is.
-pub fn allowed(offer: &HeaderValue, allowed: &[String]) -> bool {
+pub(crate) fn allowed(offer: &HeaderValue, allowed: &[String]) -> bool {
     let first = offer
         .to_str()
         .ok()
@@ -47,9 +47,9 @@ pub fn allowed(offer: &HeaderValue, allowed: &[String]) -> bool {
 
 /// A request on its way to switching: the protocol, and the client's side once hyper has
 /// written the `101`.
-pub struct Switching {
-    pub protocol: HeaderValue,
-    pub client: OnUpgrade,
+pub(crate) struct Switching {
+    pub(crate) protocol: HeaderValue,
+    pub(crate) client: OnUpgrade,
 }
 
 /// The upstream answered `101` to `switching`: the client gets the `101` (with the

@@ -108,7 +108,7 @@ impl Authority {
     /// Loads a CA; refuses a key file that others can read or its group can change. The
     /// group may read it: a Kubernetes Secret volume with `fsGroup` gives 0440, and only
     /// the containers that mount the volume see the file at all.
-    pub fn load(cert_path: &Path, key_path: &Path) -> Result<Authority, TlsError> {
+    pub(crate) fn load(cert_path: &Path, key_path: &Path) -> Result<Authority, TlsError> {
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(key_path)
             .map_err(io_err(key_path))?
@@ -185,7 +185,7 @@ impl Authority {
     }
 
     /// The leaf for `name`, from the cache or freshly signed.
-    pub fn leaf(&self, name: &str) -> Result<Arc<CertifiedKey>, TlsError> {
+    pub(crate) fn leaf(&self, name: &str) -> Result<Arc<CertifiedKey>, TlsError> {
         let now = SystemTime::now();
         {
             let cache = self.cache.lock();
@@ -217,8 +217,9 @@ impl Authority {
         Ok(key)
     }
 
-    /// How many leaves have been signed since start (for tests and metrics).
-    pub fn signed(&self) -> u64 {
+    /// How many leaves have been signed since start.
+    #[cfg(test)]
+    pub(crate) fn signed(&self) -> u64 {
         self.cache.lock().1
     }
 
@@ -247,7 +248,7 @@ impl Authority {
 }
 
 /// Every certificate in a PEM text.
-pub fn pem_certs(pem: &str) -> Vec<CertificateDer<'static>> {
+pub(crate) fn pem_certs(pem: &str) -> Vec<CertificateDer<'static>> {
     use rustls_pki_types::pem::PemObject;
     CertificateDer::pem_slice_iter(pem.as_bytes())
         .filter_map(Result::ok)

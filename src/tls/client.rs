@@ -18,7 +18,7 @@ use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
 use super::ca::pem_certs;
 use super::{TlsError, provider};
 
-pub fn client_config(extra_ca: Option<&Path>) -> Result<ClientConfig, TlsError> {
+pub(crate) fn client_config(extra_ca: Option<&Path>) -> Result<ClientConfig, TlsError> {
     let mut roots = RootCertStore::empty();
     roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
     if let Some(path) = extra_ca {

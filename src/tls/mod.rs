@@ -3,8 +3,8 @@
 //! uses both. rustls with the
 //! ring provider throughout, so the build needs no C toolchain beyond the one cargo has.
 
-pub mod ca;
-pub mod client;
+pub(crate) mod ca;
+pub(crate) mod client;
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -48,14 +48,14 @@ pub enum TlsError {
 }
 
 /// The one crypto provider sluice uses.
-pub fn provider() -> Arc<CryptoProvider> {
+pub(crate) fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
 /// Logs handshake failures once per client address per minute; a client that does not
 /// trust the CA retries often and would flood the log otherwise.
 #[derive(Default)]
-pub struct HandshakeLog {
+pub(crate) struct HandshakeLog {
     last: Mutex<HashMap<IpAddr, Instant>>,
 }
 

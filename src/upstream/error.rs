@@ -9,7 +9,7 @@ use crate::config::RetryOn;
 use crate::egress::EgressError;
 
 /// Walks an error's causes to the first one of type `T`.
-pub fn find_cause<'a, T: std::error::Error + 'static>(
+pub(crate) fn find_cause<'a, T: std::error::Error + 'static>(
     err: &'a (dyn std::error::Error + 'static),
 ) -> Option<&'a T> {
     let mut cur = Some(err);
@@ -33,7 +33,7 @@ pub fn find_cause<'a, T: std::error::Error + 'static>(
 
 /// The full cause chain of a foreign error (hyper's, rustls') on one line. sluice's own
 /// errors name their causes in their message already, so they are displayed, not walked.
-pub fn chain(err: &(dyn std::error::Error + 'static)) -> String {
+pub(crate) fn chain(err: &(dyn std::error::Error + 'static)) -> String {
     let mut out = err.to_string();
     let mut cur = err.source();
     while let Some(e) = cur {
@@ -46,7 +46,7 @@ pub fn chain(err: &(dyn std::error::Error + 'static)) -> String {
 
 /// How one upstream attempt failed, in the terms of `retry.on`.
 #[derive(Debug, thiserror::Error)]
-pub enum AttemptError {
+pub(crate) enum AttemptError {
     #[error("connect failed: {}", chain(&**.0))]
     Connect(BoxError),
     #[error("connection failed after the request was sent: {}", chain(&**.0))]
@@ -70,7 +70,7 @@ pub enum AttemptError {
 
 impl AttemptError {
     /// The `retry.on` entry this failure answers to, if any.
-    pub fn retry_on(&self) -> Option<RetryOn> {
+    pub(crate) fn retry_on(&self) -> Option<RetryOn> {
         match self {
             AttemptError::Connect(_) => Some(RetryOn::Connect),
             AttemptError::Reset(_) => Some(RetryOn::Reset),
@@ -84,7 +84,7 @@ impl AttemptError {
     }
 
     /// For `sluice_retries_total{reason}`.
-    pub fn label(&self) -> &'static str {
+    pub(crate) fn label(&self) -> &'static str {
         match self {
             AttemptError::Connect(_) => "connect",
             AttemptError::Reset(_) => "reset",
@@ -96,17 +96,8 @@ impl AttemptError {
         }
     }
 
-    /// A connection that failed once the request was on it.
-    pub fn after_send(e: hyper::Error) -> AttemptError {
-        if e.is_parse() {
-            AttemptError::Protocol(Box::new(e))
-        } else {
-            AttemptError::Reset(Box::new(e))
-        }
-    }
-
     /// A plain-HTTP upstream connection failed (see `h1`).
-    pub fn from_h1(e: super::h1::Error) -> AttemptError {
+    pub(crate) fn from_h1(e: super::h1::Error) -> AttemptError {
         if e.is_protocol() {
             AttemptError::Protocol(Box::new(e))
         } else {
@@ -116,14 +107,14 @@ impl AttemptError {
 
     /// sluice never asks for an upgrade on a forwarded request (`Upgrade` is hop-by-hop),
     /// so a 101 cannot be relayed: the client would read the next protocol as HTTP.
-    pub fn unasked_upgrade() -> AttemptError {
+    pub(crate) fn unasked_upgrade() -> AttemptError {
         AttemptError::Protocol(
             "101 Switching Protocols to a request that asked for no upgrade".into(),
         )
     }
 
     /// A refusal by the egress rules, or a name that did not resolve.
-    pub fn from_egress(e: EgressError) -> AttemptError {
+    pub(crate) fn from_egress(e: EgressError) -> AttemptError {
         if e.is_refusal() {
             AttemptError::Denied(e)
         } else {

@@ -5,13 +5,13 @@
 //! timers ([`timer`]), the upstream's side of a switched protocol ([`switched`]), and
 //! [`error`], how one attempt failed, whichever connection carried it.
 
-pub mod error;
+pub(crate) mod error;
 pub mod h1;
-pub mod outbound;
-pub mod pinned;
-pub mod pooled;
-pub mod replay;
-pub mod switched;
+pub(crate) mod outbound;
+pub(crate) mod pinned;
+pub(crate) mod pooled;
+pub(crate) mod replay;
+pub(crate) mod switched;
 pub(crate) mod timer;
 
 use std::future::Future;
@@ -30,12 +30,12 @@ use pinned::{PinnedConns, UpstreamResponse};
 use pooled::UpstreamClient;
 
 /// The ways one attempt can leave.
-pub struct Via<'a> {
+pub(crate) struct Via<'a> {
     /// The client connection's own plain-HTTP connections, with what a new one is dialled
     /// by; `None` inside an intercepted tunnel, whose requests use the pooled client.
-    pub own: Option<(&'a PinnedConns, &'a Resolver, &'a Arc<Rules>)>,
+    pub(crate) own: Option<(&'a PinnedConns, &'a Resolver, &'a Arc<Rules>)>,
     /// The route's pooled client: TLS, and plain HTTP without connections of its own.
-    pub pooled: &'a UpstreamClient,
+    pub(crate) pooled: &'a UpstreamClient,
 }
 
 /// Sends `req` on the connection `via` gives it: a pinned one for `http://` when the
@@ -46,7 +46,7 @@ pub struct Via<'a> {
 /// on the request path holds the caller's future and is copied whole when it is built,
 /// so a size here counts several times over (docs/architecture.md); the allocation costs
 /// less.
-pub fn send<'a>(
+pub(crate) fn send<'a>(
     via: Via<'a>,
     req: Request<Outbound>,
     start: Instant,

@@ -16,14 +16,14 @@ use crate::limit::SendHook;
 /// `is_end_stream` for HTTP/1 and `size_hint` for HTTP/2), and never before. That is after connecting and TLS, on
 /// whichever connection the request got, and not at all for a request that never got
 /// one, so the limiter counts the request from there.
-pub struct Outbound {
+pub(crate) struct Outbound {
     inner: Body,
     /// Taken by the first look; a `Cell` because the first look may be through `&self`.
     hook: std::cell::Cell<Option<SendHook>>,
 }
 
 impl Outbound {
-    pub fn new(inner: Body, hook: Option<SendHook>) -> Outbound {
+    pub(crate) fn new(inner: Body, hook: Option<SendHook>) -> Outbound {
         Outbound {
             inner,
             hook: std::cell::Cell::new(hook),

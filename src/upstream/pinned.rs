@@ -43,7 +43,7 @@ use crate::route::{authority_parts, normalize_host};
 /// An idle upstream connection older than this is closed rather than reused, by both
 /// kinds of connection: shorter than the common 60 s+ server keep-alive, so we rarely
 /// send on one the upstream is closing.
-pub const IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(50);
+pub(crate) const IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(50);
 
 /// Idle connections kept per upstream address in the shared list; more are closed.
 const MAX_IDLE_PER_ADDR: usize = 256;
@@ -113,7 +113,7 @@ struct State {
 
 /// The upstream connections of one client connection.
 #[derive(Clone)]
-pub struct PinnedConns {
+pub(crate) struct PinnedConns {
     state: Arc<Mutex<State>>,
     shared: Arc<IdleConns>,
     /// The worker this client connection runs on (see `server::Workers`).
@@ -126,7 +126,7 @@ pub struct PinnedConns {
 /// worker: a socket stays registered with the event loop it was opened on, so a client on
 /// another worker would have every readiness event cross threads.
 #[derive(Default)]
-pub struct IdleConns {
+pub(crate) struct IdleConns {
     by_addr: Mutex<HashMap<Addr, Vec<Idle>>>,
 }
 
@@ -170,7 +170,7 @@ impl IdleConns {
     }
 
     /// Closes connections idle for longer than [`IDLE_TIMEOUT`] or closed by the upstream.
-    pub fn expire(&self, now: Instant) {
+    pub(crate) fn expire(&self, now: Instant) {
         let mut map = self.by_addr.lock();
         map.retain(|_, list| {
             list.retain(|c| !c.expired(now) && c.conn.idle_and_open());
@@ -179,17 +179,13 @@ impl IdleConns {
     }
 
     /// Connections waiting, for tests and the admin view.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.by_addr.lock().values().map(Vec::len).sum()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
 /// Takes a connection back to its client connection once a response body has ended on it.
-pub struct Owner {
+pub(crate) struct Owner {
     conns: PinnedConns,
     key: Key,
 }
@@ -214,11 +210,11 @@ impl Home for Owner {
 
 /// An upstream's response, from either upstream client: one of a client's own
 /// connections (left) or the pooled TLS client (right).
-pub type UpstreamResponse = Response<Either<UpstreamBody<Owner>, Incoming>>;
+pub(crate) type UpstreamResponse = Response<Either<UpstreamBody<Owner>, Incoming>>;
 
 impl PinnedConns {
     /// Needs a tokio runtime (for its timer).
-    pub fn new(shared: Arc<IdleConns>, worker: usize) -> PinnedConns {
+    pub(crate) fn new(shared: Arc<IdleConns>, worker: usize) -> PinnedConns {
         PinnedConns {
             state: Arc::default(),
             shared,
@@ -240,7 +236,7 @@ impl PinnedConns {
     ///
     /// Not an `async fn`, which would keep a second copy of the request (see
     /// `forward::forward`).
-    pub fn send<'a>(
+    pub(crate) fn send<'a>(
         &'a self,
         (resolver, rules): (&'a Resolver, &'a Arc<Rules>),
         mut req: Request<Outbound>,

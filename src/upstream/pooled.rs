@@ -14,7 +14,7 @@ use super::switched::UpstreamSide;
 use crate::egress::{Connector, EgressError, Resolver};
 
 #[derive(Clone)]
-pub struct UpstreamClient {
+pub(crate) struct UpstreamClient {
     inner: Client<HttpsConnector<Connector>, Outbound>,
     /// For requests that ask to switch protocols (`Upgrade`): HTTP/1.1 only, since the
     /// mechanism does not exist in HTTP/2, and no pool, since the connection leaves.
@@ -24,7 +24,7 @@ pub struct UpstreamClient {
 impl UpstreamClient {
     /// A pooled client for http:// and https:// upstreams (HTTP/2 when the upstream
     /// offers it by ALPN), trusting what `tls` trusts.
-    pub fn new(resolver: Resolver, tls: rustls::ClientConfig) -> UpstreamClient {
+    pub(crate) fn new(resolver: Resolver, tls: rustls::ClientConfig) -> UpstreamClient {
         let https = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls.clone())
             .https_or_http()
@@ -51,7 +51,10 @@ impl UpstreamClient {
     }
 
     /// The response; the pool keeps its connections (compare `PinnedConns::send`).
-    pub async fn send(&self, req: Request<Outbound>) -> Result<UpstreamResponse, AttemptError> {
+    pub(crate) async fn send(
+        &self,
+        req: Request<Outbound>,
+    ) -> Result<UpstreamResponse, AttemptError> {
         let asked = req.headers().contains_key(http::header::UPGRADE);
         let client = if asked { &self.upgrading } else { &self.inner };
         let mut resp = client.request(req).await.map_err(|e| {

@@ -23,24 +23,24 @@ use crate::body::{Body, BoxError, empty};
 
 /// Bytes held for replay across the process, against `proxy.max_replay_memory`.
 #[derive(Debug, Default)]
-pub struct ReplayBudget {
+pub(crate) struct ReplayBudget {
     used: AtomicU64,
     limit: AtomicU64,
 }
 
 impl ReplayBudget {
-    pub fn new(limit: u64) -> ReplayBudget {
+    pub(crate) fn new(limit: u64) -> ReplayBudget {
         ReplayBudget {
             used: AtomicU64::new(0),
             limit: AtomicU64::new(limit),
         }
     }
 
-    pub fn set_limit(&self, limit: u64) {
+    pub(crate) fn set_limit(&self, limit: u64) {
         self.limit.store(limit, Ordering::Relaxed);
     }
 
-    pub fn used(&self) -> u64 {
+    pub(crate) fn used(&self) -> u64 {
         self.used.load(Ordering::Relaxed)
     }
 
@@ -64,23 +64,23 @@ impl ReplayBudget {
 
 /// How the client's side of a request failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ClientFault {
+pub(crate) enum ClientFault {
     /// The body could not be read: malformed framing, or the client left mid-upload.
     Broken(String),
 }
 
 #[derive(Debug, thiserror::Error)]
 #[error("the client's request body failed: {0}")]
-pub struct ClientBodyError(pub String);
+pub(crate) struct ClientBodyError(pub String);
 
 /// The request body as the retry loop holds it.
-pub enum Replay {
+pub(crate) enum Replay {
     /// No body: every attempt gets an empty one, with nothing shared.
     Empty,
     Shared(Arc<Mutex<State>>),
 }
 
-pub struct State {
+pub(crate) struct State {
     /// The client's body, until it ends or fails.
     source: Option<Body>,
     /// What was read, while a copy is still kept.
@@ -113,7 +113,7 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 
 impl Replay {
     /// `keep`: whether a copy is kept so that the request may be sent again.
-    pub fn new(body: Body, keep: bool, limit: u64, budget: &Arc<ReplayBudget>) -> Replay {
+    pub(crate) fn new(body: Body, keep: bool, limit: u64, budget: &Arc<ReplayBudget>) -> Replay {
         if body.is_end_stream() {
             return Replay::Empty;
         }
@@ -137,7 +137,7 @@ impl Replay {
     }
 
     /// The body for the next attempt: what was kept, then the rest from the client.
-    pub fn for_attempt(&self) -> Body {
+    pub(crate) fn for_attempt(&self) -> Body {
         match self {
             Replay::Empty => empty(),
             Replay::Shared(s) => Attempt {
@@ -151,7 +151,7 @@ impl Replay {
     }
 
     /// Whether another attempt can send the whole body again.
-    pub fn replayable(&self) -> bool {
+    pub(crate) fn replayable(&self) -> bool {
         match self {
             Replay::Empty => true,
             Replay::Shared(s) => {
@@ -162,7 +162,7 @@ impl Replay {
     }
 
     /// The client broke its body.
-    pub fn fault(&self) -> Option<ClientFault> {
+    pub(crate) fn fault(&self) -> Option<ClientFault> {
         match self {
             Replay::Empty => None,
             Replay::Shared(s) => lock(s).fault.clone(),
@@ -171,7 +171,7 @@ impl Replay {
 
     /// The body is not complete and the last look found the client had not sent more: a
     /// timeout now is the client's.
-    pub fn waiting_on_client(&self) -> bool {
+    pub(crate) fn waiting_on_client(&self) -> bool {
         match self {
             Replay::Empty => false,
             Replay::Shared(s) => {

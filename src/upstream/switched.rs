@@ -12,7 +12,7 @@ use tokio::net::TcpStream;
 /// The upstream's side of a switched connection, handed from the upstream client to the
 /// forward path in the response's extensions (which must be `Clone`).
 #[derive(Clone)]
-pub struct UpstreamSide(Arc<Mutex<Option<Side>>>);
+pub(crate) struct UpstreamSide(Arc<Mutex<Option<Side>>>);
 
 pub(crate) enum Side {
     /// From the own HTTP/1.1 client: the socket, and what the upstream already sent in
@@ -23,11 +23,11 @@ pub(crate) enum Side {
 }
 
 impl UpstreamSide {
-    pub fn own(io: TcpStream, rest: BytesMut) -> UpstreamSide {
+    pub(crate) fn own(io: TcpStream, rest: BytesMut) -> UpstreamSide {
         UpstreamSide(Arc::new(Mutex::new(Some(Side::Own(io, rest)))))
     }
 
-    pub fn hyper(on: OnUpgrade) -> UpstreamSide {
+    pub(crate) fn hyper(on: OnUpgrade) -> UpstreamSide {
         UpstreamSide(Arc::new(Mutex::new(Some(Side::Hyper(on)))))
     }
 

@@ -29,8 +29,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use sluice::body::BoxError;
-use sluice::egress::Lookup;
+use sluice::BoxError;
+use sluice::Lookup;
 use sluice::{App, Config, Server};
 
 /// reqwest's TLS needs a process-wide rustls provider; sluice itself uses ring.
@@ -526,7 +526,7 @@ impl Proxy {
     }
 
     /// Served thread-per-core on `workers`, as the binary does.
-    pub async fn on_workers(extra: &str, workers: &sluice::proxy::server::Workers) -> Proxy {
+    pub async fn on_workers(extra: &str, workers: &sluice::Workers) -> Proxy {
         crypto();
         let text = test_config(extra);
         let config = Config::parse(&text, "test.toml").unwrap_or_else(|e| panic!("{e}"));

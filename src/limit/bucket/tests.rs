@@ -6,7 +6,8 @@ use proptest::prelude::*;
 use tokio::time::Instant;
 
 use super::*;
-use crate::config::{Margin, Scope};
+use crate::config::Margin;
+use crate::config::spec::Scope;
 
 fn nz(v: u32) -> NonZeroU32 {
     NonZeroU32::new(v).unwrap()

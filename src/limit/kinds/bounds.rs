@@ -8,11 +8,11 @@ use tokio::time::Instant;
 use super::time::Id;
 
 #[derive(Debug, Clone, Default)]
-pub struct Bounds(VecDeque<(Instant, Id)>);
+pub(super) struct Bounds(VecDeque<(Instant, Id)>);
 
 impl Bounds {
     /// Keeps the order; new bounds are nearly always the latest.
-    pub fn insert(&mut self, at: Instant, id: Id) {
+    pub(super) fn insert(&mut self, at: Instant, id: Id) {
         let i = self
             .0
             .iter()
@@ -22,7 +22,7 @@ impl Bounds {
     }
 
     /// Admission `id` was answered at `now`: it reached the provider by then.
-    pub fn answered(&mut self, id: Id, now: Instant) {
+    pub(super) fn answered(&mut self, id: Id, now: Instant) {
         // Answers come soon after their sends: search from the latest.
         let Some(i) = self.0.iter().rposition(|(_, s)| *s == id) else {
             return;
@@ -34,35 +34,35 @@ impl Bounds {
     }
 
     /// Forgets the bounds for which `expired` holds, from the earliest on.
-    pub fn forget_while(&mut self, expired: impl Fn(Instant) -> bool) {
+    pub(super) fn forget_while(&mut self, expired: impl Fn(Instant) -> bool) {
         while self.0.front().is_some_and(|(t, _)| expired(*t)) {
             self.0.pop_front();
         }
     }
 
-    pub fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         self.0.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(super) fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
 
-    pub fn get(&self, i: usize) -> Option<Instant> {
+    pub(super) fn get(&self, i: usize) -> Option<Instant> {
         self.0.get(i).map(|(t, _)| *t)
     }
 
     /// How many bounds are earlier than `t`.
-    pub fn before(&self, t: Instant) -> usize {
+    pub(super) fn before(&self, t: Instant) -> usize {
         self.0.partition_point(|(b, _)| *b < t)
     }
 
-    pub fn latest(&self) -> Option<Instant> {
+    pub(super) fn latest(&self) -> Option<Instant> {
         self.0.back().map(|(t, _)| *t)
     }
 
     /// The bounds, earliest first.
-    pub fn iter(&self) -> impl DoubleEndedIterator<Item = Instant> + '_ {
+    pub(super) fn iter(&self) -> impl DoubleEndedIterator<Item = Instant> + '_ {
         self.0.iter().map(|(t, _)| *t)
     }
 }

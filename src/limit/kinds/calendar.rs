@@ -26,7 +26,7 @@ struct Sent {
 }
 
 #[derive(Debug, Clone)]
-pub struct Calendar {
+pub(super) struct Calendar {
     permits: u32,
     window: Duration,
     pub(super) margin: Duration,
@@ -40,7 +40,12 @@ pub struct Calendar {
 }
 
 impl Calendar {
-    pub fn new(permits: u32, window: Duration, margin: Duration, origin: Instant) -> Calendar {
+    pub(super) fn new(
+        permits: u32,
+        window: Duration,
+        margin: Duration,
+        origin: Instant,
+    ) -> Calendar {
         Calendar {
             permits,
             window,
@@ -53,7 +58,7 @@ impl Calendar {
     }
 
     /// This window under a changed spec (a reload), keeping what has been sent.
-    pub fn carry(mut self, new: Calendar, now: Instant) -> Calendar {
+    pub(super) fn carry(mut self, new: Calendar, now: Instant) -> Calendar {
         self.permits = new.permits;
         self.window = new.window;
         self.margin = new.margin;
@@ -73,25 +78,25 @@ impl Calendar {
         self.sent = sent;
     }
 
-    pub fn window(&self) -> Duration {
+    pub(super) fn window(&self) -> Duration {
         self.window
     }
 
     /// Moves the edges to `edge` (and every window from it), known to within `slack`.
     /// What was sent is counted again against them.
-    pub fn realign(&mut self, edge: Instant, slack: Duration) {
+    pub(super) fn realign(&mut self, edge: Instant, slack: Duration) {
         self.origin = edge;
         self.slack = slack;
         self.respan();
     }
 
     /// How long to the next edge, and how far the real edges may be from sluice's.
-    pub fn edges(&self, now: Instant) -> (Duration, Duration) {
+    pub(super) fn edges(&self, now: Instant) -> (Duration, Duration) {
         (to_next_edge(self.origin, self.window, now), self.slack)
     }
 
     /// How far `t` is from the nearest edge.
-    pub fn off_edge(&self, t: Instant) -> Duration {
+    pub(super) fn off_edge(&self, t: Instant) -> Duration {
         let w = self.window.as_nanos().max(1) as i128;
         let phase = ns_between(self.origin, t).rem_euclid(w);
         Duration::from_nanos(phase.min(w - phase) as u64)
@@ -124,7 +129,7 @@ impl Calendar {
         shifted(now, (start - here).max(0))
     }
 
-    pub fn refresh(&mut self, now: Instant) {
+    pub(super) fn refresh(&mut self, now: Instant) {
         let k = self.first(now);
         self.sent.retain(|s| s.last >= k);
     }
@@ -142,7 +147,7 @@ impl Calendar {
         self.sent.iter().map(|s| s.last).max()
     }
 
-    pub fn available(&self, now: Instant) -> u64 {
+    pub(super) fn available(&self, now: Instant) -> u64 {
         let k = self.first(now);
         let fullest = (k..=self.last().unwrap_or(k).max(k))
             .map(|k| self.sent_in(k))
@@ -151,7 +156,7 @@ impl Calendar {
         u64::from(self.permits.saturating_sub(fullest + self.pending))
     }
 
-    pub fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
+    pub(super) fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
         if reserved {
             self.pending = self.pending.saturating_sub(1);
         }
@@ -166,7 +171,7 @@ impl Calendar {
         });
     }
 
-    pub fn answered(&mut self, id: Id, now: Instant) {
+    pub(super) fn answered(&mut self, id: Id, now: Instant) {
         // Answers come soon after their sends: search from the latest.
         let Some(i) = self.sent.iter().rposition(|s| s.id == id) else {
             return;
@@ -182,7 +187,7 @@ impl Calendar {
     /// An admission counts in every window from its own on until it is sent, so the first
     /// can go in the first window after which every window has room for it and the
     /// pending ones; from there each window takes what room it has, the pending first.
-    pub fn ready_at(&self, n: u64, now: Instant) -> Instant {
+    pub(super) fn ready_at(&self, n: u64, now: Instant) -> Instant {
         let p = u64::from(self.permits);
         let pending = u64::from(self.pending);
         let here = self.first(now);
@@ -205,7 +210,7 @@ impl Calendar {
         self.start_from(k + ((need - 1) / p) as i128, now)
     }
 
-    pub fn is_pristine(&self) -> bool {
+    pub(super) fn is_pristine(&self) -> bool {
         self.pending == 0 && self.sent.is_empty()
     }
 }

@@ -30,7 +30,7 @@ use super::time::{Id, ns_between, shifted, to_next_edge};
 const GRAIN: u128 = 1_000_000;
 
 #[derive(Debug, Clone, Copy)]
-pub enum Edges {
+pub(super) enum Edges {
     /// Any placement of the window edges.
     Any,
     /// Windows start at `origin` and every `window` before and after it, give or take
@@ -43,7 +43,7 @@ pub enum Edges {
 /// integer: a request in the current window counts `window`, one in the previous window
 /// `window` less the part of it already past (less a millisecond).
 #[derive(Debug, Clone)]
-pub struct Counter {
+pub(super) struct Counter {
     permits: u128,
     window: u128,
     pub(super) margin: Duration,
@@ -55,7 +55,7 @@ pub struct Counter {
 }
 
 impl Counter {
-    pub fn new(
+    pub(super) fn new(
         permits: u32,
         window: Duration,
         margin: Duration,
@@ -74,7 +74,7 @@ impl Counter {
     }
 
     /// This counter under a changed spec (a reload), keeping what has been sent.
-    pub fn carry(mut self, new: Counter, now: Instant) -> Counter {
+    pub(super) fn carry(mut self, new: Counter, now: Instant) -> Counter {
         self.permits = new.permits;
         self.window = new.window;
         self.margin = new.margin;
@@ -84,17 +84,17 @@ impl Counter {
         self
     }
 
-    pub fn window(&self) -> Duration {
+    pub(super) fn window(&self) -> Duration {
         Duration::from_nanos(u64::try_from(self.window).unwrap_or(u64::MAX))
     }
 
     /// Whether the windows are on the clock.
-    pub fn on_clock(&self) -> bool {
+    pub(super) fn on_clock(&self) -> bool {
         matches!(self.edges, Edges::Clock { .. })
     }
 
     /// Moves the clock's edges to `edge`, known to within `slack`.
-    pub fn realign(&mut self, edge: Instant, slack: Duration) {
+    pub(super) fn realign(&mut self, edge: Instant, slack: Duration) {
         if self.on_clock() {
             self.edges = Edges::Clock {
                 origin: edge,
@@ -105,7 +105,7 @@ impl Counter {
 
     /// How long to the next clock edge, and how far the real edges may be from sluice's
     /// (`None` at any alignment).
-    pub fn edges(&self, now: Instant) -> Option<(Duration, Duration)> {
+    pub(super) fn edges(&self, now: Instant) -> Option<(Duration, Duration)> {
         let Edges::Clock { origin, slack } = self.edges else {
             return None;
         };
@@ -113,7 +113,7 @@ impl Counter {
     }
 
     /// How far `t` is from the nearest clock edge (`None` at any alignment).
-    pub fn off_edge(&self, t: Instant) -> Option<Duration> {
+    pub(super) fn off_edge(&self, t: Instant) -> Option<Duration> {
         let Edges::Clock { origin, .. } = self.edges else {
             return None;
         };
@@ -123,7 +123,7 @@ impl Counter {
     }
 
     /// A request counts for nothing two windows after its bound, wherever the edges fall.
-    pub fn refresh(&mut self, now: Instant) {
+    pub(super) fn refresh(&mut self, now: Instant) {
         let span = self.window() * 2;
         self.sent.forget_while(|t| t + span <= now);
     }
@@ -199,7 +199,7 @@ impl Counter {
         }
     }
 
-    pub fn available(&self, now: Instant) -> u64 {
+    pub(super) fn available(&self, now: Instant) -> u64 {
         let load = self.load(now, self.pending as u64, now);
         let (w, cap) = (self.window, self.permits * self.window);
         let n = if self.rounds_down {
@@ -210,14 +210,14 @@ impl Counter {
         u64::try_from(n).unwrap_or(u64::MAX)
     }
 
-    pub fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
+    pub(super) fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
         if reserved {
             self.pending = self.pending.saturating_sub(1);
         }
         self.sent.insert(now + self.margin, id);
     }
 
-    pub fn answered(&mut self, id: Id, now: Instant) {
+    pub(super) fn answered(&mut self, id: Id, now: Instant) {
         self.sent.answered(id, now);
     }
 
@@ -225,7 +225,7 @@ impl Counter {
     /// nothing else took any, a lower bound: the pending requests and the `n - 1` before
     /// it as if they reached the provider now (any later, they would count for more),
     /// and no more than `permits` in any one window.
-    pub fn ready_at(&self, n: u64, now: Instant) -> Instant {
+    pub(super) fn ready_at(&self, n: u64, now: Instant) -> Instant {
         let ahead = n.max(1) - 1 + self.pending as u64;
         let per_window = (ahead + 1).div_ceil(self.permits as u64);
         let floor = super::time::turns_after(now, self.window(), per_window.saturating_sub(2));
@@ -248,7 +248,7 @@ impl Counter {
         shifted(floor, hi)
     }
 
-    pub fn is_pristine(&self) -> bool {
+    pub(super) fn is_pristine(&self) -> bool {
         self.pending == 0 && self.sent.is_empty()
     }
 }

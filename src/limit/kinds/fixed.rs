@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use super::time::{Id, turns_after};
 
 #[derive(Debug, Clone)]
-pub struct Fixed {
+pub(super) struct Fixed {
     permits: u32,
     window: Duration,
     pub(super) margin: Duration,
@@ -53,7 +53,7 @@ impl Window {
 }
 
 impl Fixed {
-    pub fn new(permits: u32, window: Duration, margin: Duration) -> Fixed {
+    pub(super) fn new(permits: u32, window: Duration, margin: Duration) -> Fixed {
         Fixed {
             permits,
             window,
@@ -65,7 +65,7 @@ impl Fixed {
     }
 
     /// This window under a changed spec (a reload), keeping what has been counted.
-    pub fn carry(mut self, new: Fixed, now: Instant) -> Fixed {
+    pub(super) fn carry(mut self, new: Fixed, now: Instant) -> Fixed {
         self.permits = new.permits;
         self.window = new.window;
         self.margin = new.margin;
@@ -75,7 +75,7 @@ impl Fixed {
 
     /// Closes the current window once the provider's has surely closed, and opens the
     /// one its unsure sends may have started.
-    pub fn refresh(&mut self, now: Instant) {
+    pub(super) fn refresh(&mut self, now: Instant) {
         while let Some(c) = &self.cur {
             if now < c.hi() + self.window {
                 return;
@@ -103,11 +103,11 @@ impl Fixed {
         self.cur.as_ref().map_or(0, |c| c.sent) + self.pending
     }
 
-    pub fn available(&self) -> u64 {
+    pub(super) fn available(&self) -> u64 {
         u64::from(self.permits.saturating_sub(self.counted()))
     }
 
-    pub fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
+    pub(super) fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
         self.refresh(now);
         if reserved {
             self.pending = self.pending.saturating_sub(1);
@@ -133,7 +133,7 @@ impl Fixed {
         }
     }
 
-    pub fn answered(&mut self, id: Id, now: Instant) {
+    pub(super) fn answered(&mut self, id: Id, now: Instant) {
         let Some(c) = &mut self.cur else {
             return;
         };
@@ -154,7 +154,7 @@ impl Fixed {
 
     /// The earliest instant the `n`-th request from now could be admitted, a lower bound:
     /// the pending requests go first.
-    pub fn ready_at(&self, n: u64, now: Instant) -> Instant {
+    pub(super) fn ready_at(&self, n: u64, now: Instant) -> Instant {
         let p = u64::from(self.permits);
         let need = n.max(1) + u64::from(self.pending);
         let (mut at, mut counted) = match &self.cur {
@@ -178,7 +178,7 @@ impl Fixed {
         turns_after(at, self.window, (need + counted - 1) / p)
     }
 
-    pub fn is_pristine(&self) -> bool {
+    pub(super) fn is_pristine(&self) -> bool {
         self.pending == 0 && self.cur.is_none() && self.unsure.is_empty()
     }
 }

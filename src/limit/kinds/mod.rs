@@ -18,8 +18,8 @@ mod sliding;
 mod time;
 mod token;
 
-pub use time::{Id, unix_at};
-pub use token::Pace;
+pub(crate) use time::{Id, unix_at};
+pub(crate) use token::Pace;
 
 use std::time::Duration;
 
@@ -133,7 +133,7 @@ impl LimitState {
     }
 
     /// A new limit created by the reload of `epoch`.
-    pub fn new_in(spec: &Limit, now: Instant, epoch: u64) -> LimitState {
+    pub(crate) fn new_in(spec: &Limit, now: Instant, epoch: u64) -> LimitState {
         LimitState::on_clock(spec, now, epoch, unix_at(now))
     }
 
@@ -153,7 +153,7 @@ impl LimitState {
     /// admissions (as far back as the old window remembered), concurrency keeps its
     /// permits in flight. A lowered limit therefore admits nothing until the permits
     /// already taken fit under it. A different kind starts fresh.
-    pub fn carry(self, spec: &Limit, now: Instant, epoch: u64) -> LimitState {
+    pub(crate) fn carry(self, spec: &Limit, now: Instant, epoch: u64) -> LimitState {
         if !self.same_kind(spec) {
             return LimitState::new_in(spec, now, epoch);
         }
@@ -184,7 +184,7 @@ impl LimitState {
     }
 
     /// Whether two limits are of the same kind, so one can carry into the other.
-    pub fn same_kind(&self, spec: &Limit) -> bool {
+    pub(crate) fn same_kind(&self, spec: &Limit) -> bool {
         self.letter == spec.kind_letter()
     }
 
@@ -289,14 +289,14 @@ impl LimitState {
 
     /// Gives back everything an admission of `epoch` took (it never reached its waiter):
     /// the state becomes what it would be had it never been admitted.
-    pub fn undo(&mut self, epoch: u64) {
+    pub(crate) fn undo(&mut self, epoch: u64) {
         self.unsent(epoch);
         self.release(epoch);
     }
 
     /// A finished request, admitted in reload epoch `epoch`, gives its concurrency permit
     /// back; the other kinds return permits with time alone.
-    pub fn release(&mut self, epoch: u64) {
+    pub(crate) fn release(&mut self, epoch: u64) {
         if let Kind::Concurrency { in_flight, .. } = &mut self.kind
             && self.since <= epoch
         {
@@ -304,12 +304,12 @@ impl LimitState {
         }
     }
 
-    pub fn is_concurrency(&self) -> bool {
+    pub(crate) fn is_concurrency(&self) -> bool {
         matches!(self.kind, Kind::Concurrency { .. })
     }
 
     /// The window of a limit whose windows are on the clock.
-    pub fn clock_window(&self) -> Option<Duration> {
+    pub(crate) fn clock_window(&self) -> Option<Duration> {
         match &self.kind {
             Kind::Calendar(w) => Some(w.window()),
             Kind::SlidingCounter(c) if c.on_clock() => Some(c.window()),
@@ -319,7 +319,7 @@ impl LimitState {
 
     /// Windows on the clock: how long to the next edge, and how far the provider's edges
     /// may be from it (zero unless they were moved to an announced reset).
-    pub fn clock_edges(&self, now: Instant) -> Option<(Duration, Duration)> {
+    pub(crate) fn clock_edges(&self, now: Instant) -> Option<(Duration, Duration)> {
         match &self.kind {
             Kind::Calendar(w) => Some(w.edges(now)),
             Kind::SlidingCounter(c) => c.edges(now),
@@ -341,7 +341,7 @@ impl LimitState {
     }
 
     /// The margin this limit allows between a send and the provider counting it.
-    pub fn margin(&self) -> Option<Duration> {
+    pub(crate) fn margin(&self) -> Option<Duration> {
         match &self.kind {
             Kind::TokenBucket(g) => Some(g.margin),
             Kind::SlidingWindow(w) => Some(w.margin),
@@ -353,12 +353,12 @@ impl LimitState {
     }
 
     /// The slowest answer seen later than the margin after its send.
-    pub fn slowest_answer(&self) -> Duration {
+    pub(crate) fn slowest_answer(&self) -> Duration {
         self.slowest
     }
 
     /// Raises the margin to `to` for the sends from now on (never lowers it).
-    pub fn grow_margin(&mut self, to: Duration) {
+    pub(crate) fn grow_margin(&mut self, to: Duration) {
         let m = match &mut self.kind {
             Kind::TokenBucket(g) => &mut g.margin,
             Kind::SlidingWindow(w) => &mut w.margin,
@@ -371,7 +371,7 @@ impl LimitState {
     }
 
     /// Admitted requests not yet handed to a connection (for `/buckets`).
-    pub fn unsent_count(&self) -> u64 {
+    pub(crate) fn unsent_count(&self) -> u64 {
         match &self.kind {
             Kind::TokenBucket(g) => g.pending,
             Kind::SlidingWindow(w) => w.pending as u64,
@@ -403,7 +403,7 @@ impl LimitState {
     }
 
     /// True when the limit is exactly as a fresh one: nothing held, nothing remembered.
-    pub fn is_pristine(&mut self, now: Instant) -> bool {
+    pub(crate) fn is_pristine(&mut self, now: Instant) -> bool {
         self.refresh(now);
         match &self.kind {
             Kind::TokenBucket(g) => g.is_pristine(now),

@@ -14,7 +14,7 @@ use super::time::{Id, turns_after};
 /// its slot frees `window` later. Any request the provider counted before another's
 /// slot was reused is then at least `window` before it, at the provider.
 #[derive(Debug, Clone)]
-pub struct Sliding {
+pub(super) struct Sliding {
     permits: usize,
     window: Duration,
     pub(super) margin: Duration,
@@ -23,7 +23,7 @@ pub struct Sliding {
 }
 
 impl Sliding {
-    pub fn new(permits: u32, window: Duration, margin: Duration) -> Sliding {
+    pub(super) fn new(permits: u32, window: Duration, margin: Duration) -> Sliding {
         Sliding {
             permits: permits as usize,
             window,
@@ -34,7 +34,7 @@ impl Sliding {
     }
 
     /// This window under a changed spec (a reload), keeping what has been taken.
-    pub fn carry(mut self, new: Sliding, now: Instant) -> Sliding {
+    pub(super) fn carry(mut self, new: Sliding, now: Instant) -> Sliding {
         self.permits = new.permits;
         self.window = new.window;
         self.margin = new.margin;
@@ -42,7 +42,7 @@ impl Sliding {
         self
     }
 
-    pub fn refresh(&mut self, now: Instant) {
+    pub(super) fn refresh(&mut self, now: Instant) {
         let window = self.window;
         self.sent.forget_while(|t| t + window <= now);
     }
@@ -51,24 +51,24 @@ impl Sliding {
         self.pending + self.sent.len()
     }
 
-    pub fn available(&self) -> u64 {
+    pub(super) fn available(&self) -> u64 {
         self.permits.saturating_sub(self.held()) as u64
     }
 
-    pub fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
+    pub(super) fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
         if reserved {
             self.pending = self.pending.saturating_sub(1);
         }
         self.sent.insert(now + self.margin, id);
     }
 
-    pub fn answered(&mut self, id: Id, now: Instant) {
+    pub(super) fn answered(&mut self, id: Id, now: Instant) {
         self.sent.answered(id, now);
     }
 
     /// The earliest instant the `n`-th permit from now (n >= 1) could be taken if nothing
     /// else took any: a lower bound, with every pending request as if sent now.
-    pub fn ready_at(&self, n: u64, now: Instant) -> Instant {
+    pub(super) fn ready_at(&self, n: u64, now: Instant) -> Instant {
         // Slot i of the window frees when its holder's `window` has passed (free slots:
         // now); the m-th future admission reuses slot (m-1) mod permits, one window later
         // for every full turn. After a reload lowered the limit more may be held than
@@ -102,7 +102,7 @@ impl Sliding {
         t.unwrap_or(now) + self.window
     }
 
-    pub fn is_pristine(&self) -> bool {
+    pub(super) fn is_pristine(&self) -> bool {
         self.pending == 0 && self.sent.is_empty()
     }
 }

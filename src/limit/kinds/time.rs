@@ -5,7 +5,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 /// An admission, the same in every limit it paid: its sequence number in the bucket.
-pub type Id = u64;
+pub(crate) type Id = u64;
 
 /// `turns` whole windows after `at`, saturating far in the future rather than
 /// overflowing (a long queue on a long window).
@@ -40,7 +40,7 @@ pub(super) fn shifted(at: Instant, ns: i128) -> Instant {
 /// The time since the Unix epoch at `now`, from the system clock: where windows on the
 /// clock fall. Read when a limit is created or reloaded; the monotonic clock carries it
 /// from there.
-pub fn unix_at(now: Instant) -> Duration {
+pub(crate) fn unix_at(now: Instant) -> Duration {
     let wall = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();

@@ -14,17 +14,17 @@ use crate::config::Limit;
 /// up to `tau / rate` nanoseconds ahead of that schedule (`tau` is in nanoseconds times
 /// `rate`, so neither needs rounding).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Pace {
-    pub rate: u128,
-    pub per_ns: u128,
-    pub tau: u128,
+pub(crate) struct Pace {
+    pub(crate) rate: u128,
+    pub(crate) per_ns: u128,
+    pub(crate) tau: u128,
 }
 
 const MS: u128 = 1_000_000;
 
 impl Pace {
     /// `rate` per `per`, `burst` at once.
-    pub fn token(rate: u32, per: Duration, burst: u32) -> Pace {
+    pub(crate) fn token(rate: u32, per: Duration, burst: u32) -> Pace {
         let per_ns = per.as_nanos();
         Pace {
             rate: u128::from(rate),
@@ -48,7 +48,7 @@ impl Pace {
     /// drain can lose up to a thousandth of a request, so each request costs 1001
     /// thousandths and the tolerance is the exact `burst × 10⁶ / r` ms, rounded down.
     /// `None` when the rate is below one request in 1000 seconds (nginx reads it as 0).
-    pub fn nginx(rate: u32, per: Duration, burst: u32) -> Option<Pace> {
+    pub(crate) fn nginx(rate: u32, per: Duration, burst: u32) -> Option<Pace> {
         let milli = u128::from(rate) * 1000 * 1_000_000_000 / per.as_nanos().max(1);
         if milli == 0 {
             return None;
@@ -74,7 +74,7 @@ impl Pace {
     /// does too (more than `(window + 1 ms) / permits`: at that spacing its estimate can
     /// reach the limit exactly), and so does a bucket that counts in whole milliseconds
     /// (nginx: `window / permits` rounded up to whole milliseconds when it is at least one).
-    pub fn published(permits: u32, window: Duration) -> Pace {
+    pub(crate) fn published(permits: u32, window: Duration) -> Pace {
         let p = u128::from(permits);
         let w = window.as_nanos();
         // One nanosecond per request more than (window + 1 ms) / permits.
@@ -97,7 +97,7 @@ impl Pace {
 
     /// The pace of a limit that runs on a GCRA, `None` for the others (and for a
     /// `leaky_bucket` slower than nginx can count, which validation refuses).
-    pub fn of(spec: &Limit) -> Option<Pace> {
+    pub(crate) fn of(spec: &Limit) -> Option<Pace> {
         match *spec {
             Limit::TokenBucket {
                 rate, per, burst, ..
@@ -113,17 +113,17 @@ impl Pace {
     }
 
     /// The interval between two requests, in nanoseconds.
-    pub fn interval_ns(&self) -> f64 {
+    pub(crate) fn interval_ns(&self) -> f64 {
         self.per_ns as f64 / self.rate as f64
     }
 
     /// How far ahead of the schedule a request may go, in nanoseconds.
-    pub fn tolerance_ns(&self) -> f64 {
+    pub(crate) fn tolerance_ns(&self) -> f64 {
         self.tau as f64 / self.rate as f64
     }
 
     /// Requests at once from rest.
-    pub fn burst(&self) -> u64 {
+    pub(crate) fn burst(&self) -> u64 {
         (self.tau / self.per_ns + 1) as u64
     }
 }
@@ -139,7 +139,7 @@ impl Pace {
 /// instant the provider may have counted it (its send plus the margin, or its response
 /// if that came first), which is the worst case for every later one.
 #[derive(Debug, Clone)]
-pub struct Gcra {
+pub(super) struct Gcra {
     rate: u128,
     per_ns: u128,
     tau: u128,
@@ -153,7 +153,7 @@ pub struct Gcra {
 }
 
 impl Gcra {
-    pub fn new(pace: Pace, margin: Duration, now: Instant) -> Gcra {
+    pub(super) fn new(pace: Pace, margin: Duration, now: Instant) -> Gcra {
         Gcra {
             rate: pace.rate,
             per_ns: pace.per_ns,
@@ -174,7 +174,7 @@ impl Gcra {
         self.tau
     }
 
-    pub fn pace(&self) -> Pace {
+    pub(super) fn pace(&self) -> Pace {
         Pace {
             rate: self.rate,
             per_ns: self.per_ns,
@@ -183,7 +183,7 @@ impl Gcra {
     }
 
     /// This bucket under a changed spec (a reload), keeping its debt in permits.
-    pub fn carry(self, pace: Pace, margin: Duration, now: Instant) -> Gcra {
+    pub(super) fn carry(self, pace: Pace, margin: Duration, now: Instant) -> Gcra {
         // Debt in scaled units: `per_ns` is one permit. Rounded up, so the conversion never
         // creates a permit.
         let debt = self.tat.saturating_sub(self.scaled(now));
@@ -206,11 +206,11 @@ impl Gcra {
         }
     }
 
-    pub fn available(&self, now: Instant) -> u64 {
+    pub(super) fn available(&self, now: Instant) -> u64 {
         self.tokens(now).saturating_sub(self.pending)
     }
 
-    pub fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
+    pub(super) fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
         if reserved {
             self.pending = self.pending.saturating_sub(1);
         }
@@ -220,7 +220,7 @@ impl Gcra {
         self.last = Some((id, before, latest));
     }
 
-    pub fn answered(&mut self, id: Id, now: Instant) {
+    pub(super) fn answered(&mut self, id: Id, now: Instant) {
         let Some((last, before, latest)) = self.last else {
             return;
         };
@@ -234,7 +234,7 @@ impl Gcra {
 
     /// The earliest instant the `n`-th request from now could be admitted, a lower bound:
     /// the pending requests go first, as if they were sent at once.
-    pub fn ready_at(&self, n: u64, now: Instant) -> Instant {
+    pub(super) fn ready_at(&self, n: u64, now: Instant) -> Instant {
         let t = self.scaled(now);
         let need = self.tat.max(t) + u128::from(n + self.pending - 1) * self.per_ns;
         if need <= t + self.tau() {
@@ -245,7 +245,7 @@ impl Gcra {
         self.base + Duration::from_nanos(u64::try_from(at_ns).unwrap_or(u64::MAX))
     }
 
-    pub fn is_pristine(&self, now: Instant) -> bool {
+    pub(super) fn is_pristine(&self, now: Instant) -> bool {
         self.pending == 0 && self.tat <= self.scaled(now)
     }
 }

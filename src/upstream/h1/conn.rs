@@ -28,7 +28,7 @@ const WRITE_BATCH: usize = 64 * 1024;
 /// An upstream connection between requests: the socket and what was read past the last
 /// response (nothing, on a connection fit for reuse).
 #[derive(Debug)]
-pub struct Conn {
+pub(crate) struct Conn {
     io: TcpStream,
     buf: BytesMut,
     spans: Vec<Span>,
@@ -38,7 +38,7 @@ pub struct Conn {
 }
 
 impl Conn {
-    pub fn new(io: TcpStream) -> Conn {
+    pub(crate) fn new(io: TcpStream) -> Conn {
         Conn {
             io,
             buf: BytesMut::new(),
@@ -62,7 +62,7 @@ impl Conn {
     /// `try_read` makes no system call unless the event loop has seen the socket become
     /// readable (bytes or the upstream's FIN), so the usual case costs nothing (`strace
     /// -c`: two `recvfrom` per proxied request, one on each side).
-    pub fn idle_and_open(&self) -> bool {
+    pub(crate) fn idle_and_open(&self) -> bool {
         let mut probe = [0u8; 1];
         self.buf.is_empty()
             && matches!(self.io.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
@@ -71,7 +71,7 @@ impl Conn {
 
 /// A request on its way: its head, written once a connection is there (so that the body's
 /// send hook fires then, see `Outbound`), and its body.
-pub struct Outgoing {
+pub(crate) struct Outgoing {
     method: Method,
     target: http::uri::PathAndQuery,
     headers: http::HeaderMap,
@@ -91,7 +91,7 @@ pub struct Outgoing {
 
 impl Outgoing {
     /// `target`: origin-form.
-    pub fn new(req: Request<Outbound>, target: http::uri::PathAndQuery) -> Outgoing {
+    pub(crate) fn new(req: Request<Outbound>, target: http::uri::PathAndQuery) -> Outgoing {
         let (parts, body) = req.into_parts();
         Outgoing {
             method: parts.method,
@@ -115,7 +115,7 @@ impl Outgoing {
 
     /// Whether the request can still go on another connection: nothing of it was taken
     /// by a socket.
-    pub fn unsent(&self) -> bool {
+    pub(crate) fn unsent(&self) -> bool {
         !self.started
     }
 
@@ -239,9 +239,9 @@ impl Outgoing {
 
 /// An exchange that failed, with its request if nothing of it reached the socket (so it
 /// may go on another connection).
-pub struct Failed {
-    pub error: Error,
-    pub unsent: Option<Box<Outgoing>>,
+pub(crate) struct Failed {
+    pub(crate) error: Error,
+    pub(crate) unsent: Option<Box<Outgoing>>,
 }
 
 /// Sends the request `out` on `conn` and reads the response head. Reads while it
@@ -255,7 +255,7 @@ pub struct Failed {
 /// each level of the pipeline moves an 8-byte pointer rather than 250 bytes of head. Not
 /// an `async fn`, which would keep a second copy of its arguments in its future.
 #[allow(clippy::manual_async_fn, reason = "see above: arguments stored once")]
-pub fn exchange<H: Home>(
+pub(crate) fn exchange<H: Home>(
     mut conn: Conn,
     mut out: Box<Outgoing>,
     home: H,
@@ -326,7 +326,7 @@ pub fn exchange<H: Home>(
 }
 
 /// Where a connection goes when a response body has ended cleanly on it.
-pub trait Home: Send + Unpin + 'static {
+pub(crate) trait Home: Send + Unpin + 'static {
     fn take_back(self, conn: Conn);
 }
 
@@ -374,7 +374,7 @@ enum Reading {
 }
 
 /// A response body read straight from its upstream connection.
-pub struct UpstreamBody<H> {
+pub(crate) struct UpstreamBody<H> {
     /// Gone once the body has ended (given back or closed).
     conn: Option<Conn>,
     /// The rest of a request whose answer began before it was all sent.
@@ -396,7 +396,7 @@ impl<H> std::fmt::Debug for UpstreamBody<H> {
 impl<H> UpstreamBody<H> {
     /// After a `101`: the connection in its new protocol, and what the upstream already
     /// sent in it behind the head.
-    pub fn take_upgraded(&mut self) -> Option<(TcpStream, BytesMut)> {
+    pub(crate) fn take_upgraded(&mut self) -> Option<(TcpStream, BytesMut)> {
         self.sending = None;
         self.home = None;
         self.conn.take().map(|c| (c.io, c.buf))

@@ -26,7 +26,7 @@
 //!   give the same result however the socket splits them.
 
 pub mod chunked;
-pub mod conn;
+pub(crate) mod conn;
 #[cfg(test)]
 mod differential;
 
@@ -37,7 +37,7 @@ use std::mem::MaybeUninit;
 
 /// A response head larger than this is refused as a protocol error: hyper's default
 /// buffer limit was about 400 KiB; API responses carry a few hundred bytes of head.
-pub const MAX_RESPONSE_HEAD: usize = 256 * 1024;
+pub(crate) const MAX_RESPONSE_HEAD: usize = 256 * 1024;
 
 /// Header fields per response head, as hyper allowed.
 const MAX_RESPONSE_HEADERS: usize = 100;
@@ -67,7 +67,7 @@ pub enum Error {
 impl Error {
     /// The upstream broke HTTP (as opposed to the connection failing): it would do the
     /// same again.
-    pub fn is_protocol(&self) -> bool {
+    pub(crate) fn is_protocol(&self) -> bool {
         matches!(
             self,
             Error::Parse(_) | Error::HeadTooLarge | Error::Framing(_) | Error::Chunk(_)
@@ -90,11 +90,11 @@ pub enum Framing {
 #[derive(Debug)]
 pub struct Head {
     pub status: StatusCode,
-    pub version: Version,
+    pub(crate) version: Version,
     pub headers: HeaderMap,
     pub framing: Framing,
     /// Whether the connection may carry another request once this response is read.
-    pub keep_alive: bool,
+    pub(crate) keep_alive: bool,
 }
 
 /// Parses a response head from the front of `buf`, taking its bytes out of it. `None`:
