@@ -9,10 +9,7 @@
 //! earliest arrival relative to it: the gap is the limiter's timer lateness plus the
 //! forwarding time, less the fastest forwarding seen in the run.
 
-#[path = "support/bench.rs"]
-mod bench;
-#[path = "support/upstream.rs"]
-mod upstream;
+use sluice_test_support::{bench, upstream};
 
 use std::process::{Command, Stdio};
 use std::sync::Arc;

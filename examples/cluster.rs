@@ -4,7 +4,7 @@
 //!
 //! 1. Saturation, for each kind: each replica's clients offer about three times the
 //!    whole limit for `seconds`. Reported: windows of the arrival log over the limit
-//!    (judged by the provider counters of tests/support/provider.rs), utilisation (the
+//!    (judged by the provider counters of crates/test-support/src/provider.rs), utilisation (the
 //!    accepted arrivals over what the limit allows across their span: a window's permits
 //!    per window, or the burst plus the rate), each replica's share, and Redis calls per
 //!    request (`INFO commandstats`).
@@ -17,20 +17,7 @@
 //! Needs `redis-server` and `redis-cli` on the PATH (bench/cluster.sh installs them).
 //! Usage: cluster [seconds of saturation per kind] [saturation|latency|failover]
 
-#[allow(
-    dead_code,
-    reason = "shared with other drivers; this one uses part of it"
-)]
-#[path = "support/bench.rs"]
-mod bench;
-#[allow(
-    dead_code,
-    reason = "shared with other drivers; this one uses part of it"
-)]
-#[path = "../tests/support/provider.rs"]
-mod provider;
-#[path = "support/upstream.rs"]
-mod upstream;
+use sluice_test_support::{bench, provider, upstream};
 
 use std::process::{Command, Stdio};
 use std::time::Duration;

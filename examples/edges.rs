@@ -3,7 +3,7 @@
 //! how much of the limit does that traffic use?
 //!
 //! The provider counts each request at its arrival in its own code (a strict sliding
-//! window, or a fixed window opened by its first arrival: tests/support/provider.rs) and
+//! window, or a fixed window opened by its first arrival: crates/test-support/src/provider.rs) and
 //! refuses beyond the limit. Between sluice and it, a relay delays each new connection:
 //! either its TLS handshake (sluice reaches the provider over TLS, `scheme = "https"`, and
 //! waits the delay out before it sends), or, for plain HTTP, the first request itself
@@ -16,27 +16,7 @@
 //! of their arrivals: `permits` per window, one window per `window` from the first
 //! arrival to the last.
 
-// Shared with the tests; this driver uses part of them.
-#[allow(
-    dead_code,
-    reason = "shared with other drivers; this one uses part of it"
-)]
-#[path = "../tests/support/certs.rs"]
-mod certs;
-#[allow(
-    dead_code,
-    reason = "shared with other drivers; this one uses part of it"
-)]
-#[path = "../tests/support/provider.rs"]
-mod provider;
-
-// Shared with the other drivers; this one uses part of it.
-#[allow(
-    dead_code,
-    reason = "shared with other drivers; this one uses part of it"
-)]
-#[path = "support/bench.rs"]
-mod bench;
+use sluice_test_support::{bench, certs, provider};
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

@@ -2,7 +2,7 @@
 //! second client and announces what is left (`RateLimit`), through the real proxy with
 //! the configured limit set to the provider's published one. Wall-clock, wide margins.
 
-mod support;
+use sluice_test_support as support;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -1,7 +1,7 @@
 //! The real `sluice` binary: `check`, `explain`, and `run` with a SIGTERM that lets the
 //! request in flight finish. Logs are read back to check that secrets never reach them.
 
-mod support;
+use sluice_test_support as support;
 
 use std::process::Command;
 use std::time::Duration;

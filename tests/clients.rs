@@ -1,7 +1,7 @@
 //! Real clients through the proxy, as applications use it: `curl -x`, `curl -p -x`
 //! (tunnel), and Python's urllib with `HTTP_PROXY` set. `scripts/test` installs curl.
 
-mod support;
+use sluice_test_support as support;
 
 use std::process::Command;
 

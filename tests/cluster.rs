@@ -3,7 +3,7 @@
 //! provider counting at arrival never refuses what it reserved, corrections included.
 //! Then sluice processes sharing limits, and Redis failing under them.
 
-mod support;
+use sluice_test_support as support;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! How sluice behaves run the way a pod runs it: listeners from the environment, probes
 //! and metrics open to the pod network, control endpoints kept to loopback.
 
-mod support;
+use sluice_test_support as support;
 
 use std::net::{IpAddr, UdpSocket};
 

@@ -2,7 +2,7 @@
 //! Every test here writes an `[egress]` section (possibly empty), so the built-in
 //! defaults apply instead of the test harness's loopback allowance.
 
-mod support;
+use sluice_test_support as support;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

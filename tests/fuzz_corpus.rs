@@ -2,10 +2,7 @@
 //! crash they found) run through the fuzz targets' own checks, on stable, on every test
 //! run: a crash found once stays fixed. `scripts/fuzz` runs the fuzzers themselves.
 
-#[allow(dead_code, reason = "shared with the fuzz crate")]
-mod targets {
-    include!("../fuzz/targets.rs");
-}
+use sluice_fuzz_targets as targets;
 
 fn replay(target: &str, run: fn(&[u8])) {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

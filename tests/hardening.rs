@@ -1,7 +1,7 @@
 //! What a broken client or a broken upstream can do to sluice, and what it gets instead:
 //! the regression tests of the hardening review (issue 15), against real sockets.
 
-mod support;
+use sluice_test_support as support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -6,7 +6,7 @@
 //! Python packages; where one is missing the test says so and stops without failing,
 //! so that `cargo test` alone runs on a machine without them.
 
-mod support;
+use sluice_test_support as support;
 
 use std::net::SocketAddr;
 use std::process::Command;

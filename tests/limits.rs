@@ -2,7 +2,7 @@
 //! through sluice, and arrival times checked with wide margins (wall-clock time here;
 //! exact instants are checked under paused time in `src/limit`).
 
-mod support;
+use sluice_test_support as support;
 
 use std::time::Duration;
 

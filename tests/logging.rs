@@ -1,7 +1,7 @@
 //! The access log as shipped: one line per request on stderr, written off the request
 //! path, complete at SIGTERM, and never able to block a request when no one reads it.
 
-mod support;
+use sluice_test_support as support;
 
 use std::io::Read;
 use std::time::Duration;

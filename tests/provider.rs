@@ -5,7 +5,7 @@
 //! clients through sluice, set to a provider's exact limit, to an HTTP provider that
 //! counts at arrival in its own code, behind a relay whose new connections are slow.
 
-mod support;
+use sluice_test_support as support;
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};

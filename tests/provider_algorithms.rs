@@ -7,7 +7,7 @@
 //! the limiter is used close to its limit. `scripts/test` installs haproxy, nginx and
 //! `limits`.
 
-mod support;
+use sluice_test_support as support;
 
 use std::net::SocketAddr;
 use std::path::Path;

@@ -1,7 +1,7 @@
 //! The forward proxy end to end: a real upstream, sluice in-process on loopback, and real
 //! clients (reqwest, raw sockets, curl, python's urllib).
 
-mod support;
+use sluice_test_support as support;
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;

@@ -5,7 +5,7 @@
 //! stay within the limit, Redis must never be hammered, and every request is answered as
 //! `on_redis_error` says.
 
-mod support;
+use sluice_test_support as support;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! bad files refused while traffic flows, limits moved under a full queue, and a hundred
 //! reloads in a row under load without one failed request.
 
-mod support;
+use sluice_test_support as support;
 
 use std::path::Path;
 use std::sync::Arc;

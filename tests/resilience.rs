@@ -3,7 +3,7 @@
 //! Waits are kept short and margins wide; exact timing is tested with paused time in
 //! `src/policy`.
 
-mod support;
+use sluice_test_support as support;
 
 use std::time::Duration;
 

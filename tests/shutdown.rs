@@ -2,7 +2,7 @@
 //! whatever is still queued when it ends gets 503 `shutting_down`; no client sees a
 //! reset connection. Idle connections close when the drain starts.
 
-mod support;
+use sluice_test_support as support;
 
 use std::time::Duration;
 

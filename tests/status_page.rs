@@ -3,7 +3,7 @@
 //! installs) while a burst queues behind a limit and a breaker is open. What the page
 //! shows must match `/metrics`.
 
-mod support;
+use sluice_test_support as support;
 
 use std::process::Command;
 use std::time::Duration;

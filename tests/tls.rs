@@ -1,7 +1,7 @@
 //! HTTPS through sluice with real TLS on both sides: a rustls upstream with its own test
 //! CA, sluice intercepting with a CA from `write_new_ca`, and curl as the client.
 
-mod support;
+use sluice_test_support as support;
 
 use std::process::Command;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! next client when it leaves, never reused once the upstream closed them; and the
 //! thread-per-core workers the binary serves clients on.
 
-mod support;
+use sluice_test_support as support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

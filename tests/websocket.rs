@@ -3,7 +3,7 @@
 //! as aiohttp and `HTTP_PROXY` clients do, then speaks WebSocket frames on the same
 //! connection.
 
-mod support;
+use sluice_test_support as support;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -1,7 +1,3 @@
 #![no_main]
 
-mod targets {
-    include!("../targets.rs");
-}
-
-libfuzzer_sys::fuzz_target!(|data: &[u8]| targets::config(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| sluice_fuzz_targets::config(data));

@@ -1,13 +1,14 @@
 //! Test fixtures on 127.0.0.1:0: a scripted upstream that records what reaches it, a TCP
 //! echo server for tunnels, the proxy started in-process or as the real binary, a raw
 //! HTTP/1.1 client for the cases well-behaved clients never send, and a config directory
-//! updated the way the kubelet updates a mounted ConfigMap.
+//! updated the way the kubelet updates a mounted ConfigMap. Shared by the integration
+//! tests (`use sluice_test_support as support;`) and the benchmark drivers in examples/.
 
-#![allow(dead_code, reason = "each test crate uses part of the support")]
-
+pub mod bench;
 pub mod certs;
 pub mod provider;
 pub mod redis;
+pub mod upstream;
 
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -692,6 +693,22 @@ pub fn piped(
 }
 
 /// The real `sluice` binary, run with `args`; its stderr is collected line by line.
+/// The `sluice` binary cargo built beside the running test or example: cargo builds a
+/// package's binaries before its integration tests and examples, into the directory
+/// above their own (`target/<profile>/deps/`, `target/<profile>/examples/`).
+/// `CARGO_BIN_EXE_sluice` would say the same but is set only while compiling the test
+/// crate itself, not this one.
+pub fn binary() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test's own path");
+    let mut dir = exe.parent().expect("the test's directory").to_path_buf();
+    if dir.ends_with("deps") || dir.ends_with("examples") {
+        dir.pop();
+    }
+    let bin = dir.join(format!("sluice{}", std::env::consts::EXE_SUFFIX));
+    assert!(bin.exists(), "{} is not built", bin.display());
+    bin
+}
+
 pub struct Sluice {
     child: std::process::Child,
     /// Reads stderr into `lines` until the process closes it.
@@ -706,10 +723,7 @@ pub struct Sluice {
 
 impl Sluice {
     pub fn spawn(args: &[&str]) -> Sluice {
-        Sluice::spawn_command(
-            std::process::Command::new(env!("CARGO_BIN_EXE_sluice")),
-            args,
-        )
+        Sluice::spawn_command(std::process::Command::new(binary()), args)
     }
 
     /// Runs with the open-file limit (soft and hard) set to `nofile`, through the shell's
@@ -718,7 +732,7 @@ impl Sluice {
         let mut sh = std::process::Command::new("sh");
         sh.arg("-c")
             .arg(format!("ulimit -n {nofile} && exec \"$0\" \"$@\""))
-            .arg(env!("CARGO_BIN_EXE_sluice"));
+            .arg(binary());
         Sluice::spawn_command(sh, args)
     }
 

@@ -1,15 +1,15 @@
-// The bodies of the fuzz targets, shared by the fuzzers (fuzz/fuzz_targets/) and by
-// tests/fuzz_corpus.rs, which replays every committed input on stable on each test run.
-// Each takes arbitrary bytes and checks what must hold for any input, beyond not
-// panicking.
+//! The bodies of the fuzz targets, shared by the fuzzers (fuzz/fuzz_targets/) and by
+//! tests/fuzz_corpus.rs, which replays every committed input on stable on each test run.
+//! Each takes arbitrary bytes and checks what must hold for any input, beyond not
+//! panicking.
 
 use std::time::{Duration, UNIX_EPOCH};
 
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
-use sluice::{HostPattern, PathGlob, ip_literal, normalize_path};
 use sluice::{Action, ClassifyRule, Config, ConfigError};
-use sluice::{needs_body, server_hint};
+use sluice::{HostPattern, PathGlob, ip_literal, normalize_path};
 use sluice::{Router, normalize_host};
+use sluice::{needs_body, server_hint};
 
 /// The config loader, and what a valid config goes on to build: routes, limiter plans,
 /// the redacted `/config` view and `explain`.
