@@ -23,6 +23,7 @@ from common import (
     haproxy_config,
     hello_nginx,
     passthrough_config,
+    require_binary,
     wait_http,
     wait_slow,
 )
@@ -82,6 +83,7 @@ def measure(name, script, pid, url=f"http://127.0.0.1:{PROXY_PORT}"):
 
 
 def main():
+    require_binary(SLUICE)
     hello_nginx(procs, work, [NGINX_PORT, NGINX_PORT_MATCHED])
     sluice_conf = passthrough_config(work, PROXY_PORT, ADMIN_PORT, NGINX_PORT_MATCHED)
     # BENCH_LOG=shipped: the default log level (an access line per request), stderr read

@@ -19,6 +19,14 @@ TARGET = os.path.join(ROOT, os.environ.get("CARGO_TARGET_DIR") or "target")
 SLUICE = os.environ.get("SLUICE_BIN") or os.path.join(TARGET, "release", "sluice")
 
 
+def require_binary(path):
+    """Stops the bench with the reason when `path` is no executable: valgrind, or a
+    readiness poll, would otherwise wait on a process that never started."""
+    if not os.access(path, os.X_OK):
+        raise SystemExit(f"{path}: no executable there; build it with "
+                         "`cargo build --release`, or point SLUICE_BIN or BASELINE at one")
+
+
 class Procs:
     def __init__(self):
         self.started = []
@@ -52,6 +60,7 @@ def start_sluice(procs, config, log="shipped", extra_env=None, binary=SLUICE):
     container runtime reads it; `log="off"`: RUST_LOG=warn, no access lines (stderr still
     drained). Returns the process; `p.log_lines[0]` counts the lines read, `p.drain_tid` is
     the reading thread's id."""
+    require_binary(binary)
     env = {**os.environ, **(extra_env or {})}
     env.pop("RUST_LOG", None)
     if log == "off":
