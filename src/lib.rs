@@ -62,7 +62,7 @@ pub(crate) mod upstream;
 // Running the proxy.
 pub use app::App;
 pub use body::BoxError;
-pub use config::{ClassifyRule, Config, ConfigError, Overrides};
+pub use config::{ClassifyRule, Config, ConfigError, ListenAddr, Overrides};
 pub use proxy::server::Workers;
 pub use server::Server;
 

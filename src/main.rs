@@ -2,7 +2,6 @@
 
 #![deny(unsafe_code)]
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -10,8 +9,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 
-use sluice::Overrides;
 use sluice::{App, Config, Server, Workers};
+use sluice::{ListenAddr, Overrides};
 
 #[derive(Parser)]
 #[command(
@@ -83,13 +82,15 @@ enum Command {
         /// machine, for a host that runs nothing else; `off`: the scheduler places them.
         #[arg(long, env = "SLUICE_PIN_WORKERS", value_enum, default_value = "auto")]
         pin_workers: PinArg,
-        /// Proxy listener, over the file's [proxy] listen (e.g. 0.0.0.0:3128 in a pod).
-        #[arg(long, env = "SLUICE_LISTEN", value_name = "IP:PORT")]
-        listen: Option<SocketAddr>,
-        /// Admin listener, over the file's [proxy] admin (e.g. 0.0.0.0:9901 in a pod, for
-        /// probes and scrapes; control endpoints stay loopback-only, see admin_control).
-        #[arg(long, env = "SLUICE_ADMIN", value_name = "IP:PORT")]
-        admin: Option<SocketAddr>,
+        /// Proxy listener, over the file's [proxy] listen: IP:PORT, or :PORT for every
+        /// address of every family the host has (a gateway in a pod).
+        #[arg(long, env = "SLUICE_LISTEN", value_name = "IP:PORT|:PORT")]
+        listen: Option<ListenAddr>,
+        /// Admin listener, over the file's [proxy] admin (:9901 in a pod, for probes and
+        /// scrapes on whichever families the cluster has; control endpoints stay
+        /// loopback-only, see admin_control).
+        #[arg(long, env = "SLUICE_ADMIN", value_name = "IP:PORT|:PORT")]
+        admin: Option<ListenAddr>,
         /// After SIGTERM, keep accepting this long (e.g. 15s) before draining, over the
         /// file's [proxy] shutdown_delay: for a sidecar stopped together with its app.
         #[arg(long, env = "SLUICE_SHUTDOWN_DELAY", value_name = "DURATION", value_parser = humantime::parse_duration)]
@@ -101,15 +102,15 @@ enum Command {
     /// timeout. For a container that must not start before its sidecar (a postStart
     /// hook, or an application's entrypoint).
     WaitReady {
-        /// The admin listener to ask; an unspecified address (0.0.0.0) is asked on
+        /// The admin listener to ask; a wildcard (:9901, 0.0.0.0:9901) is asked on
         /// loopback.
         #[arg(
             long,
             env = "SLUICE_ADMIN",
-            value_name = "IP:PORT",
+            value_name = "IP:PORT|:PORT",
             default_value = "127.0.0.1:9901"
         )]
-        admin: SocketAddr,
+        admin: ListenAddr,
         /// How long to wait, e.g. 60s.
         #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
         timeout: std::time::Duration,
@@ -368,16 +369,9 @@ fn run(
 }
 
 /// Polls `GET /readyz` on `admin` every 100 ms until it answers 200 or `timeout` passes.
-fn wait_ready(mut admin: SocketAddr, timeout: std::time::Duration) -> anyhow::Result<()> {
+fn wait_ready(admin: ListenAddr, timeout: std::time::Duration) -> anyhow::Result<()> {
     use std::io::{Read, Write};
-    if admin.ip().is_unspecified() {
-        let loopback: std::net::IpAddr = if admin.is_ipv4() {
-            std::net::Ipv4Addr::LOCALHOST.into()
-        } else {
-            std::net::Ipv6Addr::LOCALHOST.into()
-        };
-        admin.set_ip(loopback);
-    }
+    let admin = admin.local_target();
     let deadline = tokio::time::Instant::now() + timeout;
     let ask = || -> std::io::Result<bool> {
         let mut conn =

@@ -6,7 +6,7 @@
 
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +17,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::admin;
 use crate::app::App;
+use crate::config::ListenAddr;
 use crate::proxy::lifecycle::Lifecycle;
 use crate::proxy::server::spawn_accepting;
 
@@ -33,18 +34,61 @@ pub struct Server {
 #[derive(Debug, thiserror::Error)]
 #[error("cannot listen on {addr} ({what}): {source}")]
 pub struct BindError {
-    addr: SocketAddr,
+    addr: ListenAddr,
     what: &'static str,
     #[source]
     source: io::Error,
+}
+
+/// Binds `addr`; for [`ListenAddr::AnyFamily`], one IPv6 socket that accepts IPv4 as
+/// well, or an IPv4 socket where the host has no IPv6 (a kernel booted with
+/// `ipv6.disable=1`, a pod whose IPv6 is off).
+pub(crate) async fn bind(addr: ListenAddr) -> io::Result<TcpListener> {
+    match addr {
+        ListenAddr::Addr(a) => TcpListener::bind(a).await,
+        ListenAddr::AnyFamily(port) => match bind_dual_stack(port) {
+            Err(e) if no_ipv6(&e) => {
+                tracing::info!(port, error = %e, "no IPv6 here: listening on IPv4 only");
+                TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).await
+            }
+            bound => bound,
+        },
+    }
+}
+
+fn bind_dual_stack(port: u16) -> io::Result<TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::IPV6, Type::STREAM, Some(Protocol::TCP))?;
+    // Whatever net.ipv6.bindv6only says: IPv4 clients arrive as ::ffff:a.b.c.d.
+    socket.set_only_v6(false)?;
+    // As tokio's TcpListener::bind does: a restart rebinds at once past TIME_WAIT.
+    socket.set_reuse_address(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)).into())?;
+    socket.listen(1024)?;
+    TcpListener::from_std(socket.into())
+}
+
+/// The errors of a host without IPv6: no such family, or no IPv6 address to bind.
+#[cfg(unix)]
+fn no_ipv6(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EAFNOSUPPORT | libc::EPROTONOSUPPORT | libc::EADDRNOTAVAIL)
+    )
+}
+
+#[cfg(not(unix))]
+fn no_ipv6(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::AddrNotAvailable
 }
 
 impl Server {
     /// Binds the proxy and admin listeners named in the config (port 0 picks a free port).
     pub async fn bind(app: Arc<App>) -> Result<Server, BindError> {
         let config = app.config();
-        let bind = |addr: SocketAddr, what: &'static str| async move {
-            TcpListener::bind(addr)
+        let bind = |addr: ListenAddr, what: &'static str| async move {
+            bind(addr)
                 .await
                 .map_err(|source| BindError { addr, what, source })
         };
@@ -80,13 +124,13 @@ impl Server {
     pub fn proxy_addr(&self) -> SocketAddr {
         self.proxy
             .local_addr()
-            .unwrap_or_else(|_| self.app.config().proxy.listen)
+            .unwrap_or_else(|_| self.app.config().proxy.listen.local_target())
     }
 
     pub fn admin_addr(&self) -> SocketAddr {
         self.admin
             .local_addr()
-            .unwrap_or_else(|_| self.app.config().proxy.admin)
+            .unwrap_or_else(|_| self.app.config().proxy.admin.local_target())
     }
 
     /// Serves until `shutdown` resolves, then drains and returns.

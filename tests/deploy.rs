@@ -51,10 +51,11 @@ async fn probes_answer_the_pod_network_and_control_stays_on_loopback() {
         "[proxy]\nlisten = \"127.0.0.1:1\"\nadmin = \"127.0.0.1:2\"\n",
     )
     .unwrap();
+    // `:0` as the manifests write it (`:9901`): every address of every family.
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
     command
-        .env("SLUICE_LISTEN", "0.0.0.0:0")
-        .env("SLUICE_ADMIN", "0.0.0.0:0")
+        .env("SLUICE_LISTEN", ":0")
+        .env("SLUICE_ADMIN", ":0")
         .env("SLUICE_LOG_FORMAT", "json");
     let mut sluice = Sluice::spawn_shell(command, &["run", "-c", path.to_str().unwrap()]);
     let (port, admin) = sluice.listening().await;
@@ -111,16 +112,13 @@ async fn probes_answer_the_pod_network_and_control_stays_on_loopback() {
             .unwrap(),
     )
     .unwrap();
-    assert_eq!(
-        config["proxy"]["admin"], "0.0.0.0:0",
-        "as the environment set it"
-    );
+    assert_eq!(config["proxy"]["admin"], "*:0", "as the environment set it");
     assert_eq!(
         config["listening"]["admin"],
-        format!("0.0.0.0:{admin}"),
-        "and as bound"
+        format!("[::]:{admin}"),
+        "and as bound: one socket for both families"
     );
-    assert_eq!(config["listening"]["proxy"], format!("0.0.0.0:{port}"));
+    assert_eq!(config["listening"]["proxy"], format!("[::]:{port}"));
     assert_eq!(config["proxy"]["admin_control"], "loopback");
 
     sluice.signal("TERM");
@@ -134,6 +132,160 @@ async fn probes_answer_the_pod_network_and_control_stays_on_loopback() {
             "{line}"
         );
     }
+}
+
+/// Whether `/readyz` answers on `ip:port`.
+async fn answers(ip: &str, port: u16) -> bool {
+    crypto();
+    let ip: IpAddr = ip.parse().unwrap();
+    let url = format!("http://{}/readyz", std::net::SocketAddr::new(ip, port));
+    reqwest::get(url).await.is_ok_and(|r| r.status() == 200)
+}
+
+/// Each way to write a listener binds and answers on the families it names: one
+/// address, an IPv4 or IPv6 wildcard, and `:PORT`, every family (what the manifests
+/// use, so that one manifest works on IPv4-only, IPv6-only and dual-stack clusters).
+#[tokio::test]
+async fn every_listen_form_binds_and_answers_on_its_families() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(&path, "[proxy]\nlisten = \"127.0.0.1:0\"\n").unwrap();
+    let path = path.to_str().unwrap();
+    // (form, bound as, reached on, not reached on)
+    let cases: [(&str, &str, &[&str], &[&str]); 5] = [
+        ("127.0.0.1:0", "127.0.0.1", &["127.0.0.1"], &["::1"]),
+        ("[::1]:0", "[::1]", &["::1"], &["127.0.0.1"]),
+        ("0.0.0.0:0", "0.0.0.0", &["127.0.0.1"], &["::1"]),
+        ("[::]:0", "[::]", &["::1"], &[]),
+        (":0", "[::]", &["127.0.0.1", "::1"], &[]),
+    ];
+    for (form, bound, reached, not_reached) in cases {
+        let mut sluice = Sluice::spawn(&["run", "-c", path, "--admin", form]);
+        let (_, admin) = sluice.listening().await;
+        let line = sluice.log_lines("listening").join("\n");
+        assert!(
+            line.contains(&format!("admin={bound}:{admin}")),
+            "{form}: {line}"
+        );
+        for ip in reached {
+            assert!(answers(ip, admin).await, "{form}: /readyz on {ip}");
+        }
+        for ip in not_reached {
+            assert!(!answers(ip, admin).await, "{form}: nothing on {ip}");
+        }
+        sluice.signal("TERM");
+        assert_eq!(sluice.exit().await.0, Some(0), "{form}");
+    }
+}
+
+/// Where the kernel has no IPv6 at all (booted with `ipv6.disable=1`: every IPv6 socket
+/// is refused with EAFNOSUPPORT), `:PORT` listens on IPv4 and says so, while an IPv6
+/// address written out fails to bind with the address named. The refusal comes from a
+/// shim preloaded in front of libc's socket(), which answers for AF_INET6 exactly what
+/// such a kernel answers.
+#[tokio::test]
+async fn without_ipv6_every_family_means_ipv4() {
+    let dir = tempfile::tempdir().unwrap();
+    let shim = dir.path().join("no_ipv6.c");
+    std::fs::write(
+        &shim,
+        "#define _GNU_SOURCE\n#include <dlfcn.h>\n#include <errno.h>\n#include <sys/socket.h>\n\
+         int socket(int domain, int type, int protocol) {\n\
+           static int (*real)(int, int, int);\n\
+           if (!real) real = (int (*)(int, int, int))dlsym(RTLD_NEXT, \"socket\");\n\
+           if (domain == AF_INET6) { errno = EAFNOSUPPORT; return -1; }\n\
+           return real(domain, type, protocol);\n}\n",
+    )
+    .unwrap();
+    let so = dir.path().join("no_ipv6.so");
+    let built = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&so)
+        .arg(&shim)
+        .arg("-ldl")
+        .status()
+        .expect("a C compiler (cc) builds the shim");
+    assert!(built.success());
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(&path, "[proxy]\nlisten = \"127.0.0.1:0\"\n").unwrap();
+    let path = path.to_str().unwrap();
+    let without_ipv6 = || {
+        let mut c = std::process::Command::new(binary());
+        c.env("LD_PRELOAD", &so);
+        c
+    };
+
+    let mut sluice = Sluice::spawn_shell(without_ipv6(), &["run", "-c", path, "--admin", ":0"]);
+    let (_, admin) = sluice.listening().await;
+    assert!(answers("127.0.0.1", admin).await);
+    let line = sluice.log_lines("listening").join("\n");
+    assert!(line.contains(&format!("admin=0.0.0.0:{admin}")), "{line}");
+    assert_eq!(sluice.log_lines("no IPv6 here").len(), 1);
+    sluice.signal("TERM");
+    assert_eq!(sluice.exit().await.0, Some(0));
+
+    let sluice = Sluice::spawn_shell(without_ipv6(), &["run", "-c", path, "--admin", "[::]:0"]);
+    let (code, log) = sluice.exit().await;
+    assert_ne!(code, Some(0));
+    let log = log.join("\n");
+    assert!(
+        log.contains("cannot listen on [::]:0 (admin listener)"),
+        "{log}"
+    );
+}
+
+/// IPv6 turned off the way a pod's network may have it (the interfaces' disable_ipv6,
+/// in a network namespace of its own): the kernel still has the family, so `:PORT`
+/// binds its one socket and IPv4 clients reach it. Needs root for the namespace, as CI
+/// has.
+#[tokio::test]
+async fn with_ipv6_disabled_on_the_interfaces_every_family_still_answers_ipv4() {
+    if !is_root() {
+        eprintln!("skipped: a network namespace needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(&path, "[proxy]\nlisten = \"127.0.0.1:0\"\n").unwrap();
+    let mut unshare = std::process::Command::new("unshare");
+    unshare.args([
+        "--net",
+        "sh",
+        "-c",
+        "ip link set lo up && sysctl -qw net.ipv6.conf.all.disable_ipv6=1 \
+         net.ipv6.conf.default.disable_ipv6=1 net.ipv6.conf.lo.disable_ipv6=1 && \
+         exec \"$0\" \"$@\"",
+    ]);
+    unshare.arg(binary());
+    let mut sluice = Sluice::spawn_shell(
+        unshare,
+        &["run", "-c", path.to_str().unwrap(), "--admin", ":0"],
+    );
+    let (_, admin) = sluice.listening().await;
+    // From inside its namespace, with the same client a classic sidecar's hook runs.
+    let ready = std::process::Command::new("nsenter")
+        .args(["--net", "--target", &sluice.pid().to_string()])
+        .arg(binary())
+        .args([
+            "wait-ready",
+            "--admin",
+            &format!(":{admin}"),
+            "--timeout",
+            "10s",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        ready.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ready.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&ready.stderr).contains(&format!("127.0.0.1:{admin}")),
+        "asked on IPv4 loopback"
+    );
+    sluice.signal("TERM");
+    assert_eq!(sluice.exit().await.0, Some(0));
 }
 
 /// admin_control = "any" opens the control endpoints to every client of the listener.
@@ -565,11 +717,11 @@ async fn the_shutdown_delay_from_the_environment_keeps_serving_after_sigterm() {
 
 /// The image's baked config, used when a pod mounts none, is no relay for anyone outside
 /// the pod: its proxy listens on loopback only (the application beside it shares that),
-/// while probes and metrics stay reachable on every address.
+/// while probes and metrics stay reachable on every address of every family.
 #[test]
 fn the_image_config_is_no_open_relay() {
     let text = include_str!("../config/container.toml");
     let c = sluice::Config::parse(text, "container.toml").unwrap();
-    assert!(c.proxy.listen.ip().is_loopback(), "{}", c.proxy.listen);
-    assert!(c.proxy.admin.ip().is_unspecified(), "{}", c.proxy.admin);
+    assert!(c.proxy.listen.is_loopback(), "{}", c.proxy.listen);
+    assert_eq!(c.proxy.admin, sluice::ListenAddr::AnyFamily(9901));
 }

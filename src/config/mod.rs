@@ -3,13 +3,13 @@
 //! carries its complete policy (`[defaults]` ← `[[upstream]]` ← `[[upstream.family]]`).
 //! Every error names `file:line:col`.
 
+mod listen;
 pub(crate) mod pattern;
 pub(crate) mod spec;
 pub(crate) mod units;
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::net::SocketAddr;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -18,6 +18,7 @@ use http::{HeaderName, Method};
 use serde::{Serialize, Serializer};
 use sha2::{Digest, Sha256};
 
+pub use listen::ListenAddr;
 pub(crate) use pattern::{HostPattern, PathGlob};
 pub(crate) use spec::{
     Action, AdminControl, CooldownScope, CounterAlign, Jitter, Learn, LimitSpec as Limit,
@@ -80,8 +81,8 @@ pub struct Config {
 
 #[derive(Debug, Serialize)]
 pub struct ProxyConfig {
-    pub listen: SocketAddr,
-    pub admin: SocketAddr,
+    pub listen: ListenAddr,
+    pub admin: ListenAddr,
     pub(crate) unmatched: Unmatched,
     pub(crate) max_replay_body: u64,
     /// Replay copies held at once across the process; beyond it requests are not retried.
@@ -108,8 +109,8 @@ pub struct ProxyConfig {
 /// of the file, reloads included, so a reload never sees them as a change.
 #[derive(Debug, Clone, Default)]
 pub struct Overrides {
-    pub listen: Option<SocketAddr>,
-    pub admin: Option<SocketAddr>,
+    pub listen: Option<ListenAddr>,
+    pub admin: Option<ListenAddr>,
     /// For a sidecar that receives SIGTERM together with its application (no native
     /// sidecars): keep serving while the application finishes.
     pub shutdown_delay: Option<Duration>,
@@ -885,20 +886,15 @@ fn check_tls(t: spec::TlsSpec) -> Result<TlsConfig> {
     })
 }
 
-fn parse_addr(v: &Option<toml::Spanned<String>>, default: &str) -> Result<SocketAddr> {
+fn parse_addr(v: &Option<toml::Spanned<String>>, default: &str) -> Result<ListenAddr> {
     match v {
         None => default
             .parse()
             .map_err(|_| invalid(None, format!("bad built-in address {default}"))),
-        Some(s) => s.get_ref().parse().map_err(|_| {
-            invalid(
-                s.span(),
-                format!(
-                    "{:?} is not a socket address like \"127.0.0.1:3128\"",
-                    s.get_ref()
-                ),
-            )
-        }),
+        Some(s) => s
+            .get_ref()
+            .parse()
+            .map_err(|e: listen::BadListenAddr| invalid(s.span(), e.to_string())),
     }
 }
 

@@ -757,12 +757,15 @@ impl Sluice {
                 .lines()
                 .map_while(Result::ok)
             {
-                if let Some(ports) = listening_ports(&line)
+                // The line is kept before the ports are announced, so that a test that
+                // has its ports finds the line too.
+                let ports = listening_ports(&line);
+                shared.lock().push(line);
+                if let Some(ports) = ports
                     && let Some(tx) = tx.take()
                 {
                     let _ = tx.send(ports);
                 }
-                shared.lock().push(line);
             }
         });
         Sluice {
