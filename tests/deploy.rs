@@ -636,8 +636,8 @@ async fn the_monitoring_names_only_metrics_sluice_exports() {
     );
 
     // And every label a selector names on them. Target labels are Prometheus's (job,
-    // namespace, pod, app); `le` is a histogram's.
-    let target = ["job", "namespace", "pod", "app", "le"];
+    // namespace, pod) and the PodMonitor's (workload); `le` is a histogram's.
+    let target = ["job", "namespace", "pod", "workload", "le"];
     let mut wrong = Vec::new();
     for file in ["prometheusrule.yaml", "dashboard.json", "rules-test.yaml"] {
         let text = std::fs::read_to_string(dir.join(file))
