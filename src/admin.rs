@@ -5,7 +5,8 @@
 //! state (`POST /reload`, `/config` with secrets redacted, `/buckets`) answer loopback
 //! clients only, unless `admin_control = "any"`: as linkerd's admin server keeps its
 //! shutdown endpoint to localhost, so that a listener opened for probes is not also
-//! opened for control. A browser on the operator's machine (a `kubectl port-forward`
+//! opened for control. `POST /quitquitquit` (a Job's application ending its sidecar)
+//! answers loopback clients only, always. A browser on the operator's machine (a `kubectl port-forward`
 //! open) is kept out of them too: they answer only a Host of `localhost` or an IP
 //! address (a name a page's DNS could point here is refused: DNS rebinding), refuse a
 //! request from another origin, and `POST /reload` refuses the content types a form can
@@ -395,6 +396,9 @@ pub(crate) async fn handle(
     if path == "/reload" {
         return reload(app, req.method()).await;
     }
+    if path == "/quitquitquit" {
+        return quit(app, req, peer);
+    }
     match (req.uri().path(), get) {
         ("/metrics", true) => metrics(app),
         // Liveness: the process answers. Nothing it depends on (upstreams, Redis) is
@@ -436,7 +440,8 @@ pub(crate) async fn handle(
         _ => reply(
             StatusCode::NOT_FOUND,
             "text/plain",
-            "not found; try /metrics /livez /healthz /readyz /config /buckets, POST /reload\n"
+            "not found; try /metrics /livez /healthz /readyz /config /buckets, POST /reload, \
+             POST /quitquitquit\n"
                 .into(),
         ),
     }
@@ -487,6 +492,37 @@ fn status_page() -> Response<Body> {
         ),
     );
     r
+}
+
+/// `POST /quitquitquit`: the application in the pod has finished (a Job's, beside a
+/// sidecar that Kubernetes does not stop for it), so sluice drains and exits 0, as on
+/// SIGTERM but without the shutdown delay. Loopback clients only, whatever
+/// `admin_control` says: stopping the proxy is for the pod's own containers, and the
+/// browser checks of the control endpoints apply.
+fn quit(app: &App, req: &Request<Incoming>, peer: IpAddr) -> Response<Body> {
+    if let Some((status, why)) = browser_refusal(req) {
+        return reply(status, "text/plain", why);
+    }
+    if !is_loopback(peer) {
+        return reply(
+            StatusCode::FORBIDDEN,
+            "text/plain",
+            "/quitquitquit answers loopback clients only: the pod's own containers\n".into(),
+        );
+    }
+    if req.method() != Method::POST {
+        let mut r = reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "use POST\n".into(),
+        );
+        r.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("POST"));
+        return r;
+    }
+    tracing::info!("POST /quitquitquit: the application has finished; shutting down");
+    app.quit.cancel();
+    reply(StatusCode::OK, "text/plain", "stopping\n".into())
 }
 
 /// `POST /reload`: 200 with what changed, or 400 with why the file was refused.

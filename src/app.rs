@@ -87,6 +87,9 @@ pub struct App {
     pub(crate) resolver: Resolver,
     pub(crate) handshake_log: HandshakeLog,
     draining: AtomicBool,
+    /// Set by `POST /quitquitquit`: the application beside sluice has finished (a Job's),
+    /// so the server stops as on SIGTERM, without the shutdown delay.
+    pub(crate) quit: tokio_util::sync::CancellationToken,
     /// The file reloads read, when the config came from one.
     path: Option<PathBuf>,
     /// Applied to every load of the file (reloads).
@@ -167,6 +170,7 @@ impl AppBuilder {
             resolver: self.resolver,
             handshake_log: HandshakeLog::default(),
             draining: AtomicBool::new(false),
+            quit: tokio_util::sync::CancellationToken::new(),
             path: self.path,
             overrides: self.overrides,
             reloading: Mutex::new(()),

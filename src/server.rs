@@ -169,11 +169,20 @@ impl Server {
             accepting.clone(),
             workers,
         );
-        shutdown.await;
+        // A signal, or the application's word that it has finished: then no one is
+        // left to serve during the shutdown delay.
+        let quit = tokio::select! {
+            () = shutdown => false,
+            () = app.quit.cancelled() => true,
+        };
 
         let config = app.config();
         app.start_draining();
-        let delay = config.proxy.shutdown_delay;
+        let delay = if quit {
+            Duration::ZERO
+        } else {
+            config.proxy.shutdown_delay
+        };
         tracing::info!(shutdown_delay = ?delay, drain_timeout = ?config.proxy.drain_timeout, "shutdown: not ready any more");
         if !delay.is_zero() {
             tokio::time::sleep(delay).await; // still accepting meanwhile

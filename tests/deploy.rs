@@ -715,6 +715,63 @@ async fn the_shutdown_delay_from_the_environment_keeps_serving_after_sigterm() {
     );
 }
 
+/// A Job's application beside the classic sidecar: nothing stops sluice when the
+/// application ends, so the pod never completes unless the application says so. `POST
+/// /quitquitquit` from inside the pod (curl, as a Job's command would run it) drains
+/// and exits 0 without waiting out the shutdown delay; from the pod network it is
+/// refused, whatever `admin_control` says, and a GET changes nothing.
+#[tokio::test]
+async fn a_job_ends_its_classic_sidecar_with_quitquitquit() {
+    crypto();
+    let pod_ip = non_loopback_address()
+        .expect("this machine has an address other than loopback, as a pod has");
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin_control = \"any\"\n\
+             [egress]\nallow = [\"127.0.0.0/8\"]\n\
+             [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n",
+            up.addr.port()
+        ),
+    )
+    .unwrap();
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+    command
+        .env("SLUICE_SHUTDOWN_DELAY", "30s")
+        .env("SLUICE_ADMIN", ":0");
+    let mut sluice = Sluice::spawn_shell(command, &["run", "-c", path.to_str().unwrap()]);
+    let (port, admin) = sluice.listening().await;
+    assert!(sluice.ready(admin).await);
+    let r = client_via(port).get(up.url("/work")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+
+    let outside = format!("http://{pod_ip}:{admin}/quitquitquit");
+    assert_eq!(status(reqwest::Method::POST, &outside).await, 403);
+    let inside = format!("http://127.0.0.1:{admin}/quitquitquit");
+    assert_eq!(status(reqwest::Method::GET, &inside).await, 405);
+    assert!(sluice.ready(admin).await, "still serving");
+
+    let started = tokio::time::Instant::now();
+    let curl = tokio::process::Command::new("curl")
+        .args(["-sS", "-f", "-X", "POST", &inside])
+        .output()
+        .await
+        .unwrap();
+    assert!(curl.status.success(), "{curl:?}");
+    assert_eq!(String::from_utf8_lossy(&curl.stdout), "stopping\n");
+    let (code, log) = sluice.exit().await;
+    assert_eq!(code, Some(0), "{log:#?}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(20),
+        "the 30 s shutdown delay is not waited out: {:?}",
+        started.elapsed()
+    );
+    assert!(log.iter().any(|l| l.contains("quitquitquit")), "{log:#?}");
+}
+
 /// The image's baked config, used when a pod mounts none, is no relay for anyone outside
 /// the pod: its proxy listens on loopback only (the application beside it shares that),
 /// while probes and metrics stay reachable on every address of every family.
