@@ -1,9 +1,11 @@
 //! How many workers to start and whether to pin them, from what the process was given
 //! rather than from the machine: a sidecar with a 50m CPU request on a 64-core node
 //! starts one worker, and leaves the scheduler free to move it off a core a neighbour
-//! is saturating. Pinning pays only when the CPUs are the process's own (a cpuset
-//! narrower than the machine, as Kubernetes' static CPU manager or `taskset` gives), or
-//! when asked for on a host that runs nothing else.
+//! is saturating. Pinning pays only when the CPUs are the process's own: an exclusive
+//! cpuset (a cgroup partition, or the whole CPUs Kubernetes' static CPU manager gives a
+//! Guaranteed container), or a host that runs nothing else when asked. A narrowed
+//! affinity alone proves nothing: the static CPU manager's shared pool and `taskset`
+//! narrow it too, and neighbours run on those CPUs.
 
 /// What the process may use, read once at start.
 #[derive(Debug, Clone)]
@@ -15,6 +17,11 @@ pub struct Machine {
     /// `std::thread::available_parallelism`: the affinity, further bounded by a cgroup
     /// CPU quota when there is one.
     pub(crate) parallelism: usize,
+    /// The CPUs of the process's cgroup cpuset, when it can be read.
+    pub(crate) cpuset: Option<Vec<usize>>,
+    /// The cgroup marks its cpuset exclusive: a v2 partition (`root`, `isolated`) or
+    /// v1's `cpuset.cpu_exclusive`.
+    pub(crate) exclusive_flag: bool,
 }
 
 impl Machine {
@@ -22,18 +29,49 @@ impl Machine {
         let allowed = allowed_cpus();
         let parallelism = std::thread::available_parallelism().map_or(1, |n| n.get());
         let online = online_cpus().unwrap_or(allowed.len()).max(allowed.len());
+        let (cpuset, exclusive_flag) = cgroup_cpuset();
         Machine {
             online,
             allowed,
             parallelism,
+            cpuset,
+            exclusive_flag,
         }
+    }
+
+    /// Why the allowed CPUs are this process's own, if they can be shown to be: the
+    /// cgroup says so, or the cpuset is what the static CPU manager gives a Guaranteed
+    /// container (exactly its CPU request in whole CPUs, narrower than the machine, and
+    /// the affinity is that cpuset rather than a `taskset` inside a wider one). The
+    /// shared pool of such a node is narrowed too, but holds every other pod's
+    /// containers and matches no whole-CPU request but by chance.
+    fn exclusive(&self, cpu_request_millis: Option<u64>) -> Option<String> {
+        let narrowed = !self.allowed.is_empty() && self.allowed.len() < self.online;
+        if !narrowed || self.cpuset.as_deref() != Some(&self.allowed[..]) {
+            return None;
+        }
+        let n = self.allowed.len();
+        if self.exclusive_flag {
+            return Some(format!(
+                "an exclusive cpuset partition: {n} of the machine's {} CPUs",
+                self.online
+            ));
+        }
+        let whole = u64::try_from(n).ok()?.checked_mul(1000)?;
+        (cpu_request_millis == Some(whole)).then(|| {
+            format!(
+                "a cpuset of its own: {n} of the machine's {} CPUs, its CPU request in \
+                 whole CPUs (the static CPU manager's)",
+                self.online
+            )
+        })
     }
 }
 
 /// `--pin-workers`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pin {
-    /// Pin when the process has a cpuset of its own with one CPU per worker.
+    /// Pin when the process has an exclusive cpuset with one CPU per worker.
     Auto,
     /// Pin worker `i` to the `i`-th allowed CPU whenever there are enough of them.
     On,
@@ -75,7 +113,8 @@ pub fn plan(
         _ => (usable, usable_why(machine)),
     };
     let allowed = &machine.allowed;
-    let own_cpuset = !allowed.is_empty() && allowed.len() < machine.online;
+    let narrowed = !allowed.is_empty() && allowed.len() < machine.online;
+    let own = machine.exclusive(cpu_request_millis);
     let (cpus, pin_why) = match pin {
         Pin::Off => (None, "--pin-workers off".to_string()),
         Pin::On if workers <= allowed.len() => (
@@ -89,25 +128,29 @@ pub fn plan(
                 allowed.len()
             ),
         ),
-        Pin::Auto if own_cpuset && workers == allowed.len() => (
-            Some(allowed.clone()),
-            format!(
-                "a cpuset of its own: {} of the machine's {} CPUs",
-                allowed.len(),
-                machine.online
+        Pin::Auto => match own {
+            Some(why) if workers == allowed.len() => (Some(allowed.clone()), why),
+            Some(_) => (
+                None,
+                format!("{workers} workers for a cpuset of {} CPUs", allowed.len()),
             ),
-        ),
-        Pin::Auto if own_cpuset => (
-            None,
-            format!("{workers} workers for a cpuset of {} CPUs", allowed.len()),
-        ),
-        Pin::Auto => (
-            None,
-            format!(
-                "the process may run on all {} CPUs of the machine",
-                machine.online
+            None if narrowed => (
+                None,
+                format!(
+                    "{} of the machine's {} CPUs, not shown to be its own (a shared pool, \
+                     or taskset): --pin-workers on pins anyway",
+                    allowed.len(),
+                    machine.online
+                ),
             ),
-        ),
+            None => (
+                None,
+                format!(
+                    "the process may run on all {} CPUs of the machine",
+                    machine.online
+                ),
+            ),
+        },
     };
     Plan {
         workers,
@@ -151,35 +194,79 @@ fn allowed_cpus() -> Vec<usize> {
 /// The machine's online CPUs, from sysfs ("0-63" or "0,2-5").
 fn online_cpus() -> Option<usize> {
     let text = std::fs::read_to_string("/sys/devices/system/cpu/online").ok()?;
-    count_list(&text)
+    parse_list(&text).map(|cpus| cpus.len())
 }
 
-fn count_list(text: &str) -> Option<usize> {
-    let mut n = 0;
+/// The cpuset of this process's cgroup, and whether the cgroup marks it exclusive.
+/// cgroup v2 (`0::/path` in /proc/self/cgroup): `cpuset.cpus.effective` and
+/// `cpuset.cpus.partition`; v1 (`N:cpuset:/path`): `cpuset.effective_cpus` and
+/// `cpuset.cpu_exclusive`. In a container with its own cgroup namespace the path is `/`.
+fn cgroup_cpuset() -> (Option<Vec<usize>>, bool) {
+    let Ok(table) = std::fs::read_to_string("/proc/self/cgroup") else {
+        return (None, false);
+    };
+    let read = |path: String| std::fs::read_to_string(path).ok();
+    for line in table.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        let path = path.trim_end_matches('/');
+        if controllers.split(',').any(|c| c == "cpuset") {
+            let dir = format!("/sys/fs/cgroup/cpuset{path}");
+            let cpus = read(format!("{dir}/cpuset.effective_cpus"))
+                .or_else(|| read(format!("{dir}/cpuset.cpus")))
+                .and_then(|t| parse_list(&t));
+            let exclusive =
+                read(format!("{dir}/cpuset.cpu_exclusive")).is_some_and(|t| t.trim() == "1");
+            return (cpus, exclusive);
+        }
+    }
+    if let Some(path) = table.lines().find_map(|l| l.strip_prefix("0::")) {
+        let dir = format!("/sys/fs/cgroup{}", path.trim_end_matches('/'));
+        let cpus = read(format!("{dir}/cpuset.cpus.effective")).and_then(|t| parse_list(&t));
+        let exclusive = read(format!("{dir}/cpuset.cpus.partition")).is_some_and(|t| {
+            let kind = t.split_whitespace().next().unwrap_or("");
+            kind == "root" || kind == "isolated"
+        });
+        return (cpus, exclusive);
+    }
+    (None, false)
+}
+
+/// A kernel CPU list ("0-63", "0,2-5") as the CPUs it names, in order.
+fn parse_list(text: &str) -> Option<Vec<usize>> {
+    let mut cpus = Vec::new();
     for part in text.trim().split(',').filter(|p| !p.is_empty()) {
-        n += match part.split_once('-') {
+        match part.split_once('-') {
             Some((a, b)) => {
                 let (a, b): (usize, usize) = (a.parse().ok()?, b.parse().ok()?);
-                b.checked_sub(a)? + 1
+                if b < a || b - a > 1 << 16 {
+                    return None;
+                }
+                cpus.extend(a..=b);
             }
-            None => {
-                part.parse::<usize>().ok()?;
-                1
-            }
-        };
+            None => cpus.push(part.parse().ok()?),
+        }
     }
-    (n > 0).then_some(n)
+    cpus.sort_unstable();
+    cpus.dedup();
+    (!cpus.is_empty()).then_some(cpus)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// A machine whose affinity is its cgroup's cpuset, not marked exclusive.
     fn machine(online: usize, allowed: &[usize], parallelism: usize) -> Machine {
         Machine {
             online,
             allowed: allowed.to_vec(),
             parallelism,
+            cpuset: Some(allowed.to_vec()),
+            exclusive_flag: false,
         }
     }
 
@@ -222,7 +309,8 @@ mod tests {
         let quota = plan(&machine(16, &all, 2), None, None, Pin::Auto);
         assert_eq!((quota.workers, quota.cpus.as_ref()), (2, None));
         assert!(quota.workers_why.contains("quota"), "{}", quota.workers_why);
-        let cpuset = plan(&machine(16, &[4, 5], 2), None, None, Pin::Auto);
+        // The static CPU manager's: a Guaranteed container's 2 whole CPUs.
+        let cpuset = plan(&machine(16, &[4, 5], 2), None, Some(2000), Pin::Auto);
         assert_eq!(cpuset.workers, 2);
         assert_eq!(cpuset.cpus, Some(vec![4, 5]));
         assert!(
@@ -230,6 +318,59 @@ mod tests {
             "{}",
             cpuset.pin_why
         );
+    }
+
+    #[test]
+    fn a_narrowed_affinity_is_pinned_only_when_shown_to_be_exclusive() {
+        // The static CPU manager's shared pool: 60 of 64 CPUs, which every
+        // non-Guaranteed container shares. Not exclusive for any request but one of
+        // exactly 60 whole CPUs, which cannot be told from an exclusive cpuset.
+        let pool: Vec<usize> = (4..64).collect();
+        for request in [None, Some(50), Some(2000), Some(59_000)] {
+            let p = plan(&machine(64, &pool, 60), Some(60), request, Pin::Auto);
+            assert_eq!(p.cpus, None, "{request:?}");
+            assert!(
+                p.pin_why.contains("not shown to be its own"),
+                "{}",
+                p.pin_why
+            );
+        }
+        // taskset inside a cgroup that has the whole machine.
+        let mut taskset = machine(8, &[2, 3], 2);
+        taskset.cpuset = Some((0..8).collect());
+        assert_eq!(plan(&taskset, None, Some(2000), Pin::Auto).cpus, None);
+        assert_eq!(
+            plan(&taskset, None, Some(2000), Pin::On).cpus,
+            Some(vec![2, 3]),
+            "unless asked"
+        );
+        // A cpuset whose size is not the whole-CPU request: not the static manager's.
+        assert_eq!(
+            plan(&machine(16, &[4, 5, 6], 3), None, Some(2000), Pin::Auto).cpus,
+            None
+        );
+        assert_eq!(
+            plan(&machine(16, &[4, 5], 2), None, Some(1500), Pin::Auto).cpus,
+            None
+        );
+        assert_eq!(
+            plan(&machine(16, &[4, 5], 2), None, None, Pin::Auto).cpus,
+            None
+        );
+        // A cgroup partition (v2 `root`/`isolated`, v1 cpu_exclusive) needs no request.
+        let mut partition = machine(16, &[4, 5], 2);
+        partition.exclusive_flag = true;
+        let p = plan(&partition, None, None, Pin::Auto);
+        assert_eq!(p.cpus, Some(vec![4, 5]));
+        assert!(
+            p.pin_why.contains("exclusive cpuset partition"),
+            "{}",
+            p.pin_why
+        );
+        // The whole machine is never "its own" without --pin-workers on.
+        let mut whole = machine(4, &[0, 1, 2, 3], 4);
+        whole.exclusive_flag = true;
+        assert_eq!(plan(&whole, None, Some(4000), Pin::Auto).cpus, None);
     }
 
     #[test]
@@ -246,17 +387,18 @@ mod tests {
         );
         // A cpuset of its own, but not one CPU per worker.
         assert_eq!(
-            plan(&machine(4, &[1, 2], 2), Some(3), None, Pin::Auto).cpus,
+            plan(&machine(4, &[1, 2], 2), Some(3), Some(2000), Pin::Auto).cpus,
             None
         );
     }
 
     #[test]
-    fn cpu_lists_are_counted() {
-        assert_eq!(count_list("0-63\n"), Some(64));
-        assert_eq!(count_list("0,2-5"), Some(5));
-        assert_eq!(count_list("0"), Some(1));
-        assert_eq!(count_list(""), None);
-        assert_eq!(count_list("5-2"), None);
+    fn cpu_lists_are_read() {
+        assert_eq!(parse_list("0-63\n").map(|c| c.len()), Some(64));
+        assert_eq!(parse_list("0,2-5"), Some(vec![0, 2, 3, 4, 5]));
+        assert_eq!(parse_list("0"), Some(vec![0]));
+        assert_eq!(parse_list(""), None);
+        assert_eq!(parse_list("5-2"), None);
+        assert_eq!(parse_list("x"), None);
     }
 }

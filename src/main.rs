@@ -77,9 +77,10 @@ enum Command {
         /// 0 means none.
         #[arg(long, env = "SLUICE_CPU_REQUEST_MILLICORES", value_name = "MILLICORES")]
         cpu_request_millicores: Option<u64>,
-        /// `auto`: each worker is kept on one CPU when the process has a cpuset of its own
-        /// (narrower than the machine) with one CPU per worker; `on`: also on the whole
-        /// machine, for a host that runs nothing else; `off`: the scheduler places them.
+        /// `auto`: each worker is kept on one CPU when the process has an exclusive cpuset
+        /// (a cgroup partition, or the static CPU manager's whole CPUs) with one CPU per
+        /// worker; `on`: on whatever CPUs it may use, for a host that runs nothing else;
+        /// `off`: the scheduler places them.
         #[arg(long, env = "SLUICE_PIN_WORKERS", value_enum, default_value = "auto")]
         pin_workers: PinArg,
         /// Proxy listener, over the file's [proxy] listen: IP:PORT, or :PORT for every

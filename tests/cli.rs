@@ -247,9 +247,10 @@ fn worker_cpus(pid: u32) -> Vec<Vec<usize>> {
     workers
 }
 
-/// Workers are pinned one per CPU only when the process has a cpuset narrower than the
-/// machine (here made with `taskset`) or `--pin-workers on`; the `listening` line says
-/// how many workers, why, and whether they were pinned.
+/// Workers are pinned one per CPU only when the process's CPUs are shown to be its own
+/// (an exclusive cpuset) or with `--pin-workers on`: an affinity narrowed by `taskset`
+/// inside a wider cgroup is no such proof, whatever the CPU request says. The
+/// `listening` line says how many workers, why, and whether they were pinned.
 #[cfg(target_os = "linux")]
 #[tokio::test]
 async fn workers_are_pinned_only_to_a_cpuset_of_their_own_or_when_asked() {
@@ -260,19 +261,13 @@ async fn workers_are_pinned_only_to_a_cpuset_of_their_own_or_when_asked() {
         std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap()
     ))
     .len();
-    let narrower = ours.len() < online;
     let n = ours.len().to_string();
     let more = (ours.len() + 1).to_string();
     let first = ours[0].to_string();
     // (taskset CPU, arguments, the CPUs pinned, workers_from)
     type Case<'a> = (Option<&'a str>, Vec<&'a str>, Option<Vec<usize>>, &'a str);
     let mut cases: Vec<Case> = vec![
-        (
-            None,
-            vec!["--workers", &n],
-            narrower.then(|| ours.clone()),
-            "set by --workers",
-        ),
+        (None, vec!["--workers", &n], None, "set by --workers"),
         (
             None,
             vec!["--workers", &n, "--pin-workers", "on"],
@@ -298,15 +293,24 @@ async fn workers_are_pinned_only_to_a_cpuset_of_their_own_or_when_asked() {
             "CPU request 50m",
         ),
     ];
-    if online > 1 {
+    if online > 1 && ours.len() > 1 {
+        // One CPU of several by taskset: narrowed, but not the cgroup's cpuset, so not
+        // its own, even with a request of exactly one whole CPU; pinned when asked.
+        cases.push((Some(&first), vec![], None, "cpuset of 1 of the machine's"));
         cases.push((
             Some(&first),
-            vec![],
+            vec!["--cpu-request-millicores", "1000"],
+            None,
+            "CPU request 1000m",
+        ));
+        cases.push((
+            Some(&first),
+            vec!["--pin-workers", "on"],
             Some(vec![ours[0]]),
             "cpuset of 1 of the machine's",
         ));
     } else {
-        eprintln!("one CPU online: no cpuset narrower than the machine to try");
+        eprintln!("one CPU to this test: no affinity narrower than its cgroup to try");
     }
     for (taskset, args, pinned, why) in cases {
         let mut command = std::process::Command::new("sh");
@@ -359,6 +363,9 @@ async fn workers_are_pinned_only_to_a_cpuset_of_their_own_or_when_asked() {
             "{listening}"
         );
         assert!(listening.contains("pinning="), "{listening}");
+        if taskset.is_some() && pinned.is_none() {
+            assert!(listening.contains("not shown to be its own"), "{listening}");
+        }
     }
 }
 
