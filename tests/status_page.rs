@@ -199,7 +199,7 @@ async fn chromium_renders_what_metrics_says() {
         let on_page = shown(&dom, name, None, "breaker").expect("breaker shown");
         assert_eq!(on_page.trim(), state, "{dom}");
     }
-    // The picture in the README: SLUICE_SCREENSHOT=docs/status.png cargo test --test
+    // The picture in docs/operations.md: SLUICE_SCREENSHOT=docs/status.png cargo test --test
     // status_page chromium
     if let Ok(path) = std::env::var("SLUICE_SCREENSHOT") {
         let path = std::path::PathBuf::from(path);
