@@ -92,7 +92,7 @@ fn errors_name_line_and_column() {
     assert!(e.contains("unknown size unit"), "{e}");
     let e = err("[proxy]\nlisten = \"localhost\"\n");
     assert!(
-        e.starts_with("s.toml:2:10: ") && e.contains("socket address"),
+        e.starts_with("s.toml:2:10: ") && e.contains("is not a listen address"),
         "{e}"
     );
     let e = err("[proxy\n");
