@@ -274,7 +274,7 @@ const HELP: &[(&str, &str)] = &[
     ),
     (
         "sluice_upgrades_total",
-        "Requests that asked to switch protocols (WebSocket), by result: switched, refused (the upstream answered otherwise) or failed",
+        "Requests that asked to switch protocols (WebSocket), by result: switched, refused (the upstream answered otherwise), local (sluice answered: a refusal of its own, or an upstream it could not reach) or failed (after the 101)",
     ),
     (
         "sluice_upgraded_connections",

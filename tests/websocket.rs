@@ -171,7 +171,9 @@ async fn failing_upstream() -> (SocketAddr, std::sync::Arc<parking_lot::Mutex<Ve
 }
 
 /// An upgrade request is never retried (a 503 to a GET would be), and a protocol
-/// `upgrades` does not allow, or `h2c`, is not passed on.
+/// `upgrades` does not allow, or `h2c`, is not passed on: not as the only offer, not
+/// behind an allowed one in the same field or in a second `Upgrade` line (an h2c-capable
+/// upstream would switch to HTTP/2 and serve any number of requests on one permit).
 #[tokio::test]
 async fn an_upgrade_is_sent_once_and_other_protocols_are_not_passed_on() {
     let (up, heads) = failing_upstream().await;
@@ -189,7 +191,15 @@ async fn an_upgrade_is_sent_once_and_other_protocols_are_not_passed_on() {
             .to_ascii_lowercase()
             .contains("upgrade: websocket")
     );
-    for protocol in ["h2c", "custom/1"] {
+    for protocol in [
+        "h2c",
+        "custom/1",
+        "websocket, h2c",
+        "h2c, websocket",
+        "websocket,h2c/1",
+        "websocket, custom/1",
+        "websocket\r\nUpgrade: h2c",
+    ] {
         heads.lock().clear();
         let (status, head, _) = open(&proxy, &format!("http://{up}/"), up, protocol).await;
         assert_eq!(status, 503, "{head}");
@@ -207,6 +217,35 @@ async fn an_upgrade_is_sent_once_and_other_protocols_are_not_passed_on() {
             r#"sluice_upgrades_total{result="refused",upstream="down"}"#
         ),
         Some(1.0),
+        "{m}"
+    );
+
+    // sluice's own answer (the upstream cannot be reached) is no refusal by it.
+    let gone = closed_port().await;
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"gone\"\nhosts = [\"127.0.0.1:{}\"]\n\
+         retry = {{ max_attempts = 1 }}\n",
+        gone.port()
+    ))
+    .await;
+    let at = SocketAddr::from(([127, 0, 0, 1], gone.port()));
+    let (status, head, _) = open(&proxy, &format!("http://{at}/"), at, "websocket").await;
+    assert_eq!(status, 502, "{head}");
+    let m = proxy.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            r#"sluice_upgrades_total{result="local",upstream="gone"}"#
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            r#"sluice_upgrades_total{result="refused",upstream="gone"}"#
+        ),
+        None,
         "{m}"
     );
 }

@@ -283,6 +283,7 @@ where
             start,
         )
         .await;
+        let answered = result.is_ok();
         let mut resp = done(result.map(from_upstream));
         if let Some(switching) = switching {
             let (upstream, _) = crate::route::labels(&config.config, route.as_ref());
@@ -290,9 +291,12 @@ where
                 let idle = config.proxy.tunnel_idle_timeout;
                 resp = upgrade::switch(lc, &app.metrics, upstream, idle, resp, *switching);
             } else {
+                // Refused by the upstream, or answered by sluice itself (a queue's
+                // refusal, an unreachable upstream): sluice_requests_total says which.
+                let result = if answered { "refused" } else { "local" };
                 app.metrics
                     .upgrades
-                    .with_label_values(&[upstream, "refused"])
+                    .with_label_values(&[upstream, result])
                     .inc();
             }
         }

@@ -17,32 +17,48 @@ use crate::body::{Body, empty};
 use crate::metrics::Metrics;
 use crate::upstream::switched::{Side, UpstreamSide};
 
-/// The protocol a request asks to switch to: its `Upgrade` value, when `Connection`
-/// names `upgrade` too.
+/// The protocols a request asks to switch to: its `Upgrade` field, every line of it
+/// joined, when `Connection` names `upgrade` too.
 pub(crate) fn asked(headers: &HeaderMap) -> Option<HeaderValue> {
     // One lookup on the path of every request: most carry no `Upgrade`.
-    let protocol = headers.get(header::UPGRADE)?;
+    let mut lines = headers.get_all(header::UPGRADE).iter();
+    let first = lines.next()?;
     let says_upgrade = headers.get_all(header::CONNECTION).iter().any(|v| {
         v.to_str().is_ok_and(|s| {
             s.split(',')
                 .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
         })
     });
-    says_upgrade.then(|| protocol.clone())
+    if !says_upgrade {
+        return None;
+    }
+    let mut joined = first.as_bytes().to_vec();
+    for more in lines {
+        joined.extend_from_slice(b", ");
+        joined.extend_from_slice(more.as_bytes());
+    }
+    HeaderValue::from_bytes(&joined).ok()
 }
 
-/// Whether the first protocol `offer` names (without its version) is one of `allowed`.
-/// `h2c` never is.
+/// Whether every protocol `offer` names (without its version) is one of `allowed`.
+/// `h2c` never is. All, not the first: the upstream picks among the offers, and one
+/// that may switch to HTTP/2 would serve any number of requests on one admission.
 pub(crate) fn allowed(offer: &HeaderValue, allowed: &[String]) -> bool {
-    let first = offer
-        .to_str()
-        .ok()
-        .and_then(|s| s.split(',').next())
-        .and_then(|p| p.split('/').next())
-        .map_or("", str::trim);
-    !first.is_empty()
-        && !first.eq_ignore_ascii_case("h2c")
-        && allowed.iter().any(|a| a.eq_ignore_ascii_case(first))
+    let Ok(text) = offer.to_str() else {
+        return false;
+    };
+    let mut any = false;
+    for token in text.split(',') {
+        let name = token.split('/').next().map_or("", str::trim);
+        if name.is_empty()
+            || name.eq_ignore_ascii_case("h2c")
+            || !allowed.iter().any(|a| a.eq_ignore_ascii_case(name))
+        {
+            return false;
+        }
+        any = true;
+    }
+    any
 }
 
 /// A request on its way to switching: the protocol, and the client's side once hyper has
@@ -161,6 +177,16 @@ mod tests {
             "never h2c"
         );
         assert!(!allowed(&HeaderValue::from_static("foo/2, websocket"), &ws));
+        assert!(!allowed(&HeaderValue::from_static("websocket, h2c"), &ws));
+        assert!(!allowed(&HeaderValue::from_static("websocket, "), &ws));
+        assert!(allowed(
+            &HeaderValue::from_static("websocket/13, WebSocket"),
+            &ws
+        ));
         assert!(!allowed(&HeaderValue::from_static(""), &ws));
+        h.append(header::UPGRADE, HeaderValue::from_static("h2c"));
+        let both = asked(&h).unwrap();
+        assert_eq!(both, "websocket, h2c");
+        assert!(!allowed(&both, &ws), "a second line is read too");
     }
 }
