@@ -258,10 +258,13 @@ async fn on_file_change(
         .and_then(Result::ok)
         .map(|t| text_sha256(&t));
         // Already live (a POST /reload or SIGHUP got there first) or already refused.
-        if current
-            .as_ref()
-            .is_some_and(|c| *c == last_tried || *c == app.config().sha256)
-        {
+        // The live config back on disk after a refused edit (a rollback) is reloaded
+        // all the same: it succeeds as unchanged and clears the failure it replaces.
+        let live = current.as_ref().is_some_and(|c| *c == app.config().sha256);
+        let failed = app.metrics.config_last_reload_successful.get() == 0;
+        let tried = current.as_ref().is_some_and(|c| *c == last_tried);
+        let skip = if live { !failed } else { tried };
+        if skip {
             continue;
         }
         if let Some(sha) = current {

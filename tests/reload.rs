@@ -267,6 +267,47 @@ async fn a_configmap_symlink_swap_is_picked_up() {
     assert_eq!(reloads(&proxy, "failure").await, 0.0);
 }
 
+/// A refused edit rolled back (`kubectl rollout undo`, or the previous ConfigMap applied
+/// again) puts the live config back on disk: the reload-failed gauge returns to 1, or
+/// the alert on it would fire for ever with a good file in place.
+#[tokio::test]
+async fn restoring_the_live_file_after_a_refused_edit_clears_the_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = config(&window(3, "30s"), "");
+    let mut cm = ConfigMapDir::new(dir.path(), "sluice.toml", &good);
+    let proxy = Proxy::from_file(&cm.path("sluice.toml")).await;
+    let gauge = |proxy: &Proxy| {
+        let proxy = proxy.admin;
+        async move {
+            let m = reqwest::get(format!("http://{proxy}/metrics"))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            metric(&m, "sluice_config_last_reload_successful")
+        }
+    };
+    cm.update("sluice.toml", "[proxy\n");
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            reloads(&proxy, "failure").await == 1.0
+        })
+        .await
+    );
+    assert_eq!(gauge(&proxy).await, Some(0.0));
+    cm.update("sluice.toml", &good);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            gauge(&proxy).await == Some(1.0)
+        })
+        .await,
+        "the live config is back on disk"
+    );
+    assert_eq!(live_permits(&proxy).await, 3);
+    assert_eq!(reloads(&proxy, "failure").await, 1.0);
+}
+
 #[tokio::test]
 async fn rename_over_and_delete_and_recreate_are_picked_up_and_other_files_ignored() {
     let (dir, path, proxy) = proxy_on_file(&config(&window(1, "1s"), "")).await;
