@@ -41,8 +41,12 @@ pub struct Metrics {
     /// Live partitions (sets of buckets) over all upstreams, as of the last sweep.
     pub(crate) partitions: IntGauge,
     /// `{upstream, result}`: requests that asked to switch protocols (`Upgrade`), by
-    /// result: `switched`, `refused` (the upstream answered otherwise), `failed`.
+    /// result: `switched`, `refused` (the upstream answered otherwise), `local` (sluice
+    /// answered), `failed`.
     pub(crate) upgrades: IntCounterVec,
+    /// `{reason}`: CONNECT tunnels to configured upstreams closed because their first
+    /// bytes were neither TLS nor HTTP (see `proxy::sniff`).
+    pub(crate) tunnels_refused: IntCounterVec,
     /// `{upstream}`: switched connections open now.
     pub(crate) upgraded: IntGaugeVec,
     /// `{upstream}`: its live partitions, as of the last sweep (or the scrape, when few).
@@ -277,6 +281,10 @@ const HELP: &[(&str, &str)] = &[
         "Requests that asked to switch protocols (WebSocket), by result: switched, refused (the upstream answered otherwise), local (sluice answered: a refusal of its own, or an upstream it could not reach) or failed (after the 101)",
     ),
     (
+        "sluice_tunnels_refused_total",
+        "CONNECT tunnels to configured upstreams closed because what the client sent first was neither TLS nor a complete HTTP request, by reason: not_http, too_slow, too_large, closed",
+    ),
+    (
         "sluice_upgraded_connections",
         "Connections switched to another protocol (WebSocket) open now",
     ),
@@ -461,6 +469,7 @@ impl Metrics {
                 .int_counters("sluice_rejections_total", &["upstream", "family", "reason"])?,
             partitions: m.int_gauge("sluice_partitions")?,
             upgrades: m.int_counters("sluice_upgrades_total", &["upstream", "result"])?,
+            tunnels_refused: m.int_counters("sluice_tunnels_refused_total", &["reason"])?,
             upgraded: m.int_gauges("sluice_upgraded_connections", &["upstream"])?,
             upstream_partitions: m.int_gauges("sluice_upstream_partitions", &["upstream"])?,
             max_partitions: m.int_gauges("sluice_upstream_max_partitions", &["upstream"])?,

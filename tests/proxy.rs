@@ -10,6 +10,7 @@ use bytes::Bytes;
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 #[tokio::test]
 async fn get_reaches_upstream_with_target_host_and_via() {
@@ -665,8 +666,8 @@ async fn request_targets_and_via_are_forwarded_as_rfc_9112_asks() {
 
 /// Plain HTTP sent through a CONNECT tunnel (`curl --proxytunnel`, and Node's undici for
 /// every http:// URL) to an upstream sluice knows is served like the forward proxy's
-/// requests: a 429 is retried and the answer says so. A protocol whose server speaks
-/// first is left a blind tunnel.
+/// requests: a 429 is retried and the answer says so. HTTP/2 with prior knowledge
+/// (`--http2-prior-knowledge`, gRPC in plain text) is served too.
 #[tokio::test]
 async fn plain_http_through_connect_is_served_like_the_forward_proxy() {
     let up = Upstream::start().await;
@@ -676,17 +677,26 @@ async fn plain_http_through_connect_is_served_like_the_forward_proxy() {
         up.addr.port()
     ))
     .await;
-    let url = up.url("/seq/tunnelled/429,200");
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("curl")
-            .args(["-sS", "-i", "--max-time", "20", "--proxytunnel", "-x"])
-            .arg(format!("http://{}", proxy.addr))
-            .arg(&url)
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
+    let curl = |args: &'static [&'static str], url: String| {
+        let proxy = format!("http://{}", proxy.addr);
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new("curl")
+                .args([
+                    "-sS",
+                    "-i",
+                    "--max-time",
+                    "20",
+                    "--proxytunnel",
+                    "-x",
+                    &proxy,
+                ])
+                .args(args)
+                .arg(&url)
+                .output()
+                .unwrap()
+        })
+    };
+    let out = curl(&[], up.url("/seq/tunnelled/429,200")).await.unwrap();
     let text = String::from_utf8_lossy(&out.stdout).to_ascii_lowercase();
     assert!(
         out.status.success(),
@@ -698,37 +708,212 @@ async fn plain_http_through_connect_is_served_like_the_forward_proxy() {
     assert!(text.trim_end().ends_with("scripted"), "{text}");
     assert_eq!(up.seen().len(), 2);
 
-    // A server that greets first: its greeting comes through the tunnel untouched.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let greeter = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        let (mut s, _) = listener.accept().await.unwrap();
-        s.write_all(b"220 hello\r\n").await.unwrap();
-        let mut b = [0u8; 64];
-        let n = s.read(&mut b).await.unwrap();
-        s.write_all(&b[..n]).await.unwrap();
-    });
-    let proxy = Proxy::start(&format!(
-        "[[upstream]]\nname = \"greeter\"\nhosts = [\"127.0.0.1:{}\"]\n",
-        greeter.port()
-    ))
-    .await;
-    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
-    s.write_all(format!("CONNECT {greeter} HTTP/1.1\r\nHost: {greeter}\r\n\r\n").as_bytes())
+    // h2c with prior knowledge: the preface is HTTP/2, not a request line (it failed,
+    // and the origin received nothing, when it was read as HTTP/1).
+    let out = curl(&["--http2-prior-knowledge"], up.url("/seq/h2c/429,200"))
         .await
         .unwrap();
-    let mut got = Vec::new();
-    let mut b = [0u8; 1];
-    while !got.ends_with(b"220 hello\r\n") {
-        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut b))
+    let text = String::from_utf8_lossy(&out.stdout).to_ascii_lowercase();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("http/2 200"), "{text}");
+    assert!(text.contains("sluice-attempts: 2"), "{text}");
+    assert_eq!(up.seen().len(), 4);
+}
+
+/// A tunnel's own concurrency permit goes back when its bytes turn out to be HTTP: the
+/// requests inside pay the limit one by one. Held, it made each request wait against the
+/// tunnel (`max = 1`: 429 `queue_timeout` after `max_wait`), and every other client with
+/// it. Failed before the fix.
+#[tokio::test]
+async fn plain_http_in_a_tunnel_does_not_wait_for_the_tunnels_own_permit() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\nmax_wait = \"3s\"\n\
+         limits = [{{ kind = \"concurrency\", max = 1 }}]\n",
+        up.addr.port()
+    ))
+    .await;
+    let mut tunnel = connect_tunnel(proxy.addr, up.addr).await;
+    let started = Instant::now();
+    for i in 0..3 {
+        tunnel
+            .write_all(
+                format!("GET /in-tunnel/{i} HTTP/1.1\r\nHost: {}\r\n\r\n", up.addr).as_bytes(),
+            )
             .await
-            .expect("the greeting in time")
             .unwrap();
-        assert_eq!(n, 1, "{}", String::from_utf8_lossy(&got));
-        got.push(b[0]);
+        let resp = read_response(&mut tunnel).await;
+        assert_eq!(resp.status, 200, "{}", resp.head);
     }
-    s.write_all(b"EHLO x\r\n").await.unwrap();
-    let mut echo = [0u8; 8];
-    s.read_exact(&mut echo).await.unwrap();
-    assert_eq!(&echo, b"EHLO x\r\n");
+    // Meanwhile the forward proxy's clients are served too.
+    let r = proxy.client().get(up.url("/beside")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// CONNECT to port 80 of a host an upstream names without a port is opened (what such a
+/// tunnel carries is served with its limits, or refused): websocket-client, undici's
+/// WebSocket and undici's default agent CONNECT for `ws://` and `http://`, and got 403.
+/// A host no upstream names still gets 403 on port 80. Port 80 needs root to bind (CI
+/// runs as root); another loopback address keeps clear of anything on 127.0.0.1:80.
+#[tokio::test]
+async fn connect_to_port_80_of_a_named_host_is_served_with_its_limits() {
+    let listener = match tokio::net::TcpListener::bind("127.0.0.2:80").await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("skipped: cannot bind 127.0.0.2:80 ({e}); CI runs as root");
+            return;
+        }
+    };
+    let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 1024];
+                loop {
+                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    buf.clear();
+                    counted.fetch_add(1, Ordering::Relaxed);
+                    let ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
+                    if s.write_all(ok).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let proxy = Proxy::start(
+        "[[upstream]]\nname = \"port80\"\nhosts = [\"127.0.0.2\"]\nmax_wait = \"1s\"\n\
+         limits = [{ kind = \"sliding_window\", permits = 1, window = \"1m\" }]\n\
+         [egress]\nallow = [\"127.0.0.0/8\"]\n",
+    )
+    .await;
+    let mut t = connect_tunnel(proxy.addr, "127.0.0.2:80").await;
+    for want in [200, 429] {
+        t.write_all(b"GET /x HTTP/1.1\r\nHost: 127.0.0.2\r\n\r\n")
+            .await
+            .unwrap();
+        let r = read_response(&mut t).await;
+        assert_eq!(r.status, want, "{}", r.head);
+    }
+    assert_eq!(
+        seen.load(Ordering::Relaxed),
+        1,
+        "the second was held by the limit"
+    );
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(b"CONNECT 127.0.0.3:80 HTTP/1.1\r\nHost: 127.0.0.3:80\r\n\r\n")
+        .await
+        .unwrap();
+    let r = read_response(&mut s).await;
+    assert_eq!(r.status, 403, "{}", r.head);
+}
+
+/// The sniff cannot be steered into a blind tunnel, which would carry requests to a
+/// plain-HTTP upstream past its limits: a leading empty line, or a pause inside the
+/// request line, is still read as the request it is, and counted; bytes that are neither
+/// TLS nor HTTP (a Redis command, a server that greets first and waits) close the tunnel
+/// instead of reaching the upstream. Each failed before the fix: the first two went
+/// blind, uncounted; the Redis command was swallowed; a silent tunnel lived two idle
+/// periods.
+#[tokio::test]
+async fn the_sniff_decides_within_its_budget_and_cannot_be_steered() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&format!(
+        "tunnel_idle_timeout = \"2s\"\n\
+         [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\nmax_wait = \"1s\"\n\
+         limits = [{{ kind = \"sliding_window\", permits = 2, window = \"1m\" }}]\n",
+        up.addr.port()
+    ))
+    .await;
+    let host = up.addr;
+    let request = |path: &str| format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n");
+
+    // A leading CRLF: RFC 9112 §2.2 has a server skip it; so does sluice, and counts.
+    let mut t = connect_tunnel(proxy.addr, host).await;
+    t.write_all(format!("\r\n{}", request("/crlf")).as_bytes())
+        .await
+        .unwrap();
+    assert_eq!(read_response(&mut t).await.status, 200);
+    // A pause after the method.
+    let mut t = connect_tunnel(proxy.addr, host).await;
+    t.write_all(b"GET").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    t.write_all(format!(" /paused HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    assert_eq!(read_response(&mut t).await.status, 200);
+    // Both were counted: a third request is refused by the 2-per-minute limit.
+    let mut t = connect_tunnel(proxy.addr, host).await;
+    t.write_all(format!("\r\n{}", request("/third")).as_bytes())
+        .await
+        .unwrap();
+    let third = read_response(&mut t).await;
+    assert_eq!(third.status, 429, "{}", third.head);
+    assert_eq!(
+        third.header("sluice-reason").as_deref(),
+        Some("queue_timeout")
+    );
+    assert_eq!(up.seen().len(), 2, "{:?}", up.seen());
+
+    // Not HTTP: closed, and nothing reaches the upstream.
+    let mut t = connect_tunnel(proxy.addr, host).await;
+    t.write_all(b"AUTH secret\r\n").await.unwrap();
+    let mut b = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(5), t.read(&mut b))
+        .await
+        .expect("closed in time")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "{:?}", String::from_utf8_lossy(&b[..n]));
+
+    // A CONNECT inside a tunnel asks for another tunnel: answered 400, not forwarded.
+    let mut t = connect_tunnel(proxy.addr, host).await;
+    t.write_all(format!("CONNECT {host} HTTP/1.1\r\nHost: {host}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let inner = read_response(&mut t).await;
+    assert_eq!(inner.status, 400, "{}", inner.head);
+    assert_eq!(up.seen().len(), 2, "{:?}", up.seen());
+
+    // Silent: closed when the budget (the idle timeout, 2 s here) runs out, not after a
+    // second idle period of the splice.
+    let mut t = connect_tunnel(proxy.addr, host).await;
+    let started = Instant::now();
+    let n = tokio::time::timeout(Duration::from_secs(10), t.read(&mut b))
+        .await
+        .expect("closed in time")
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(1900) && took < Duration::from_millis(3500),
+        "{took:?}"
+    );
+    let m = proxy.metrics().await;
+    for (reason, n) in [("not_http", 1.0), ("too_slow", 1.0)] {
+        assert_eq!(
+            metric(
+                &m,
+                &format!("sluice_tunnels_refused_total{{reason=\"{reason}\"}}")
+            ),
+            Some(n),
+            "{m}"
+        );
+    }
 }

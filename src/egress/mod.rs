@@ -102,6 +102,10 @@ pub(crate) struct Rules {
     named: Vec<HostPattern>,
     /// Host patterns that name a port, which CONNECT may then open.
     with_port: Vec<HostPattern>,
+    /// Host patterns that name no port: CONNECT may open port 80 to them, since what a
+    /// tunnel to a configured upstream carries is served as HTTP with its limits, or
+    /// refused (`proxy::sniff`), never carried blind unless it is TLS.
+    without_port: Vec<HostPattern>,
 }
 
 impl Rules {
@@ -112,7 +116,12 @@ impl Rules {
             allow: config.egress.allow.clone(),
             connect_ports: config.egress.connect_ports.clone(),
             named: patterns.clone().filter(|p| !p.wildcard).cloned().collect(),
-            with_port: patterns.filter(|p| p.port.is_some()).cloned().collect(),
+            with_port: patterns
+                .clone()
+                .filter(|p| p.port.is_some())
+                .cloned()
+                .collect(),
+            without_port: patterns.filter(|p| p.port.is_none()).cloned().collect(),
         }
     }
 
@@ -120,6 +129,7 @@ impl Rules {
     pub(crate) fn connect_port(&self, host: &str, port: u16) -> Result<(), EgressError> {
         if self.connect_ports.iter().any(|r| r.contains(port))
             || self.with_port.iter().any(|p| p.matches(host, port))
+            || (port == 80 && self.without_port.iter().any(|p| p.matches(host, port)))
         {
             return Ok(());
         }
@@ -451,6 +461,19 @@ mod tests {
         assert!(rules.connect_port("x.example.org", 9443).is_ok());
         assert!(rules.connect_port("anything.net", 8443).is_err());
         assert!(rules.connect_port("api.example.com", 22).is_err());
+        // Port 80 to a host an upstream names without a port: what the tunnel carries
+        // is served as HTTP with its limits.
+        let plain = super::tests::rules(
+            "[[upstream]]\nname = \"p\"\nhosts = [\"plain.example.com\", \"*.example.net\"]\n",
+        );
+        assert!(plain.connect_port("plain.example.com", 80).is_ok());
+        assert!(plain.connect_port("a.example.net", 80).is_ok());
+        assert!(plain.connect_port("other.example.com", 80).is_err());
+        assert!(plain.connect_port("plain.example.com", 8080).is_err());
+        assert!(
+            rules.connect_port("api.example.com", 80).is_err(),
+            "named with 8443 only"
+        );
         let custom = super::tests::rules("[egress]\nconnect_ports = [8443, \"9000-9009\"]\n");
         assert!(custom.connect_port("x", 8443).is_ok());
         assert!(custom.connect_port("x", 9009).is_ok());

@@ -18,12 +18,12 @@ use tokio::time::Instant;
 use super::access::{Record, finish};
 use super::error::ProxyError;
 use super::lifecycle::Lifecycle;
+use super::sniff::{self, Kind};
 use super::splice::Ended;
 use crate::app::App;
 use crate::body::{Body, empty};
 use crate::config::{TlsMode, Unmatched};
 use crate::route::{authority_parts, normalize_host};
-use tokio::io::AsyncRead;
 
 pub(crate) async fn tunnel(
     app: &Arc<App>,
@@ -141,7 +141,8 @@ struct Blind {
 
 impl Blind {
     /// Carries bytes both ways until either side closes, nothing moves for `idle`, or
-    /// the drain ends.
+    /// the drain ends. To a configured upstream, what the client sends first is read
+    /// before anything is carried (see `sniff`).
     async fn carry(self, on_upgrade: hyper::upgrade::OnUpgrade) {
         let client = match on_upgrade.await {
             Ok(c) => c,
@@ -162,28 +163,46 @@ impl Blind {
             peer,
             idle,
         } = self;
-        // A client that sends plain HTTP through CONNECT (Node's undici does, for
-        // http:// URLs too) to an upstream sluice knows: its requests are served as the
-        // forward proxy serves them, limits and retries included.
-        let mut first = [0u8; 8];
-        let sniffed = if matched {
-            sniff(&mut client, &upstream_io, &mut first, idle).await
-        } else {
-            Sniffed::Nothing
-        };
-        if let Sniffed::Http(n) = sniffed {
-            drop(upstream_io);
-            let io = super::rewind::Rewind::new(first[..n].to_vec(), client);
-            super::intercept::serve_plain(app, lc, io, host, port, peer).await;
-            return;
-        }
-        let _permit = permit;
-        if let Sniffed::Other(n) = sniffed {
-            use tokio::io::AsyncWriteExt;
-            if upstream_io.write_all(&first[..n]).await.is_err() {
-                return;
+        if matched {
+            let budget = idle.min(sniff::BUDGET_MAX);
+            let (kind, first) = tokio::select! {
+                sniffed = sniff::sniff(&mut client, budget) => sniffed,
+                _ = lc.stop.cancelled() => return,
+            };
+            match kind {
+                Ok(Kind::Tls) => {
+                    use tokio::io::AsyncWriteExt;
+                    if upstream_io.write_all(&first).await.is_err() {
+                        return;
+                    }
+                }
+                // Plain HTTP to an upstream sluice knows (Node's undici sends http://
+                // URLs through CONNECT; gRPC in plain text sends the HTTP/2 preface):
+                // served as the forward proxy serves it, each request paying its limits,
+                // so the tunnel's own permit goes back first (it would otherwise wait
+                // against itself under a `concurrency` limit).
+                Ok(kind) => {
+                    drop((permit, upstream_io));
+                    let io = super::rewind::Rewind::new(first, client);
+                    let h2 = kind == Kind::H2c;
+                    super::intercept::serve_plain(app, lc, io, host, port, peer, h2).await;
+                    return;
+                }
+                Err(why) => {
+                    app.metrics
+                        .tunnels_refused
+                        .with_label_values(&[why.label()])
+                        .inc();
+                    if app.handshake_log.should_log(peer.ip()) {
+                        tracing::warn!(client = %peer.ip(), host, port, reason = %why,
+                            "tunnel to a configured upstream closed: its first bytes are \
+                             neither TLS nor HTTP (logged once a minute per client)");
+                    }
+                    return;
+                }
             }
         }
+        let _permit = permit;
         match super::splice::splice(&mut client, upstream_io, idle, &lc.stop).await {
             Ended::Closed(up, down) => {
                 tracing::debug!(bytes_up = up, bytes_down = down, "tunnel closed")
@@ -192,59 +211,6 @@ impl Blind {
             Ended::Idle => tracing::debug!(?idle, "tunnel closed: idle"),
             Ended::Cut => tracing::debug!("tunnel cut at the end of the drain"),
         }
-    }
-}
-
-/// How long the rest of a request line's method may take after its first bytes.
-const SNIFF_MORE: Duration = Duration::from_millis(200);
-
-/// What the client sent first through a tunnel, if it spoke before the upstream did.
-enum Sniffed {
-    /// The start of an HTTP/1 request line: these many bytes of it.
-    Http(usize),
-    /// Anything else (a TLS ClientHello, another protocol): these many bytes.
-    Other(usize),
-    /// The upstream spoke first, the client closed, or nothing came within `idle`.
-    Nothing,
-}
-
-/// Reads the client's first bytes, unless the upstream speaks first (a protocol where the
-/// server greets, which is left alone).
-async fn sniff<C: AsyncRead + Unpin>(
-    client: &mut C,
-    upstream: &TcpStream,
-    buf: &mut [u8; 8],
-    idle: Duration,
-) -> Sniffed {
-    use tokio::io::AsyncReadExt;
-    let read = async {
-        let mut n = client.read(&mut buf[..]).await.unwrap_or_default();
-        // A method split over several reads: more is read only while what came could still
-        // begin a request line, and only briefly (a client's request line comes in one
-        // write; another protocol must not wait on us).
-        while n > 0 && n < buf.len() && buf[..n].iter().all(u8::is_ascii_uppercase) {
-            let more = tokio::time::timeout(SNIFF_MORE, client.read(&mut buf[n..])).await;
-            match more {
-                Ok(Ok(m)) if m > 0 => n += m,
-                _ => break,
-            }
-        }
-        n
-    };
-    let n = tokio::select! {
-        n = read => n,
-        _ = upstream.readable() => return Sniffed::Nothing,
-        () = tokio::time::sleep(idle) => return Sniffed::Nothing,
-    };
-    let line = &buf[..n];
-    let method = line
-        .iter()
-        .position(|&b| b == b' ')
-        .is_some_and(|sp| sp > 0 && line[..sp].iter().all(u8::is_ascii_uppercase));
-    match n {
-        0 => Sniffed::Nothing,
-        n if method => Sniffed::Http(n),
-        n => Sniffed::Other(n),
     }
 }
 

@@ -8,7 +8,7 @@ use std::net::IpAddr;
 
 use http::header::{self, HeaderValue};
 use http::uri::{Authority, PathAndQuery};
-use http::{Request, Response, StatusCode, Uri, Version};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 use tokio_util::either::Either;
@@ -219,7 +219,16 @@ where
     B::Error: Into<crate::body::BoxError>,
 {
     let start = Instant::now();
-    match Target::in_tunnel(host, port, req.uri(), https) {
+    // A tunnel leads to one origin: a CONNECT inside it asks for another tunnel, which
+    // the origin (in authority-form, where it would lose its port) cannot give.
+    let target = if req.method() == Method::CONNECT {
+        Err(ProxyError::BadRequest(
+            "CONNECT inside a tunnel: send it to the proxy".into(),
+        ))
+    } else {
+        Target::in_tunnel(host, port, req.uri(), https)
+    };
+    match target {
         Ok(target) => Either::Left(route_and_send(app, None, lc, req, target, start)),
         Err(e) => Either::Right(std::future::ready(unaddressable(app, &req, start, e))),
     }

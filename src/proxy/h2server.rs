@@ -39,14 +39,15 @@ const MAX_LOCAL_RESETS: usize = 1024;
 /// How long a stream answered before its request ended waits for the client to end it.
 const LINGER: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Serves the HTTP/2 connection `io` (TLS already terminated, `h2` agreed by ALPN) until
-/// the client closes it, the drain asks it to finish, or an error ends it.
+/// Serves the HTTP/2 connection `io` until the client closes it, the drain asks it to
+/// finish, or an error ends it: intercepted (TLS terminated, `h2` agreed by ALPN; `tls`,
+/// and the upstream is spoken to over TLS), or h2c with prior knowledge found in a
+/// CONNECT tunnel (`tls` false, and so the upstream).
 pub(crate) async fn serve<I>(
     app: std::sync::Arc<App>,
     lc: Lifecycle,
     io: I,
-    host: String,
-    port: u16,
+    (host, port, tls): (String, u16, bool),
 ) -> Result<(), h2::Error>
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -79,7 +80,7 @@ where
         let (req, respond) = next?;
         let (app, stream_lc, host) = (app.clone(), lc.clone(), host.clone());
         lc.tracker.spawn(async move {
-            answer(&app, &stream_lc, req, respond, &host, port).await;
+            answer(&app, &stream_lc, req, respond, (&host, port, tls)).await;
         });
     }
 }
@@ -91,8 +92,7 @@ async fn answer(
     lc: &Lifecycle,
     req: Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
-    host: &str,
-    port: u16,
+    to: (&str, u16, bool),
 ) {
     let expects = req
         .headers()
@@ -106,7 +106,7 @@ async fn answer(
         trailers: false,
         received: received.clone(),
     });
-    let mut forwarded = pin!(forward::intercepted(app, lc, req, (host, port, true)));
+    let mut forwarded = pin!(forward::intercepted(app, lc, req, to));
     let mut continued = !expects;
     let resp = loop {
         tokio::select! {

@@ -185,7 +185,7 @@ pub(crate) async fn serve(
         // HTTP/2 is served with the h2 crate, for `100 Continue` (see `h2server`).
         let stop = lc.stop.clone();
         tokio::select! {
-            result = super::h2server::serve(app.clone(), lc.clone(), tls, host, port) => {
+            result = super::h2server::serve(app.clone(), lc.clone(), tls, (host, port, true)) => {
                 if let Err(e) = result {
                     tracing::debug!(client = %peer, error = %e, "intercepted connection ended with an error");
                 }
@@ -225,8 +225,9 @@ pub(crate) async fn serve(
 }
 
 /// Plain HTTP a client sent through a CONNECT tunnel to `host:port` (see
-/// `connect::tunnel`): served as HTTP/1.1 with hyper, each request routed and limited as
-/// the forward proxy's are, and sent to the upstream in plain HTTP.
+/// `connect::tunnel`): served as HTTP/1.1 with hyper, or as HTTP/2 (`h2`, prior
+/// knowledge) with `h2server`, each request routed and limited as the forward proxy's
+/// are, and sent to the upstream in plain HTTP.
 pub(crate) async fn serve_plain<I>(
     app: Arc<App>,
     lc: Lifecycle,
@@ -234,6 +235,7 @@ pub(crate) async fn serve_plain<I>(
     host: String,
     port: u16,
     peer: SocketAddr,
+    h2: bool,
 ) where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -245,6 +247,21 @@ pub(crate) async fn serve_plain<I>(
         since,
         last: last.clone(),
     };
+    if h2 {
+        let stop = lc.stop.clone();
+        tokio::select! {
+            result = super::h2server::serve(app.clone(), lc.clone(), io, (host, port, false)) => {
+                if let Err(e) = result {
+                    tracing::debug!(client = %peer, error = %e, "h2c tunnel ended with an error");
+                }
+            }
+            () = idle_for(since, &last, idle) => {
+                tracing::debug!(client = %peer, "h2c tunnel idle: closed");
+            }
+            _ = stop.cancelled() => {}
+        }
+        return;
+    }
     let (svc_app, svc_lc) = (app.clone(), lc.clone());
     let svc = service_fn(move |req: Request<Incoming>| {
         let (app, lc, host) = (svc_app.clone(), svc_lc.clone(), host.clone());

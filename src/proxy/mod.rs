@@ -1,6 +1,7 @@
 //! The client side: the listener, worker threads and client connections ([`server`]),
 //! the two request kinds ([`forward`] for absolute-form, [`connect`] for tunnels, both
-//! logged through [`access`]), interception ([`intercept`], [`h2server`]), and the
+//! logged through [`access`]; what a tunnel carries is read by [`sniff`]), interception
+//! ([`intercept`], [`h2server`]), and the
 //! [`pipeline`] that takes every request through its policies to `crate::upstream`.
 //! [`error`] is the one place that turns failures into the responses sluice makes
 //! itself. The request's path through them is drawn in docs/architecture.md.
@@ -19,5 +20,6 @@ pub(crate) mod rewind;
 pub(crate) mod server;
 #[cfg(test)]
 mod sizes;
+pub(crate) mod sniff;
 pub(crate) mod splice;
 pub(crate) mod upgrade;
