@@ -1,5 +1,6 @@
 """Real Python HTTP clients through sluice, as users configure them: requests, httpx
-(HTTP/1.1 and HTTP/2), urllib, aiohttp and websockets, each in the three modes (forward
+(HTTP/1.1 and HTTP/2), urllib, aiohttp, websockets and websocket-client, each in the
+three modes (forward
 proxy for http://, interception and a blind tunnel for https://).
 
 Run by tests/interop.rs with one argument, a JSON plan (proxy URL, sluice's CA, the
@@ -14,12 +15,14 @@ import os
 import ssl
 import sys
 import time
+import urllib.parse
 import urllib.request
 import uuid
 
 import aiohttp
 import httpx
 import requests
+import websocket  # websocket-client
 import websockets
 
 plan = json.load(open(sys.argv[1]))
@@ -242,6 +245,30 @@ async def websockets_suite(mode, ws):
         report("websockets", mode, "WebSocket", False, f"{type(e).__name__}: {e}")
 
 
+def websocket_client_suite(mode, ws):
+    """websocket-client opens a CONNECT tunnel for ws:// as for wss://: in forward mode
+    sluice finds the plain handshake in the tunnel and serves it, limits included."""
+    proxy = urllib.parse.urlsplit(PROXY)
+    try:
+        sslopt = {"ca_certs": CA[mode]} if CA[mode] else {}
+        # Its default no_proxy is localhost and 127.0.0.1 (an empty list falls back to
+        # it): name a host that matches nothing, so that it goes through sluice.
+        w = websocket.create_connection(ws, http_proxy_host=proxy.hostname,
+                                        http_proxy_port=proxy.port, proxy_type="http",
+                                        http_no_proxy=["nothing.invalid"],
+                                        timeout=10, sslopt=sslopt)
+        w.send("hello")
+        got = w.recv()
+        w.send_binary(b"\x00\x01")
+        got_b = w.recv()
+        w.close()
+        report("websocket-client", mode, "WebSocket through CONNECT",
+               got == "hello" and got_b == b"\x00\x01", (got, got_b))
+    except Exception as e:
+        report("websocket-client", mode, "WebSocket through CONNECT", False,
+               f"{type(e).__name__}: {e}")
+
+
 def refusal():
     """sluice's own answer, readable: a destination the egress rules refuse."""
     r = requests.get(plan["denied_url"], proxies={"http": PROXY}, timeout=30)
@@ -258,4 +285,5 @@ for mode, m in plan["modes"].items():
     urllib_suite(mode, m["base"])
     asyncio.run(aiohttp_suite(mode, m["base"], m["ws"]))
     asyncio.run(websockets_suite(mode, m["ws"]))
+    websocket_client_suite(mode, m["ws"])
 refusal()

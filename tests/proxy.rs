@@ -667,10 +667,11 @@ async fn request_targets_and_via_are_forwarded_as_rfc_9112_asks() {
 /// Plain HTTP sent through a CONNECT tunnel (`curl --proxytunnel`, and Node's undici for
 /// every http:// URL) to an upstream sluice knows is served like the forward proxy's
 /// requests: a 429 is retried and the answer says so. HTTP/2 with prior knowledge
-/// (`--http2-prior-knowledge`, gRPC in plain text) is served too.
+/// (`--http2-prior-knowledge`, gRPC in plain text) is served too, and sent on in h2c,
+/// as its client spoke to the origin.
 #[tokio::test]
 async fn plain_http_through_connect_is_served_like_the_forward_proxy() {
-    let up = Upstream::start().await;
+    let up = Upstream::start_h2c().await;
     let proxy = Proxy::start(&format!(
         "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n\
          retry = {{ backoff = {{ base = \"10ms\", max = \"10ms\" }} }}\n",
@@ -721,7 +722,17 @@ async fn plain_http_through_connect_is_served_like_the_forward_proxy() {
     );
     assert!(text.contains("http/2 200"), "{text}");
     assert!(text.contains("sluice-attempts: 2"), "{text}");
-    assert_eq!(up.seen().len(), 4);
+    let seen = up.seen();
+    assert_eq!(seen.len(), 4);
+    assert!(
+        seen[2..].iter().all(|s| s.version == http::Version::HTTP_2),
+        "{seen:?}"
+    );
+    assert!(
+        seen[..2]
+            .iter()
+            .all(|s| s.version == http::Version::HTTP_11)
+    );
 }
 
 /// A tunnel's own concurrency permit goes back when its bytes turn out to be HTTP: the

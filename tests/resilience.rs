@@ -118,6 +118,33 @@ async fn a_post_without_an_idempotency_key_is_sent_exactly_once() {
     );
 }
 
+/// A gRPC call is never retried by sluice, with an idempotency key or without: whether a
+/// method may run twice is in the service's config, and gRPC clients retry by their own
+/// policy. The same POST in JSON with the key is (above).
+#[tokio::test]
+async fn a_grpc_call_is_sent_once_whatever_it_carries() {
+    let up = Upstream::start().await;
+    let proxy = Proxy::start(&config("")).await;
+    for ct in ["application/grpc", "application/grpc+proto"] {
+        let path = format!("/seq/grpc-{}/503,200", ct.len());
+        let resp = proxy
+            .client()
+            .post(up.url(&path))
+            .header("content-type", ct)
+            .header("idempotency-key", "call-1")
+            .body("\0\0\0\0\x01x")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            resp.status(),
+            503,
+            "{ct}: the upstream's answer, not retried"
+        );
+        assert_eq!(arrivals(&up, &path).len(), 1, "{ct}");
+    }
+}
+
 #[tokio::test]
 async fn generated_idempotency_keys_make_posts_retryable() {
     let up = Upstream::start().await;

@@ -410,7 +410,13 @@ where
     let (mut parts, body) = req.into_parts();
     let received = parts.version;
     let protocol = upgrade::asked(&parts.headers).filter(|p| upgrade::allowed(p, upgrades));
-    strip_hop_by_hop(&mut parts.headers);
+    // `TE: trailers` from an HTTP/2 client (gRPC's, which its server requires) goes on;
+    // from HTTP/1.1 it belongs to the client's connection, like every other TE.
+    if strip_hop_by_hop(&mut parts.headers) && received == Version::HTTP_2 {
+        parts
+            .headers
+            .insert(header::TE, HeaderValue::from_static("trailers"));
+    }
     let switching = match protocol {
         Some(protocol) => {
             let client = parts.extensions.remove::<hyper::upgrade::OnUpgrade>();
@@ -474,7 +480,14 @@ where
             .parse()
             .map_err(|_| ProxyError::BadRequest("the URL cannot be forwarded".into()))?;
     }
-    parts.version = Version::HTTP_11;
+    // HTTP/1.1 to upstreams (the pooled client speaks HTTP/2 over TLS where ALPN agrees),
+    // except what came as h2c with prior knowledge through a tunnel: its client knew the
+    // origin speaks HTTP/2 in plain text (gRPC's does), and so it is spoken to.
+    parts.version = if received == Version::HTTP_2 && !target.https {
+        Version::HTTP_2
+    } else {
+        Version::HTTP_11
+    };
     // Most requests have no body; an empty one is boxed without an allocation.
     let body = if http_body::Body::is_end_stream(&body) {
         empty()
@@ -486,7 +499,8 @@ where
 
 fn from_upstream(resp: Response<Body>) -> Response<Body> {
     let (mut parts, body) = resp.into_parts();
-    strip_hop_by_hop(&mut parts.headers);
+    // A response's TE means nothing (RFC 9110 §10.1.4 defines it for requests).
+    let _ = strip_hop_by_hop(&mut parts.headers);
     append_via(&mut parts.headers, parts.version);
     Response::from_parts(parts, body)
 }

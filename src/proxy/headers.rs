@@ -38,8 +38,12 @@ fn fixed_index(name: &str) -> Option<usize> {
     })
 }
 
-/// Removes the fixed hop-by-hop fields and every field that `Connection` names.
-pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
+/// Removes the fixed hop-by-hop fields and every field that `Connection` names. Returns
+/// whether the message said `TE: trailers` (and only that): the one `TE` value HTTP/2
+/// allows (RFC 9113 §8.2.2), which gRPC requires of every request, and which the
+/// request path passes on.
+#[must_use = "a request's `TE: trailers` is passed on"]
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) -> bool {
     // One pass over the few names present (cheap comparisons) finds which fixed ones are
     // there; only those are removed, each removal being a hashed lookup. Most requests
     // have none, most responses only `Connection`.
@@ -50,8 +54,14 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
         }
     }
     if !present.contains(&true) {
-        return;
+        return false;
     }
+    let te_trailers = present[3] && {
+        let mut te = headers.get_all(header::TE).iter();
+        te.next()
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"trailers"))
+            && te.next().is_none()
+    };
     let plain = |v: &HeaderValue| {
         let v = v.as_bytes();
         v.eq_ignore_ascii_case(b"keep-alive") || v.eq_ignore_ascii_case(b"close")
@@ -82,6 +92,7 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
         // the next response.
         headers.remove(header::CONTENT_LENGTH);
     }
+    te_trailers
 }
 
 /// RFC 9110 §7.6.3: a proxy adds itself to `Via` on what it forwards, with the version
@@ -130,8 +141,13 @@ mod tests {
         ] {
             h.append(HeaderName::from_static(k), HeaderValue::from_static(v));
         }
-        strip_hop_by_hop(&mut h);
+        assert!(strip_hop_by_hop(&mut h), "te: trailers was there");
         let left: Vec<_> = h.keys().map(|k| k.as_str()).collect();
         assert_eq!(left, ["authorization", "x-other"]);
+        for te in ["gzip", "trailers, gzip"] {
+            let mut h = HeaderMap::new();
+            h.insert(header::TE, HeaderValue::from_static(te));
+            assert!(!strip_hop_by_hop(&mut h), "{te}");
+        }
     }
 }

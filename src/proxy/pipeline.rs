@@ -99,9 +99,11 @@ pub(crate) fn run<'a>(
                 .insert(retry.idempotency_header.clone(), idempotency_key());
         }
         // A request that asks to switch protocols is sent once: what the upstream does
-        // with the connection after a 101 is beyond a retry.
+        // with the connection after a 101 is beyond a retry. So is a gRPC call (always a
+        // POST), key or not: whether a method may run twice is in the service's config,
+        // which sluice cannot see, and its clients retry by their own policy.
         let safe = (is_idempotent(&head.method)
-            || head.headers.contains_key(&retry.idempotency_header))
+            || (head.headers.contains_key(&retry.idempotency_header) && !is_grpc(&head.headers)))
             && !head.headers.contains_key(http::header::UPGRADE);
         let keep = safe && retry.max_attempts > 1;
         // Only a safe request has attempts after the first: an empty body is always
@@ -136,6 +138,16 @@ pub(crate) fn run<'a>(
         let limited = crate::limit::Limiter::limited(&config.plans[route.upstream], route);
         (result, limited.then(|| queued.total()))
     }
+}
+
+/// A gRPC call: `application/grpc`, alone or with a subtype (`+proto`, `+json`).
+fn is_grpc(headers: &HeaderMap) -> bool {
+    headers.get(http::header::CONTENT_TYPE).is_some_and(|v| {
+        let v = v.as_bytes();
+        v.len() >= 16
+            && v[..16].eq_ignore_ascii_case(b"application/grpc")
+            && matches!(v.get(16), None | Some(b'+' | b';'))
+    })
 }
 
 /// How long a request's attempts have waited for admission, and the most they may
@@ -706,7 +718,30 @@ fn attempt<'a>(
 
 #[cfg(test)]
 mod tests {
-    use super::{Next, Verdict};
+    use super::{Next, Verdict, is_grpc};
+
+    #[test]
+    fn grpc_is_told_by_its_content_type() {
+        let h = |ct: &'static str| {
+            let mut h = http::HeaderMap::new();
+            h.insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static(ct),
+            );
+            h
+        };
+        for yes in [
+            "application/grpc",
+            "application/grpc+proto",
+            "Application/GRPC;x=1",
+        ] {
+            assert!(is_grpc(&h(yes)), "{yes}");
+        }
+        for no in ["application/grpcx", "application/json", "application/grp"] {
+            assert!(!is_grpc(&h(no)), "{no}");
+        }
+        assert!(!is_grpc(&http::HeaderMap::new()));
+    }
     use crate::policy::hints::Hint;
     use std::time::Duration;
 

@@ -19,6 +19,9 @@ pub(crate) struct UpstreamClient {
     /// For requests that ask to switch protocols (`Upgrade`): HTTP/1.1 only, since the
     /// mechanism does not exist in HTTP/2, and no pool, since the connection leaves.
     upgrading: Client<HttpsConnector<Connector>, Outbound>,
+    /// For `http://` requests in HTTP/2 (h2c with prior knowledge, found in a tunnel):
+    /// HTTP/2 without TLS, as their client spoke it to the origin.
+    h2c: Client<HttpsConnector<Connector>, Outbound>,
 }
 
 impl UpstreamClient {
@@ -35,8 +38,19 @@ impl UpstreamClient {
             .pool_timer(TokioTimer::new())
             .timer(TokioTimer::new())
             .pool_idle_timeout(super::pinned::IDLE_TIMEOUT)
-            .set_host(false)
             .build(https);
+        let h2c = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
+            .pool_idle_timeout(super::pinned::IDLE_TIMEOUT)
+            .http2_only(true)
+            .build(
+                hyper_rustls::HttpsConnectorBuilder::new()
+                    .with_tls_config(tls.clone())
+                    .https_or_http()
+                    .enable_http2()
+                    .wrap_connector(Connector(resolver.clone())),
+            );
         let http1 = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()
@@ -45,18 +59,36 @@ impl UpstreamClient {
         let upgrading = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(0)
             .timer(TokioTimer::new())
-            .set_host(false)
             .build(http1);
-        UpstreamClient { inner, upgrading }
+        UpstreamClient {
+            inner,
+            upgrading,
+            h2c,
+        }
     }
 
     /// The response; the pool keeps its connections (compare `PinnedConns::send`).
+    ///
+    /// The request's URI names its authority, as `Host` does: the field goes, and the
+    /// client writes it back from the URI on an HTTP/1.1 connection, while on HTTP/2 the
+    /// URI becomes `:authority` alone (RFC 9113 §8.3.1). Both on HTTP/2, nginx before
+    /// 1.25 answers 400 "duplicate host header". Which of the two the connection speaks
+    /// is known only once the pool has one (ALPN).
     pub(crate) async fn send(
         &self,
-        req: Request<Outbound>,
+        mut req: Request<Outbound>,
     ) -> Result<UpstreamResponse, AttemptError> {
+        req.headers_mut().remove(http::header::HOST);
         let asked = req.headers().contains_key(http::header::UPGRADE);
-        let client = if asked { &self.upgrading } else { &self.inner };
+        let client = if asked {
+            &self.upgrading
+        } else if req.version() == http::Version::HTTP_2
+            && req.uri().scheme() == Some(&http::uri::Scheme::HTTP)
+        {
+            &self.h2c
+        } else {
+            &self.inner
+        };
         let mut resp = client.request(req).await.map_err(|e| {
             if let Some(egress) = find_cause::<EgressError>(&e).map(EgressError::copy) {
                 AttemptError::from_egress(egress)

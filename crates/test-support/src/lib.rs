@@ -48,6 +48,7 @@ pub struct Seen {
     pub at: tokio::time::Instant,
     pub method: String,
     pub uri: String,
+    pub version: http::Version,
     pub headers: Vec<(String, String)>,
 }
 
@@ -98,7 +99,7 @@ impl Upstream {
                 .build()
                 .unwrap();
             rt.block_on(async move {
-                let (addr, seen, connections, accept) = Upstream::accept_loop(None).await;
+                let (addr, seen, connections, accept) = Upstream::accept_loop(None, false).await;
                 let task = tokio::spawn(accept);
                 let _ = tx.send(Upstream {
                     addr,
@@ -118,8 +119,20 @@ impl Upstream {
         Upstream::serve(Some(tokio_rustls::TlsAcceptor::from(config))).await
     }
 
+    /// The same server in plain text speaking HTTP/1.1 or, to a client that starts with
+    /// the HTTP/2 preface, h2c (prior knowledge), as gRPC servers do.
+    pub async fn start_h2c() -> Upstream {
+        let (addr, seen, connections, accept) = Upstream::accept_loop(None, true).await;
+        Upstream {
+            addr,
+            seen,
+            connections,
+            task: tokio::spawn(accept).abort_handle(),
+        }
+    }
+
     async fn serve(tls: Option<tokio_rustls::TlsAcceptor>) -> Upstream {
-        let (addr, seen, connections, accept) = Upstream::accept_loop(tls).await;
+        let (addr, seen, connections, accept) = Upstream::accept_loop(tls, false).await;
         Upstream {
             addr,
             seen,
@@ -131,6 +144,7 @@ impl Upstream {
     /// A bound listener and the loop that serves it, not yet spawned.
     async fn accept_loop(
         tls: Option<tokio_rustls::TlsAcceptor>,
+        h2c: bool,
     ) -> (
         SocketAddr,
         Arc<Mutex<Vec<Seen>>>,
@@ -155,6 +169,13 @@ impl Upstream {
                         async move { Ok::<_, Infallible>(respond(req, &s).await) }
                     });
                     match tls {
+                        None if h2c => {
+                            let _ = hyper_util::server::conn::auto::Builder::new(
+                                hyper_util::rt::TokioExecutor::new(),
+                            )
+                            .serve_connection(TokioIo::new(stream), svc)
+                            .await;
+                        }
                         None => {
                             let _ = http1::Builder::new()
                                 .serve_connection(TokioIo::new(stream), svc)
@@ -191,6 +212,7 @@ async fn respond(req: Request<Incoming>, seen: &Mutex<Vec<Seen>>) -> Response<Te
         at: tokio::time::Instant::now(),
         method: req.method().to_string(),
         uri: req.uri().to_string(),
+        version: req.version(),
         headers: req
             .headers()
             .iter()
