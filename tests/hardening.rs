@@ -1131,3 +1131,175 @@ async fn new_keys_beyond_max_partitions_are_refused_and_the_rest_is_served() {
         30.0
     );
 }
+
+/// An HTTP/2 connection to sluice in plain text: h2c with prior knowledge through a
+/// CONNECT tunnel to `up`, served by the same HTTP/2 server as intercepted HTTPS.
+async fn h2c_through(
+    proxy: std::net::SocketAddr,
+    up: std::net::SocketAddr,
+    builder: &h2::client::Builder,
+) -> (
+    h2::client::SendRequest<bytes::Bytes>,
+    h2::client::Connection<TcpStream, bytes::Bytes>,
+) {
+    let tunnel = connect_tunnel(proxy, up).await;
+    builder.handshake(tunnel).await.unwrap()
+}
+
+fn h2_get(up: std::net::SocketAddr, path: &str) -> http::Request<()> {
+    http::Request::get(format!("http://{up}{path}"))
+        .body(())
+        .unwrap()
+}
+
+/// An HTTP/2 client that opens large responses and never opens its window, while it
+/// sends PINGs to look alive, has each stream reset after `send_timeout`: the permits go
+/// back and other clients are served. Before the fix all 4 concurrency permits were
+/// still held after 46 s and every other client got 429.
+#[tokio::test]
+async fn an_http2_client_with_a_shut_window_gives_its_permits_back() {
+    let up = Upstream::start_h2c().await;
+    let proxy = Proxy::start(&format!(
+        "send_timeout = \"1s\"\n\
+         [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\nmax_wait = \"10s\"\n\
+         limits = [{{ kind = \"concurrency\", max = 4 }}]\n",
+        up.addr.port()
+    ))
+    .await;
+    let (mut client, conn) = h2c_through(
+        proxy.addr,
+        up.addr,
+        h2::client::Builder::new().initial_window_size(0),
+    )
+    .await;
+    let mut conn = conn;
+    let mut pings = conn.ping_pong().unwrap();
+    tokio::spawn(conn);
+    // PINGs all along: liveliness is not progress.
+    tokio::spawn(async move {
+        loop {
+            if pings.ping(h2::Ping::opaque()).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    let mut streams = Vec::new();
+    for i in 0..4 {
+        client = client.ready().await.unwrap();
+        let (resp, _) = client
+            .send_request(h2_get(up.addr, &format!("/big/512?{i}")), true)
+            .unwrap();
+        streams.push(resp);
+    }
+    let mut bodies = Vec::new();
+    for resp in streams {
+        let resp = tokio::time::timeout(Duration::from_secs(10), resp)
+            .await
+            .expect("heads come without window")
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        bodies.push(resp.into_body());
+    }
+    let started = tokio::time::Instant::now();
+    let other = proxy.client().get(up.url("/other")).send().await.unwrap();
+    assert_eq!(other.status(), 200, "a permit came back");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    // The stalled streams were reset.
+    for mut body in bodies {
+        let end = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                match body.data().await {
+                    Some(Ok(_)) => continue,
+                    Some(Err(e)) => return Some(e),
+                    None => return None,
+                }
+            }
+        })
+        .await
+        .expect("the stream ends");
+        assert!(
+            end.as_ref()
+                .and_then(|e| e.reason())
+                .is_some_and(|r| r == h2::Reason::CANCEL),
+            "{end:?}"
+        );
+    }
+}
+
+/// An HTTP/2 connection with no stream, kept up by PINGs alone, is closed after
+/// `tunnel_idle_timeout`: before, it stayed open for ever and held its connection slot.
+#[tokio::test]
+async fn an_http2_connection_without_streams_is_closed_whatever_it_pings() {
+    let up = Upstream::start_h2c().await;
+    let proxy = Proxy::start(&format!(
+        "tunnel_idle_timeout = \"2s\"\n\
+         [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n",
+        up.addr.port()
+    ))
+    .await;
+    let (mut client, mut conn) =
+        h2c_through(proxy.addr, up.addr, &h2::client::Builder::new()).await;
+    // One request first: a connection that has been used is as idle as a new one.
+    let (resp, _) = client.send_request(h2_get(up.addr, "/a"), true).unwrap();
+    let mut pings = conn.ping_pong().unwrap();
+    let ended = tokio::spawn(async move {
+        let t = tokio::time::Instant::now();
+        let _ = conn.await;
+        t.elapsed()
+    });
+    assert_eq!(resp.await.unwrap().status(), 200);
+    tokio::spawn(async move {
+        while pings.ping(h2::Ping::opaque()).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    });
+    let took = tokio::time::timeout(Duration::from_secs(10), ended)
+        .await
+        .expect("closed within 10 s")
+        .unwrap();
+    assert!(took < Duration::from_secs(5), "{took:?}");
+}
+
+/// A client that never reads (so never answers the GOAWAY's PING) holds no shutdown: an
+/// idle HTTP/2 connection ends a second into the drain, as an idle HTTP/1.1 one ends at
+/// once. Before, it held the drain for its whole `drain_timeout`.
+#[tokio::test]
+async fn an_http2_client_that_never_reads_does_not_hold_the_drain() {
+    let up = Upstream::start_h2c().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = binary_config(
+        dir.path(),
+        &format!(
+            "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n",
+            up.addr.port()
+        ),
+    );
+    let config = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("[proxy]\n", "[proxy]\ndrain_timeout = \"20s\"\n");
+    std::fs::write(&path, config).unwrap();
+    let mut sluice = Sluice::spawn(&["run", "-c", path.to_str().unwrap()]);
+    let (port, admin) = sluice.listening().await;
+    assert!(sluice.ready(admin).await);
+    let mut s = connect_tunnel(([127, 0, 0, 1], port).into(), up.addr).await;
+    // The preface and an empty SETTINGS frame, then nothing is ever read.
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = tokio::time::Instant::now();
+    sluice.signal("TERM");
+    let (code, _) = sluice.exit().await;
+    assert_eq!(code, Some(0));
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(s);
+}

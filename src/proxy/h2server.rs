@@ -7,7 +7,10 @@
 //!
 //! The connection's limits are hyper's defaults for its HTTP/2 server (concurrent streams,
 //! header list size, windows, the reset-stream bounds that stop rapid-reset floods); a
-//! stream the client resets is dropped at once, cancelling its request.
+//! stream the client resets is dropped at once, cancelling its request. What a client
+//! holds is bounded by progress, never by liveliness: a stream whose window stays shut
+//! for `send_timeout` is reset, a connection with no stream for `tunnel_idle_timeout`
+//! is closed, and one with no stream after a GOAWAY ends a second later, PINGs or not.
 
 use std::future::poll_fn;
 use std::pin::{Pin, pin};
@@ -63,25 +66,110 @@ where
         .handshake::<_, Bytes>(io)
         .await?;
     let drain = lc.drain.child_token();
+    let config = app.config();
+    let (idle, send_timeout) = (config.proxy.tunnel_idle_timeout, config.proxy.send_timeout);
+    drop(config);
+    let streams = Arc::new(Streams::default());
+    // Since when no stream has been open; `None` while one is. PINGs and SETTINGS do
+    // not count: a connection holds a slot for its streams, not for its liveliness.
+    let mut quiet_since = Some(tokio::time::Instant::now());
+    // Once set, the connection ends at this instant whatever the client does: after a
+    // GOAWAY with no stream left, a client that never reads would hold it (and the
+    // drain) by leaving the GOAWAY's PING unanswered.
+    let mut close_at: Option<tokio::time::Instant> = None;
     let mut draining = false;
     loop {
+        let quiet_until = quiet_since.map(|t| t + idle);
         let next = tokio::select! {
             next = conn.accept() => next,
             _ = drain.cancelled(), if !draining => {
                 // GOAWAY: streams already open finish, no new ones start.
                 conn.graceful_shutdown();
                 draining = true;
+                if streams.open() == 0 {
+                    close_at = Some(tokio::time::Instant::now() + CLOSE_GRACE);
+                }
                 continue;
             }
+            () = streams.changed.notified() => {
+                if streams.open() == 0 {
+                    let now = tokio::time::Instant::now();
+                    quiet_since = Some(now);
+                    if draining {
+                        close_at = Some(now + CLOSE_GRACE);
+                    }
+                }
+                continue;
+            }
+            () = sleep_until_some(quiet_until), if close_at.is_none() => {
+                if streams.open() == 0 {
+                    tracing::debug!(?idle, "HTTP/2 connection without a stream for the idle timeout: closed");
+                    conn.graceful_shutdown();
+                    close_at = Some(tokio::time::Instant::now() + CLOSE_GRACE);
+                }
+                quiet_since = None;
+                continue;
+            }
+            () = sleep_until_some(close_at) => return Ok(()),
         };
         let Some(next) = next else {
             return Ok(());
         };
         let (req, respond) = next?;
+        quiet_since = None;
         let (app, stream_lc, host) = (app.clone(), lc.clone(), host.clone());
+        let open = streams.clone().enter();
         lc.tracker.spawn(async move {
-            answer(&app, &stream_lc, req, respond, (&host, port, tls)).await;
+            answer(
+                &app,
+                &stream_lc,
+                req,
+                respond,
+                (&host, port, tls),
+                send_timeout,
+            )
+            .await;
+            drop(open);
         });
+    }
+}
+
+/// How long a connection with no stream left may take to end after its GOAWAY.
+const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The streams of one connection being answered now, and a wake-up when one ends.
+#[derive(Default)]
+struct Streams {
+    open: std::sync::atomic::AtomicUsize,
+    changed: tokio::sync::Notify,
+}
+
+impl Streams {
+    fn open(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+
+    fn enter(self: Arc<Self>) -> OpenStream {
+        self.open.fetch_add(1, Ordering::AcqRel);
+        OpenStream(self)
+    }
+}
+
+/// One stream being answered; its end (however it ends) is counted and told.
+struct OpenStream(Arc<Streams>);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::AcqRel);
+        self.0.changed.notify_one();
+    }
+}
+
+/// Resolves at `at`, or never when there is none.
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -93,6 +181,7 @@ async fn answer(
     req: Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
     to: (&str, u16, bool),
+    send_timeout: std::time::Duration,
 ) {
     let expects = req
         .headers()
@@ -130,7 +219,7 @@ async fn answer(
         return;
     };
     if !end {
-        relay(body, &mut send).await;
+        relay(body, &mut send, send_timeout).await;
     }
     // Answered before the client finished its request (a refusal without `100`, an
     // upstream that answered early): the stream is reset with NO_ERROR once nothing
@@ -156,8 +245,11 @@ fn strip_connection_fields(headers: &mut HeaderMap) {
     }
 }
 
-/// The response body onto the stream, no faster than the client's window opens.
-async fn relay(body: Body, send: &mut SendStream<Bytes>) {
+/// The response body onto the stream, no faster than the client's window opens. A
+/// window that stays shut for `send_timeout` (nginx's `send_timeout`, as for an HTTP/1.1
+/// client that stops reading) resets the stream: the response, and the permits it
+/// holds, go. PINGs meanwhile do not count: a window that does not open is no progress.
+async fn relay(body: Body, send: &mut SendStream<Bytes>, send_timeout: std::time::Duration) {
     let mut body = pin!(body);
     loop {
         let frame = tokio::select! {
@@ -178,9 +270,18 @@ async fn relay(body: Body, send: &mut SendStream<Bytes>) {
                 Ok(mut data) => {
                     while !data.is_empty() {
                         send.reserve_capacity(data.len());
-                        let room = match poll_fn(|cx| send.poll_capacity(cx)).await {
-                            Some(Ok(n)) => n,
-                            _ => return,
+                        let room = poll_fn(|cx| send.poll_capacity(cx));
+                        let room = match tokio::time::timeout(send_timeout, room).await {
+                            Ok(Some(Ok(n))) => n,
+                            Ok(_) => return,
+                            Err(_) => {
+                                tracing::debug!(
+                                    ?send_timeout,
+                                    "HTTP/2 client's window shut for send_timeout: stream reset"
+                                );
+                                send.send_reset(Reason::CANCEL);
+                                return;
+                            }
                         };
                         if send
                             .send_data(data.split_to(room.min(data.len())), false)
