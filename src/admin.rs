@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::IpAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
@@ -30,9 +31,8 @@ use crate::app::App;
 use crate::body::{Body, full};
 use crate::config::AdminControl;
 
-/// Admin connections served at once from other hosts; more are closed at once. The
-/// admin listener keeps its own small share of descriptors, so it answers while the
-/// proxy is at its cap.
+/// Admin connections served at once from other hosts. The admin listener keeps its own
+/// small share of descriptors, so it answers while the proxy is at its cap.
 const MAX_ADMIN_CONNECTIONS: usize = 64;
 /// Kept for loopback clients (exec probes, `kubectl port-forward`, the operator in the
 /// pod) on top of those: remote clients cannot take them.
@@ -44,52 +44,123 @@ const PER_PEER: usize = 8;
 /// connection left idle frees its place soon.
 const HEAD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// The admin connections open now: in all (remote and loopback apart) and by address.
+/// The admin connections open now. A new connection that finds its class (remote or
+/// loopback) or its address full takes the place of the connection idle the longest
+/// there (connected or answered, and no request since): a probe sends its head at once
+/// and is then busy, while connections held idle, however many and from however many
+/// addresses, are the first to go. Only when every one is in a request is the new one
+/// refused.
 #[derive(Default)]
 struct Open {
-    remote: usize,
-    loopback: usize,
-    by_peer: HashMap<IpAddr, usize>,
+    conns: HashMap<u64, Conn>,
+    next: u64,
+}
+
+struct Conn {
+    peer: IpAddr,
+    loopback: bool,
+    state: Arc<ConnState>,
+}
+
+/// What the connection's task and its requests tell the registry.
+struct ConnState {
+    /// Milliseconds since `epoch` of the last request's start or end, or of the accept.
+    last: AtomicU64,
+    /// In a request now: not to be evicted.
+    busy: AtomicBool,
+    /// Closes the connection when its place is taken.
+    evicted: CancellationToken,
 }
 
 impl Open {
-    /// Takes a place for `peer`, if one is free.
-    fn take(&mut self, peer: IpAddr) -> bool {
-        let (all, cap) = if is_loopback(peer) {
-            (&mut self.loopback, LOOPBACK_CONNECTIONS)
+    /// A place for `peer`, taken from the longest-idle connection if need be; `None` when
+    /// every candidate is in a request.
+    fn take(&mut self, peer: IpAddr, now_ms: u64) -> Option<(u64, Arc<ConnState>)> {
+        let loopback = is_loopback(peer);
+        let cap = if loopback {
+            LOOPBACK_CONNECTIONS
         } else {
-            (&mut self.remote, MAX_ADMIN_CONNECTIONS)
+            MAX_ADMIN_CONNECTIONS
         };
-        let mine = self.by_peer.entry(peer).or_default();
-        if *all >= cap || *mine >= PER_PEER {
-            if *mine == 0 {
-                self.by_peer.remove(&peer);
-            }
-            return false;
+        let (mut class, mut mine) = (0, 0);
+        for c in self.conns.values() {
+            class += usize::from(c.loopback == loopback);
+            mine += usize::from(c.peer == peer);
         }
-        *all += 1;
-        *mine += 1;
-        true
+        // Full for the address: one of its own gives way; full for the class: any.
+        let evict_from = if mine >= PER_PEER {
+            Some(Some(peer))
+        } else if class >= cap {
+            Some(None)
+        } else {
+            None
+        };
+        if let Some(only) = evict_from {
+            let victim = self
+                .conns
+                .iter()
+                .filter(|(_, c)| c.loopback == loopback && only.is_none_or(|p| c.peer == p))
+                .filter(|(_, c)| !c.state.busy.load(Ordering::Acquire))
+                .min_by_key(|(_, c)| c.state.last.load(Ordering::Relaxed))
+                .map(|(id, _)| *id)?;
+            if let Some(c) = self.conns.remove(&victim) {
+                c.state.evicted.cancel();
+            }
+        }
+        let id = self.next;
+        self.next += 1;
+        let state = Arc::new(ConnState {
+            last: AtomicU64::new(now_ms),
+            busy: AtomicBool::new(false),
+            evicted: CancellationToken::new(),
+        });
+        self.conns.insert(
+            id,
+            Conn {
+                peer,
+                loopback,
+                state: state.clone(),
+            },
+        );
+        Some((id, state))
     }
 
-    fn give_back(&mut self, peer: IpAddr) {
-        if is_loopback(peer) {
-            self.loopback = self.loopback.saturating_sub(1);
-        } else {
-            self.remote = self.remote.saturating_sub(1);
-        }
-        if let Some(n) = self.by_peer.get_mut(&peer) {
-            *n -= 1;
-            if *n == 0 {
-                self.by_peer.remove(&peer);
-            }
-        }
+    fn give_back(&mut self, id: u64) {
+        self.conns.remove(&id);
     }
+}
+
+/// Marks a connection busy for the life of one request.
+struct InRequest<'a> {
+    state: &'a ConnState,
+    epoch: tokio::time::Instant,
+}
+
+impl<'a> InRequest<'a> {
+    fn start(state: &'a ConnState, epoch: tokio::time::Instant) -> Self {
+        state.busy.store(true, Ordering::Release);
+        state.last.store(ms_since(epoch), Ordering::Relaxed);
+        InRequest { state, epoch }
+    }
+}
+
+impl Drop for InRequest<'_> {
+    fn drop(&mut self) {
+        self.state
+            .last
+            .store(ms_since(self.epoch), Ordering::Relaxed);
+        self.state.busy.store(false, Ordering::Release);
+    }
+}
+
+fn ms_since(epoch: tokio::time::Instant) -> u64 {
+    u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Serves admin requests until `stop` is cancelled.
 pub(crate) async fn serve(app: Arc<App>, listener: TcpListener, stop: CancellationToken) {
     let open = Arc::new(parking_lot::Mutex::new(Open::default()));
+    let epoch = tokio::time::Instant::now();
     loop {
         let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
@@ -102,16 +173,21 @@ pub(crate) async fn serve(app: Arc<App>, listener: TcpListener, stop: Cancellati
             },
             _ = stop.cancelled() => return,
         };
-        if !open.lock().take(peer.ip()) {
+        let Some((id, state)) = open.lock().take(peer.ip(), ms_since(epoch)) else {
             continue;
-        }
+        };
         let app = app.clone();
         let stop = stop.clone();
         let open = open.clone();
         tokio::spawn(async move {
+            let in_svc = state.clone();
             let svc = service_fn(move |req| {
                 let app = app.clone();
-                async move { Ok::<_, Infallible>(handle(&app, &req, peer.ip()).await) }
+                let state = in_svc.clone();
+                async move {
+                    let _busy = InRequest::start(&state, epoch);
+                    Ok::<_, Infallible>(handle(&app, &req, peer.ip()).await)
+                }
             });
             let conn = http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -120,8 +196,9 @@ pub(crate) async fn serve(app: Arc<App>, listener: TcpListener, stop: Cancellati
             tokio::select! {
                 _ = conn => {}
                 _ = stop.cancelled() => {}
+                _ = state.evicted.cancelled() => {}
             }
-            open.lock().give_back(peer.ip());
+            open.lock().give_back(id);
         });
     }
 }
@@ -559,4 +636,68 @@ fn reply(status: StatusCode, content_type: &'static str, body: String) -> Respon
     r.headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    /// Places go to newcomers at the expense of the longest idle, per address and per
+    /// class, and never at the expense of a connection in a request.
+    #[test]
+    fn a_newcomer_takes_the_place_of_the_longest_idle() {
+        let mut open = Open::default();
+        // 8 remote addresses with 8 idle connections each: the remote class is full.
+        let mut t = 0;
+        for a in 1..=8 {
+            for _ in 0..PER_PEER {
+                t += 1;
+                assert!(open.take(ip(&format!("10.0.0.{a}")), t).is_some());
+            }
+        }
+        // A kubelet from a ninth address gets in, and the oldest idle one goes.
+        let (kubelet, _) = open.take(ip("10.0.1.1"), 1000).unwrap();
+        assert_eq!(open.conns.len(), MAX_ADMIN_CONNECTIONS);
+        assert!(
+            !open
+                .conns
+                .values()
+                .any(|c| c.state.last.load(Ordering::Relaxed) == 1)
+        );
+        assert!(open.conns.contains_key(&kubelet));
+        // Loopback has places of its own: a probe from the pod is not a remote's victim.
+        for _ in 0..PER_PEER {
+            assert!(open.take(ip("127.0.0.1"), 1001).is_some());
+        }
+        // Its address full: a probe from 127.0.0.1 displaces one of 127.0.0.1's own.
+        let before: Vec<u64> = open.conns.keys().copied().collect();
+        let (probe, _) = open.take(ip("127.0.0.1"), 1002).unwrap();
+        let gone: Vec<&u64> = before
+            .iter()
+            .filter(|id| !open.conns.contains_key(id))
+            .collect();
+        assert_eq!(gone.len(), 1);
+        assert!(open.conns.contains_key(&probe));
+        // Every connection in a request: the newcomer is refused, nothing is evicted.
+        for c in open.conns.values() {
+            c.state.busy.store(true, Ordering::Release);
+        }
+        assert!(open.take(ip("10.0.2.1"), 2000).is_none());
+        assert!(open.take(ip("127.0.0.1"), 2000).is_none());
+        // An idle loopback connection is not taken for a remote newcomer.
+        let idle = open
+            .conns
+            .values()
+            .find(|c| c.loopback)
+            .unwrap()
+            .state
+            .clone();
+        idle.busy.store(false, Ordering::Release);
+        assert!(open.take(ip("10.0.2.1"), 2001).is_none());
+        assert!(!idle.evicted.is_cancelled());
+    }
 }

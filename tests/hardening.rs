@@ -1303,3 +1303,38 @@ async fn an_http2_client_that_never_reads_does_not_hold_the_drain() {
     );
     drop(s);
 }
+
+/// Probes keep answering whatever idle connections are held: 8 from 127.0.0.1 itself
+/// (what exec probes and port-forward use) and 16 more from other loopback addresses
+/// fill every loopback place, yet each of 30 probes from 127.0.0.1 answers, since a
+/// newcomer takes the place of the connection idle the longest. Before, the 8 idle ones
+/// from 127.0.0.1 locked out every probe from 127.0.0.1.
+#[tokio::test]
+async fn probes_answer_whatever_idle_admin_connections_are_held() {
+    let proxy = Proxy::start("").await;
+    let mut held = Vec::new();
+    for i in 0..24 {
+        let from = if i < 8 {
+            "127.0.0.1:0".to_string()
+        } else {
+            format!("127.0.0.{}:0", 2 + (i - 8) / 8)
+        };
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(from.parse().unwrap()).unwrap();
+        held.push(socket.connect(proxy.admin).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for _ in 0..30 {
+        let r = tokio::time::timeout(
+            Duration::from_secs(2),
+            raw(
+                proxy.admin,
+                b"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+            ),
+        )
+        .await
+        .expect("the probe is answered");
+        assert_eq!(r.status, 200);
+    }
+    drop(held);
+}
