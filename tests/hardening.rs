@@ -1338,3 +1338,69 @@ async fn probes_answer_whatever_idle_admin_connections_are_held() {
     }
     drop(held);
 }
+
+/// A client that leaves while its request is out (an HTTP/1.1 connection dropped 50 ms
+/// in, an HTTP/2 stream reset) does not free its concurrency slot while the provider
+/// still works on the request: the slot comes back when the attempt would have timed
+/// out. Before the fix it came back at once, and the next request reached the upstream
+/// while the first was still running there (240 in flight against `max = 4`).
+#[tokio::test]
+async fn a_client_that_leaves_does_not_free_the_providers_slot_early() {
+    let up = Upstream::start_h2c().await;
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n\
+         attempt_timeout = \"1500ms\"\nmax_wait = \"10s\"\n\
+         limits = [{{ kind = \"concurrency\", max = 1 }}]\n",
+        up.addr.port()
+    ))
+    .await;
+    let arrival = |path: &str| {
+        up.seen()
+            .into_iter()
+            .find(|s| s.uri.ends_with(path))
+            .map(|s| s.at)
+    };
+    // HTTP/1.1: the connection dropped 50 ms after the request went.
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    s.write_all(
+        format!(
+            "GET {} HTTP/1.1\r\nHost: {}\r\n\r\n",
+            up.url("/slow/3000?h1"),
+            up.addr
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(s);
+    let next = proxy
+        .client()
+        .get(up.url("/after-h1"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(next.status(), 200);
+    let gap = arrival("/after-h1").unwrap() - arrival("/slow/3000?h1").unwrap();
+    assert!(gap >= Duration::from_millis(1300), "{gap:?}");
+
+    // HTTP/2: the stream reset 50 ms after the request went.
+    let (client, conn) = h2c_through(proxy.addr, up.addr, &h2::client::Builder::new()).await;
+    tokio::spawn(conn);
+    let mut client = client.ready().await.unwrap();
+    let (resp, mut stream) = client
+        .send_request(h2_get(up.addr, "/slow/3000?h2"), true)
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    stream.send_reset(h2::Reason::CANCEL);
+    drop(resp);
+    let next = proxy
+        .client()
+        .get(up.url("/after-h2"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(next.status(), 200);
+    let gap = arrival("/after-h2").unwrap() - arrival("/slow/3000?h2").unwrap();
+    assert!(gap >= Duration::from_millis(1300), "{gap:?}");
+}

@@ -668,7 +668,7 @@ fn attempt<'a>(
     route: Option<&'a Route>,
     timeout: Duration,
     req: Request<Body>,
-    mut permit: Option<Permit>,
+    permit: Option<Permit>,
     start: Instant,
 ) -> impl Future<Output = Result<Response<Body>, AttemptError>> + 'a {
     // The limiter counts the request from when hyper takes it to write (see `Outbound`).
@@ -681,6 +681,12 @@ fn attempt<'a>(
         pooled: app.client_for(config, route.map(|r| r.upstream)),
     };
     let mut send = upstream::send(via, req, start);
+    // Held while the attempt is out: if the client leaves meanwhile, the provider may still
+    // be working on it, and a concurrency limit is the provider's.
+    let mut out = Outstanding {
+        permit,
+        until: start + timeout,
+    };
     async move {
         // The client connection's own timer (see `upstream::timer`); a request inside an
         // intercepted tunnel has a timer of its own.
@@ -697,8 +703,10 @@ fn attempt<'a>(
             Poll::Pending => Pin::new(&mut deadline).poll(cx).map(|()| None),
         })
         .await;
-        // On failure the permit is dropped here: if the request never reached a
-        // connection, its rate permits go back (the provider never saw it).
+        // The attempt is settled: its permit is the request's again. On failure it is
+        // dropped here: if the request never reached a connection, its rate permits go
+        // back (the provider never saw it).
+        let mut permit = out.permit.take();
         let resp = sent.ok_or(AttemptError::Timeout(timeout))??;
         if let Some(p) = permit.as_mut() {
             p.answered(resp.status().as_u16());
@@ -716,9 +724,41 @@ fn attempt<'a>(
     }
 }
 
+/// A permit whose attempt is out. Dropped with it unsettled (the client reset its stream
+/// or closed its connection), a permit that holds a concurrency slot keeps it until the
+/// attempt would have timed out: the slot is free when the provider has answered, which
+/// sluice will not see now, or when the attempt's time is up. Rate permits go as they
+/// always do (`Permit::drop`: counted if sent, given back if not).
+struct Outstanding {
+    permit: Option<Permit>,
+    until: Instant,
+}
+
+impl Drop for Outstanding {
+    fn drop(&mut self) {
+        let Some(permit) = self.permit.take() else {
+            return;
+        };
+        if !permit.holds_concurrency() || Instant::now() >= self.until {
+            return;
+        }
+        // A runtime is there whenever a request's future is dropped, but for the very
+        // end of the process, when the slot no longer matters.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let until = self.until;
+            rt.spawn(async move {
+                tokio::time::sleep_until(until).await;
+                drop(permit);
+            });
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::{Next, Verdict, is_grpc};
+    use crate::policy::hints::Hint;
+    use std::time::Duration;
 
     #[test]
     fn grpc_is_told_by_its_content_type() {
@@ -742,8 +782,6 @@ mod tests {
         }
         assert!(!is_grpc(&http::HeaderMap::new()));
     }
-    use crate::policy::hints::Hint;
-    use std::time::Duration;
 
     /// The retry decision, case by case: when the outcome goes to the client, when a
     /// retry would wait too long, and where the wait comes from.
