@@ -534,6 +534,10 @@ fn metrics(app: &App) -> Response<Body> {
     app.metrics
         .client_connections
         .set(i64::try_from(open).unwrap_or(i64::MAX));
+    let upstream = app.resolver.upstream_connections();
+    app.metrics
+        .upstream_connections
+        .set(i64::try_from(upstream).unwrap_or(i64::MAX));
     rates(app);
     reply(
         StatusCode::OK,

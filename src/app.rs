@@ -86,6 +86,9 @@ pub struct App {
     pub(crate) idle_conns: Arc<crate::upstream::pinned::IdleConns>,
     pub(crate) resolver: Resolver,
     pub(crate) handshake_log: HandshakeLog,
+    /// When a failure for want of sluice's own resources was last logged, in seconds of
+    /// the process's life (0: never): one line every 10 s, every one counted.
+    local_failures_logged: std::sync::atomic::AtomicU64,
     draining: AtomicBool,
     /// Set by `POST /quitquitquit`: the application beside sluice has finished (a Job's),
     /// so the server stops as on SIGTERM, without the shutdown delay.
@@ -146,6 +149,8 @@ impl AppBuilder {
         metrics.config_info(&self.config.digest, None);
         let egress_rules = Arc::new(Rules::new(&self.config));
         self.resolver.set_rules(egress_rules.clone());
+        self.resolver
+            .set_upstream_cap(upstream_cap(self.config.proxy.max_connections));
         let replay_limit = self.config.proxy.max_replay_memory;
         let live = Live {
             route_metrics: crate::metrics::RouteTable::new(&self.config, &metrics),
@@ -169,6 +174,7 @@ impl AppBuilder {
             idle_conns: Arc::default(),
             resolver: self.resolver,
             handshake_log: HandshakeLog::default(),
+            local_failures_logged: std::sync::atomic::AtomicU64::new(0),
             draining: AtomicBool::new(false),
             quit: tokio_util::sync::CancellationToken::new(),
             path: self.path,
@@ -408,6 +414,8 @@ impl App {
             self.metrics.forget_upstream(&u.name, &families);
         }
         self.resolver.set_rules(egress_rules.clone());
+        self.resolver
+            .set_upstream_cap(upstream_cap(config.proxy.max_connections));
         self.replay_budget.set_limit(config.proxy.max_replay_memory);
         self.live.send_replace(Arc::new(Live {
             route_metrics: crate::metrics::RouteTable::new(&config, &self.metrics),
@@ -422,6 +430,28 @@ impl App {
             cluster,
         }));
         Ok(summary)
+    }
+
+    /// An upstream connection sluice could not make for want of its own resources
+    /// (descriptors, socket memory): counted, and logged every 10 s at most, as sluice's
+    /// failure; the upstream's breaker never hears of it.
+    pub(crate) fn local_failure(&self, e: &dyn std::fmt::Display) {
+        self.metrics.local_failures.inc();
+        let now = self.status.started.elapsed().as_secs() + 1;
+        let last = self.local_failures_logged.load(Ordering::Relaxed);
+        if (last == 0 || now >= last + 10)
+            && self
+                .local_failures_logged
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(
+                error = %e,
+                upstream_connections = self.resolver.upstream_connections(),
+                "sluice ran out of its own resources for an upstream connection: answered \
+                 503 connection_limit, not counted against the upstream (logged every 10 s)"
+            );
+        }
     }
 
     pub(crate) fn is_draining(&self) -> bool {
@@ -484,4 +514,12 @@ fn diff(old: &Config, new: &Config) -> ReloadSummary {
         modified,
         restart_needed,
     }
+}
+
+/// The cap on upstream connections: the client connections' (`max_connections`, or the
+/// default from the open-file limit), so that the two together stay within the limit.
+fn upstream_cap(max_connections: Option<u64>) -> usize {
+    let cap = max_connections
+        .unwrap_or_else(|| crate::rlimit::default_max_connections(crate::rlimit::nofile()));
+    usize::try_from(cap).unwrap_or(usize::MAX)
 }

@@ -44,6 +44,10 @@ pub struct Metrics {
     /// result: `switched`, `refused` (the upstream answered otherwise), `local` (sluice
     /// answered), `failed`.
     pub(crate) upgrades: IntCounterVec,
+    /// Upstream connections sluice could not make for want of its own resources.
+    pub(crate) local_failures: prometheus::IntCounter,
+    /// Upstream connections open now, against their cap (`max_connections`).
+    pub(crate) upstream_connections: prometheus::IntGauge,
     /// `{reason}`: CONNECT tunnels to configured upstreams closed because their first
     /// bytes were neither TLS nor HTTP (see `proxy::sniff`).
     pub(crate) tunnels_refused: IntCounterVec,
@@ -281,6 +285,14 @@ const HELP: &[(&str, &str)] = &[
         "Requests that asked to switch protocols (WebSocket), by result: switched, refused (the upstream answered otherwise), local (sluice answered: a refusal of its own, or an upstream it could not reach) or failed (after the 101)",
     ),
     (
+        "sluice_local_failures_total",
+        "Upstream connections sluice could not make for want of its own resources (its cap on upstream connections, descriptors, socket memory), answered 503 connection_limit and never counted against the upstream",
+    ),
+    (
+        "sluice_upstream_connections",
+        "Upstream connections open now, against their cap: max_connections, as for client connections",
+    ),
+    (
         "sluice_tunnels_refused_total",
         "CONNECT tunnels to configured upstreams closed because what the client sent first was neither TLS nor a complete HTTP request, by reason: not_http, too_slow, too_large, closed",
     ),
@@ -470,6 +482,8 @@ impl Metrics {
             partitions: m.int_gauge("sluice_partitions")?,
             upgrades: m.int_counters("sluice_upgrades_total", &["upstream", "result"])?,
             tunnels_refused: m.int_counters("sluice_tunnels_refused_total", &["reason"])?,
+            local_failures: m.int_counter("sluice_local_failures_total")?,
+            upstream_connections: m.int_gauge("sluice_upstream_connections")?,
             upgraded: m.int_gauges("sluice_upgraded_connections", &["upstream"])?,
             upstream_partitions: m.int_gauges("sluice_upstream_partitions", &["upstream"])?,
             max_partitions: m.int_gauges("sluice_upstream_max_partitions", &["upstream"])?,

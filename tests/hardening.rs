@@ -1404,3 +1404,166 @@ async fn a_client_that_leaves_does_not_free_the_providers_slot_early() {
     let gap = arrival("/after-h2").unwrap() - arrival("/slow/3000?h2").unwrap();
     assert!(gap >= Duration::from_millis(1300), "{gap:?}");
 }
+
+/// One intercepted HTTP/2 connection whose streams each need an upstream connection (an
+/// HTTP/1.1 upstream) cannot take more descriptors than `max_connections` allows
+/// upstream connections: the streams beyond get 503 `connection_limit`, sluice's own
+/// failure, which the breaker never hears of. Before, one h2 connection opened 200
+/// upstream connections, six of them took every descriptor, and the EMFILE failures
+/// opened the upstream's breaker for every client.
+#[tokio::test]
+async fn http2_streams_take_upstream_connections_within_the_cap_and_never_trip_the_breaker() {
+    crypto();
+    let dir = tempfile::tempdir().unwrap();
+    let certs = certs::for_localhost(dir.path(), &[b"http/1.1"]);
+    let up = Upstream::start_tls(certs.server.clone()).await;
+    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
+    let proxy = Proxy::start(&format!(
+        "max_connections = 4\n\
+         [tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
+         [[upstream]]\nname = \"api\"\nhosts = [\"localhost:{}\"]\ntls = \"intercept\"\n\
+         upstream_ca = {:?}\n\
+         [upstream.breaker]\nmin_requests = 4\nfailure_ratio = 0.5\nwindow = \"1m\"\n",
+        up.addr.port(),
+        certs.ca_path
+    ))
+    .await;
+    let target = format!("localhost:{}", up.addr.port());
+    let tunnel = connect_tunnel(proxy.addr, &target).await;
+    let tls = certs::connector(std::path::Path::new(&ca_cert), &[b"h2"])
+        .connect(
+            rustls_pki_types::ServerName::try_from("localhost").unwrap(),
+            tunnel,
+        )
+        .await
+        .unwrap();
+    let (client, conn) = h2::client::handshake(tls).await.unwrap();
+    tokio::spawn(conn);
+    let mut streams = Vec::new();
+    for i in 0..20 {
+        let mut c = client.clone().ready().await.unwrap();
+        let req = http::Request::get(format!("https://{target}/slow/800?{i}"))
+            .body(())
+            .unwrap();
+        streams.push(c.send_request(req, true).unwrap().0);
+    }
+    let mut statuses = Vec::new();
+    for s in streams {
+        let resp = tokio::time::timeout(Duration::from_secs(10), s)
+            .await
+            .expect("answered")
+            .unwrap();
+        statuses.push(resp.status().as_u16());
+        if resp.status() == 503 {
+            assert_eq!(resp.headers()["sluice-reason"], "connection_limit");
+        }
+    }
+    assert!(statuses.contains(&200), "{statuses:?}");
+    assert!(statuses.contains(&503), "{statuses:?}");
+    assert!(
+        up.connections.load(Ordering::SeqCst) <= 4,
+        "{} upstream connections",
+        up.connections.load(Ordering::SeqCst)
+    );
+    let m = proxy.metrics().await;
+    assert!(
+        metric(&m, "sluice_local_failures_total").unwrap_or(0.0) >= 4.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, r#"sluice_breaker_state{state="closed",upstream="api"}"#),
+        Some(1.0),
+        "sluice's own failures are not the upstream's: {m}"
+    );
+    // And the upstream is served once connections are free.
+    let mut c = client.ready().await.unwrap();
+    let req = http::Request::get(format!("https://{target}/after"))
+        .body(())
+        .unwrap();
+    let resp = c.send_request(req, true).unwrap().0.await.unwrap();
+    assert_eq!(resp.status(), 200);
+}
+
+/// The kernel's own refusal, not sluice's cap: under a 64-descriptor limit with a cap set
+/// far above it, upstream connects fail with EMFILE. Those are sluice's failures: 503
+/// `connection_limit`, counted as such, and the upstream's breaker (open after 4 failures
+/// here) stays closed, so once descriptors are free the upstream is served. Before, the
+/// EMFILE failures opened the breaker for every client.
+#[tokio::test]
+async fn emfile_is_sluices_failure_not_the_upstreams() {
+    crypto();
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\nmax_connections = 1000\n\
+             [egress]\nallow = [\"127.0.0.0/8\"]\n\
+             [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n\
+             retry = {{ max_attempts = 1 }}\n\
+             [upstream.breaker]\nmin_requests = 4\nfailure_ratio = 0.5\nwindow = \"1m\"\nopen_for = \"1m\"\n",
+            up.addr.port()
+        ),
+    )
+    .unwrap();
+    let mut sluice = Sluice::spawn_with_nofile(64, &["run", "-c", path.to_str().unwrap()]);
+    let (port, admin) = sluice.listening().await;
+    assert!(sluice.ready(admin).await);
+    let proxy: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let mut waiting = Vec::new();
+    for i in 0..60 {
+        let Ok(mut s) = TcpStream::connect(proxy).await else {
+            continue;
+        };
+        let req = format!(
+            "GET {} HTTP/1.1\r\nHost: {}\r\n\r\n",
+            up.url(&format!("/slow/1500?{i}")),
+            up.addr
+        );
+        if s.write_all(req.as_bytes()).await.is_ok() {
+            waiting.push(s);
+        }
+    }
+    let mut statuses = Vec::new();
+    for mut s in waiting {
+        let mut head = Vec::new();
+        let mut b = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(15), async {
+            while !head.ends_with(b"\r\n\r\n") {
+                match s.read(&mut b).await {
+                    Ok(1) => head.push(b[0]),
+                    _ => break,
+                }
+            }
+        })
+        .await;
+        if read.is_ok() && head.len() > 12 {
+            let text = String::from_utf8_lossy(&head).to_string();
+            let status: u16 = text[9..12].parse().unwrap();
+            if status != 200 {
+                assert_eq!(status, 503, "{text}");
+                assert!(text.contains("sluice-reason: connection_limit"), "{text}");
+            }
+            statuses.push(status);
+        }
+    }
+    assert!(
+        statuses.contains(&503),
+        "some connects met EMFILE: {statuses:?}"
+    );
+    let m = admin_text(admin, "/metrics").await;
+    assert!(
+        metric(&m, "sluice_local_failures_total").unwrap_or(0.0) >= 4.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, r#"sluice_breaker_state{state="closed",upstream="api"}"#),
+        Some(1.0),
+        "{m}"
+    );
+    let after = client_via(port).get(up.url("/after")).send().await.unwrap();
+    assert_eq!(after.status(), 200);
+    sluice.signal("TERM");
+    let _ = sluice.exit().await;
+}

@@ -9,10 +9,12 @@
 //! passes. CONNECT also needs an allowed port (443, ports upstreams name, or
 //! `[egress] connect_ports`).
 
+mod budget;
 mod dial;
 pub(crate) mod ip;
 
-pub(crate) use dial::connect;
+use budget::Budget;
+pub(crate) use budget::{Counted, is_local_failure};
 
 use parking_lot::RwLock;
 use std::fmt;
@@ -26,7 +28,6 @@ use std::task::{Context, Poll};
 use http::Uri;
 use hyper_util::rt::TokioIo;
 use ipnet::IpNet;
-use tokio::net::TcpStream;
 
 use crate::config::{Config, HostPattern, PortRange};
 use crate::route::normalize_host;
@@ -188,6 +189,8 @@ pub(crate) struct Resolver {
     rules: Arc<RwLock<Arc<Rules>>>,
     /// The proxy and admin listeners, once bound.
     own: Arc<OnceLock<Vec<SocketAddr>>>,
+    /// The descriptors upstream connections may take (see `budget`).
+    budget: Arc<Budget>,
 }
 
 impl Default for Resolver {
@@ -202,7 +205,26 @@ impl Resolver {
             lookup,
             rules: Arc::default(),
             own: Arc::default(),
+            budget: Arc::new(Budget::new(usize::MAX)),
         }
+    }
+
+    /// How many upstream connections may be open at once from now on.
+    pub(crate) fn set_upstream_cap(&self, cap: usize) {
+        self.budget.set_cap(cap);
+    }
+
+    /// Upstream connections open now.
+    pub(crate) fn upstream_connections(&self) -> usize {
+        self.budget.open()
+    }
+
+    /// Connects to the first of `addrs` to answer (see `dial`), under the budget of
+    /// upstream connections: the connection carries its place and gives it back when it
+    /// closes.
+    pub(crate) async fn connect(&self, addrs: &[SocketAddr]) -> io::Result<Counted> {
+        let slot = self.budget.take().map_err(io::Error::other)?;
+        Ok(Counted::new(dial::connect(addrs).await?, slot))
     }
 
     /// The rules connections use from now on.
@@ -305,7 +327,7 @@ pub(crate) enum ConnectError {
 pub(crate) struct Connector(pub Resolver);
 
 impl tower_service::Service<Uri> for Connector {
-    type Response = TokioIo<TcpStream>;
+    type Response = TokioIo<Counted>;
     type Error = ConnectError;
     type Future = BoxFuture<Result<Self::Response, ConnectError>>;
 
@@ -327,7 +349,7 @@ impl tower_service::Service<Uri> for Connector {
             };
             let port = uri.port_u16().unwrap_or(default);
             let addrs = resolver.resolve(host, port).await?;
-            Ok(TokioIo::new(connect(&addrs).await?))
+            Ok(TokioIo::new(resolver.connect(&addrs).await?))
         })
     }
 }

@@ -9,10 +9,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::egress::Counted;
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::access::{Record, finish};
@@ -105,8 +105,12 @@ pub(crate) async fn tunnel(
         },
         None => None,
     };
-    let upstream_io = match connect_any(&addrs, policy.attempt_timeout).await {
+    let upstream_io = match connect_any(&app.resolver, &addrs, policy.attempt_timeout).await {
         Ok(s) => s,
+        Err(e) if crate::egress::is_local_failure(&e) => {
+            app.local_failure(&e);
+            return done(Err(ProxyError::LocalResources(Box::new(e))));
+        }
         Err(e) => return done(Err(ProxyError::UpstreamUnreachable(Box::new(e)))),
     };
     let blind = Blind {
@@ -129,7 +133,7 @@ pub(crate) async fn tunnel(
 struct Blind {
     app: Arc<App>,
     lc: Lifecycle,
-    upstream_io: TcpStream,
+    upstream_io: Counted,
     permit: Option<crate::limit::Permit>,
     /// Routed to a configured upstream, whose plain HTTP is served as the forward proxy's.
     matched: bool,
@@ -220,9 +224,13 @@ fn ok_response() -> Response<Body> {
     resp
 }
 
-/// Races the addresses (see `egress::connect`), the whole race bounded by `timeout`.
-async fn connect_any(addrs: &[SocketAddr], timeout: Duration) -> io::Result<TcpStream> {
-    tokio::time::timeout(timeout, crate::egress::connect(addrs))
+/// Races the addresses (see `Resolver::connect`), the whole race bounded by `timeout`.
+async fn connect_any(
+    resolver: &crate::egress::Resolver,
+    addrs: &[SocketAddr],
+    timeout: Duration,
+) -> io::Result<Counted> {
+    tokio::time::timeout(timeout, resolver.connect(addrs))
         .await
         .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out")))
 }

@@ -42,6 +42,10 @@ pub(crate) enum ProxyError {
     /// The client's request body broke (malformed framing, disconnect mid-upload).
     #[error("{0}")]
     ClientBody(String),
+    /// sluice's own resources ran out (upstream connections at their cap, descriptors,
+    /// socket memory): nothing the upstream did.
+    #[error("{}", chain(&**.0))]
+    LocalResources(BoxError),
     /// The client sent its body too slowly for the upstream's timeout.
     #[error("the request body did not arrive within {}", fmt_duration(*.0))]
     ClientTimeout(Duration),
@@ -63,6 +67,7 @@ impl ProxyError {
                 ("upstream_unreachable", S::BAD_GATEWAY)
             }
             ProxyError::TotalTimeout(_) => ("total_timeout", S::GATEWAY_TIMEOUT),
+            ProxyError::LocalResources(_) => ("connection_limit", S::SERVICE_UNAVAILABLE),
             ProxyError::BreakerOpen { .. } => ("breaker_open", S::SERVICE_UNAVAILABLE),
             ProxyError::UpstreamTimeout(_) => ("upstream_timeout", S::GATEWAY_TIMEOUT),
             ProxyError::Limit(e) => match e {
@@ -96,6 +101,7 @@ impl ProxyError {
                 | LimitError::PartitionLimit { retry_after },
             )
             | ProxyError::BreakerOpen { retry_after } => Some(*retry_after),
+            ProxyError::LocalResources(_) => Some(Duration::from_secs(1)),
             _ => None,
         }
     }
@@ -140,6 +146,7 @@ impl From<AttemptError> for ProxyError {
         match e {
             AttemptError::Denied(d) | AttemptError::Resolve(d) => ProxyError::Egress(d),
             AttemptError::Timeout(t) => ProxyError::UpstreamTimeout(t),
+            AttemptError::Local(e) => ProxyError::LocalResources(e),
             other => ProxyError::UpstreamUnreachable(Box::new(other)),
         }
     }

@@ -474,7 +474,8 @@ impl<'a> Tries<'a> {
 
     /// A failed attempt: the breaker hears it unless it says nothing about the upstream
     /// (a refusal, a name that does not resolve, which a client can make up under a
-    /// wildcard host, or the client's own failure), which goes to the client at once.
+    /// wildcard host, sluice's own want of resources, or the client's own failure),
+    /// which goes to the client at once.
     fn failure(
         &self,
         e: AttemptError,
@@ -484,7 +485,15 @@ impl<'a> Tries<'a> {
     ) -> Result<Judged, ProxyError> {
         let clients = body.fault().is_some()
             || (matches!(e, AttemptError::Timeout(_)) && body.waiting_on_client());
-        if clients || matches!(e, AttemptError::Denied(_) | AttemptError::Resolve(_)) {
+        if clients
+            || matches!(
+                e,
+                AttemptError::Denied(_) | AttemptError::Resolve(_) | AttemptError::Local(_)
+            )
+        {
+            if matches!(e, AttemptError::Local(_)) {
+                self.app.local_failure(&e);
+            }
             probe.abandon();
             return Err(blame(body, e));
         }

@@ -89,8 +89,9 @@ async fn the_request_paths_futures_stay_within_their_budgets() {
     assert!(over.is_empty(), "{}", over.join("\n"));
 }
 
-// Measured 2704, 2128, 624 and 192 bytes.
+// Measured 2704, 2128, 624 and 200 bytes (the connection carries its place under the
+// cap on upstream connections, 8 bytes).
 const ROUTE_AND_SEND: usize = 2720;
 const RUN: usize = 2144;
 const SEND: usize = 640;
-const EXCHANGE: usize = 192;
+const EXCHANGE: usize = 200;

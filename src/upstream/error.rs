@@ -66,6 +66,11 @@ pub(crate) enum AttemptError {
     /// would answer the same again.
     #[error("the upstream's response broke HTTP: {}", chain(&**.0))]
     Protocol(BoxError),
+    /// sluice's own want of resources: no descriptor left under its cap or the kernel's,
+    /// no memory for a socket. Nothing about the upstream: never its breaker's, never
+    /// retried against it.
+    #[error("{}", chain(&**.0))]
+    Local(BoxError),
 }
 
 impl AttemptError {
@@ -79,7 +84,8 @@ impl AttemptError {
             AttemptError::Tls(_)
             | AttemptError::Denied(_)
             | AttemptError::Resolve(_)
-            | AttemptError::Protocol(_) => None,
+            | AttemptError::Protocol(_)
+            | AttemptError::Local(_) => None,
         }
     }
 
@@ -93,6 +99,17 @@ impl AttemptError {
             AttemptError::Denied(_) => "denied",
             AttemptError::Resolve(_) => "resolve",
             AttemptError::Protocol(_) => "protocol",
+            AttemptError::Local(_) => "local",
+        }
+    }
+
+    /// A connection to the upstream could not be made: sluice's own want of resources, or
+    /// the upstream's failure to accept it.
+    pub(crate) fn from_connect(e: std::io::Error) -> AttemptError {
+        if crate::egress::is_local_failure(&e) {
+            AttemptError::Local(Box::new(e))
+        } else {
+            AttemptError::Connect(Box::new(e))
         }
     }
 

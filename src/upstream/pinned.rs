@@ -347,11 +347,15 @@ impl PinnedConns {
             .resolve(host, port)
             .await
             .map_err(AttemptError::from_egress)?;
-        let stream = crate::egress::connect(&addrs)
+        let stream = resolver
+            .connect(&addrs)
             .await
-            .map_err(|e| AttemptError::Connect(Box::new(e)))?;
+            .map_err(AttemptError::from_connect)?;
         let peer = Peer {
-            ip: stream.peer_addr().map_or(addrs[0].ip(), |a| a.ip()),
+            ip: stream
+                .get_ref()
+                .peer_addr()
+                .map_or(addrs[0].ip(), |a| a.ip()),
             rules: rules.clone(),
         };
         let key = Key {

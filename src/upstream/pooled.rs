@@ -90,7 +90,9 @@ impl UpstreamClient {
             &self.inner
         };
         let mut resp = client.request(req).await.map_err(|e| {
-            if let Some(egress) = find_cause::<EgressError>(&e).map(EgressError::copy) {
+            if crate::egress::is_local_failure(&e) {
+                AttemptError::Local(Box::new(e))
+            } else if let Some(egress) = find_cause::<EgressError>(&e).map(EgressError::copy) {
                 AttemptError::from_egress(egress)
             } else if find_cause::<rustls::Error>(&e).is_some() {
                 AttemptError::Tls(Box::new(e))

@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
+use crate::egress::Counted;
 use bytes::BytesMut;
 use hyper::upgrade::OnUpgrade;
 use parking_lot::Mutex;
-use tokio::net::TcpStream;
 
 /// The upstream's side of a switched connection, handed from the upstream client to the
 /// forward path in the response's extensions (which must be `Clone`).
@@ -17,13 +17,13 @@ pub(crate) struct UpstreamSide(Arc<Mutex<Option<Side>>>);
 pub(crate) enum Side {
     /// From the own HTTP/1.1 client: the socket, and what the upstream already sent in
     /// the new protocol behind its head.
-    Own(TcpStream, BytesMut),
+    Own(Counted, BytesMut),
     /// From hyper's client (TLS upstreams), once it lets the connection go.
     Hyper(OnUpgrade),
 }
 
 impl UpstreamSide {
-    pub(crate) fn own(io: TcpStream, rest: BytesMut) -> UpstreamSide {
+    pub(crate) fn own(io: Counted, rest: BytesMut) -> UpstreamSide {
         UpstreamSide(Arc::new(Mutex::new(Some(Side::Own(io, rest)))))
     }
 

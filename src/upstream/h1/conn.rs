@@ -9,11 +9,11 @@ use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
+use crate::egress::Counted;
 use bytes::{Bytes, BytesMut};
 use http::{Method, Request, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use tokio::io::AsyncWrite;
-use tokio::net::TcpStream;
 
 use super::chunked::{Decoded, Decoder};
 use super::{BodyFraming, Error, Framing, Head, Span, encode_request, parse_response};
@@ -29,7 +29,7 @@ const WRITE_BATCH: usize = 64 * 1024;
 /// response (nothing, on a connection fit for reuse).
 #[derive(Debug)]
 pub(crate) struct Conn {
-    io: TcpStream,
+    io: Counted,
     buf: BytesMut,
     spans: Vec<Span>,
     /// The buffer requests are encoded into, lent to each request in turn so that a
@@ -38,7 +38,8 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
-    pub(crate) fn new(io: TcpStream) -> Conn {
+    pub(crate) fn new(io: impl Into<Counted>) -> Conn {
+        let io = io.into();
         Conn {
             io,
             buf: BytesMut::new(),
@@ -65,7 +66,7 @@ impl Conn {
     pub(crate) fn idle_and_open(&self) -> bool {
         let mut probe = [0u8; 1];
         self.buf.is_empty()
-            && matches!(self.io.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+            && matches!(self.io.get_ref().try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
     }
 }
 
@@ -143,7 +144,7 @@ impl Outgoing {
 
     /// Writes as much of the request as the socket takes: the head, then the body,
     /// batched.
-    fn poll_write(&mut self, cx: &mut Context<'_>, io: &mut TcpStream) -> Poll<Result<(), Error>> {
+    fn poll_write(&mut self, cx: &mut Context<'_>, io: &mut Counted) -> Poll<Result<(), Error>> {
         loop {
             // Gather body bytes first, so that a small body leaves in the head's write.
             while !self.body_done && self.wire.len() - self.pos < WRITE_BATCH {
@@ -396,7 +397,7 @@ impl<H> std::fmt::Debug for UpstreamBody<H> {
 impl<H> UpstreamBody<H> {
     /// After a `101`: the connection in its new protocol, and what the upstream already
     /// sent in it behind the head.
-    pub(crate) fn take_upgraded(&mut self) -> Option<(TcpStream, BytesMut)> {
+    pub(crate) fn take_upgraded(&mut self) -> Option<(Counted, BytesMut)> {
         self.sending = None;
         self.home = None;
         self.conn.take().map(|c| (c.io, c.buf))
@@ -568,7 +569,7 @@ mod tests {
             }
             got
         });
-        let io = TcpStream::connect(addr).await.unwrap();
+        let io = tokio::net::TcpStream::connect(addr).await.unwrap();
         (Conn::new(io), server)
     }
 
