@@ -1068,3 +1068,80 @@ async fn shared_limits_over_tls() {
     let (_, config) = proxy.admin_get("/config").await;
     assert!(config.contains("file:"), "{config}");
 }
+
+/// A reload that lowers a shared limit governs every request already waiting, as it does
+/// a local limit: 40 clients queue behind a global 20/s, the file is rewritten to 2/s and
+/// reloaded, and from a second after the reload the upstream sees no more than 2 in any
+/// second (one reservation made under the old limit may still land). Before, requests
+/// queued before the reload reserved under the plan they were routed with: 20/s went on
+/// for 8 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lowered_shared_limit_governs_the_requests_already_waiting() {
+    support::crypto();
+    let redis = Redis::start();
+    let upstream = support::Upstream::start_apart().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sluice.toml");
+    let config = |permits: u32| {
+        format!(
+            "[proxy]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n\
+             [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1\"]\nmax_wait = \"60s\"\n\
+             limits = [{{ kind = \"sliding_window\", permits = {permits}, window = \"1s\", scope = \"global\" }}]\n\
+             [upstream.retry]\nmax_attempts = 1\n\
+             [cluster]\nredis = \"{}\"\nreplicas = 1\n",
+            redis.url()
+        )
+    };
+    std::fs::write(&path, config(20)).unwrap();
+    let mut s = support::Sluice::spawn(&["run", "-c", path.to_str().unwrap()]);
+    let (port, admin) = s.listening().await;
+    assert!(s.ready(admin).await);
+    let client = client_via(port, Duration::from_secs(60));
+    let stop = Instant::now() + Duration::from_secs(7);
+    let mut tasks = Vec::new();
+    for _ in 0..40 {
+        let (c, url) = (client.clone(), upstream.url("/q"));
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < stop {
+                if c.get(&url).send().await.is_err() {
+                    return;
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    std::fs::write(&path, config(2)).unwrap();
+    let reloaded = reqwest::Client::new()
+        .post(format!("http://127.0.0.1:{admin}/reload"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reloaded.status(), 200);
+    let at = Instant::now();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    for t in tasks {
+        t.abort();
+    }
+    let arrivals: Vec<Instant> = upstream
+        .seen()
+        .iter()
+        .map(|a| a.at)
+        .filter(|a| *a >= at + Duration::from_secs(1) && *a < at + Duration::from_secs(5))
+        .collect();
+    assert!(!arrivals.is_empty(), "requests went on at the new limit");
+    for (i, a) in arrivals.iter().enumerate() {
+        let in_second = arrivals[i..]
+            .iter()
+            .take_while(|b| **b < *a + Duration::from_secs(1))
+            .count();
+        assert!(
+            in_second <= 3,
+            "{in_second} arrivals in the second from {:?} after the reload",
+            *a - at
+        );
+    }
+    let before = upstream.seen().iter().filter(|a| a.at < at).count();
+    assert!(before >= 15, "the old limit was in use: {before}");
+    s.signal("TERM");
+    let _ = s.exit().await;
+}

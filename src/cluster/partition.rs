@@ -18,7 +18,7 @@ use crate::config::{Limit, Rounding, WindowAlign};
 use crate::limit::error::LimitError;
 use crate::limit::kinds::LimitState;
 use crate::limit::kinds::Pace;
-use crate::limit::shared::{Reservation, Reserving, Store, StorePartition};
+use crate::limit::shared::{LiveLimits, Reservation, Reserving, Store, StorePartition};
 use crate::route::Partition;
 
 /// A reservation changes its correction only by more than this: less is clock noise.
@@ -239,23 +239,27 @@ impl Shared {
         self: &Arc<Self>,
         cluster: &Arc<Cluster>,
         family: &str,
-        limits: &Arc<[Arc<GlobalLimit>]>,
+        live: LiveLimits<'_>,
         deadline: Instant,
     ) -> Result<Admission, LimitError> {
         let gate = self.gate(family);
         let mut turn = gate.first_in_line(deadline).await;
-        // The longest window among the limits: an instant further away is asked for again.
-        let horizon = limits
-            .iter()
-            .map(|l| l.span + l.margin)
-            .max()
-            .unwrap_or_default()
-            .max(Duration::from_secs(1));
         let metric = |result: &str| count(cluster, result);
         let own_failures = OWN_FAILURES.min(cluster.config.failures).max(1);
         let mut failed = 0;
         let mut turns = 0;
         loop {
+            // The live config's limits, read anew at every try: after a reload that
+            // lowered them, a request that was already waiting asks under the new ones.
+            let limits = &live();
+            // The longest window among the limits: an instant further away is asked for
+            // again.
+            let horizon = limits
+                .iter()
+                .map(|l| l.span + l.margin)
+                .max()
+                .unwrap_or_default()
+                .max(Duration::from_secs(1));
             let now = Instant::now();
             if let Some(r) = turn.handed.take() {
                 if r.at_local > now && Arc::ptr_eq(&r.limits, limits) {
@@ -1248,7 +1252,7 @@ impl StorePartition for OnRedis {
     fn admit<'a>(
         &'a self,
         family: &'a str,
-        limits: &'a Arc<[Arc<GlobalLimit>]>,
+        limits: LiveLimits<'a>,
         deadline: Instant,
     ) -> Reserving<'a> {
         Box::pin(async move {

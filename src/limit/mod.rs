@@ -1055,10 +1055,22 @@ impl Limiter {
         let family = &plan.spec.families[index];
         let admitted = Instant::now();
         let shared = cell.shared(&store);
+        // The family's shared limits in the partition's live plan (it follows every
+        // reload), those of the plan it was routed under if a reload removed the family.
+        let routed = plan.global(index).clone();
+        let live = || {
+            let st = cell.lock();
+            st.plan
+                .spec
+                .families
+                .iter()
+                .position(|f| f.name == family.name)
+                .map_or_else(|| routed.clone(), |i| st.plan.global(i).clone())
+        };
         let reservation = shared
             .admit(
                 &family.name,
-                plan.global(index),
+                &live,
                 deadline.map_or(start + family.max_wait, |d| d.min(start + family.max_wait)),
             )
             .await?;

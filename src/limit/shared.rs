@@ -36,18 +36,23 @@ pub(crate) type Reserving<'a> =
 
 /// One partition's side of the store.
 pub(crate) trait StorePartition: Send + Sync {
-    /// Reserves an instant for a request its local limits admitted, under every limit of
-    /// `limits`, FIFO among the requests of `family` on this replica; waits for it.
-    /// `QueueTimeout` when the instant would be later than `deadline`.
+    /// Reserves an instant for a request its local limits admitted, under every limit
+    /// `limits` gives, FIFO among the requests of `family` on this replica; waits for it.
+    /// `limits` is asked again at every try: a reload's limits govern a request that was
+    /// waiting when it came. `QueueTimeout` when the instant would be later than
+    /// `deadline`.
     fn admit<'a>(
         &'a self,
         family: &'a str,
-        limits: &'a Arc<[Arc<GlobalLimit>]>,
+        limits: LiveLimits<'a>,
         deadline: Instant,
     ) -> Reserving<'a>;
     /// What this replica knows of the partition's shared limits, for `/buckets`.
     fn describe(&self) -> serde_json::Value;
 }
+
+/// The shared limits a family pays now, as the live config says.
+pub(crate) type LiveLimits<'a> = &'a (dyn Fn() -> Arc<[Arc<GlobalLimit>]> + Send + Sync);
 
 /// One request's reservation: what the store must hear of it to count it as the provider
 /// does. Dropped without a report, the store keeps counting it at its latest arrival.

@@ -787,7 +787,12 @@ async fn without_margin_max_the_margin_never_grows() {
 /// apart from its cache the same way), not of Redis: `cluster` has its own tests.
 #[derive(Default)]
 struct Memory {
-    limits: parking_lot::Mutex<std::collections::HashMap<Arc<str>, super::kinds::LimitState>>,
+    /// Each shared limit's count, with the parameters it counts by now: a changed limit
+    /// (a reload) carries its count over to its new parameters, as the store on Redis
+    /// applies each call's parameters to the state it holds.
+    limits: parking_lot::Mutex<
+        std::collections::HashMap<Arc<str>, (crate::config::Limit, super::kinds::LimitState)>,
+    >,
     /// One admission at a time per family and replica, as the trait promises FIFO.
     gates: parking_lot::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     next: std::sync::atomic::AtomicU64,
@@ -831,7 +836,7 @@ impl shared::StorePartition for MemoryPartition {
     fn admit<'a>(
         &'a self,
         family: &'a str,
-        limits: &'a Arc<[Arc<GlobalLimit>]>,
+        live: shared::LiveLimits<'a>,
         deadline: Instant,
     ) -> shared::Reserving<'a> {
         Box::pin(async move {
@@ -844,20 +849,29 @@ impl shared::StorePartition for MemoryPartition {
                 .clone();
             let _turn = gate.lock().await;
             loop {
+                let limits = &live();
                 let now = Instant::now();
                 let wake = {
                     let mut states = store.limits.lock();
                     for l in limits.iter() {
-                        states
-                            .entry(l.id.clone())
-                            .or_insert_with(|| super::kinds::LimitState::new(&l.spec, now));
+                        let (spec, state) = states.entry(l.id.clone()).or_insert_with(|| {
+                            (l.spec.clone(), super::kinds::LimitState::new(&l.spec, now))
+                        });
+                        if *spec != l.spec {
+                            let old = std::mem::replace(
+                                state,
+                                super::kinds::LimitState::new(&l.spec, now),
+                            );
+                            *state = old.carry(&l.spec, now, 0);
+                            *spec = l.spec.clone();
+                        }
                     }
                     if limits
                         .iter()
-                        .all(|l| states.get_mut(&l.id).is_some_and(|s| s.can_take(now)))
+                        .all(|l| states.get_mut(&l.id).is_some_and(|(_, s)| s.can_take(now)))
                     {
                         for l in limits.iter() {
-                            if let Some(s) = states.get_mut(&l.id) {
+                            if let Some((_, s)) = states.get_mut(&l.id) {
                                 s.take(now);
                             }
                         }
@@ -874,7 +888,7 @@ impl shared::StorePartition for MemoryPartition {
                     }
                     limits
                         .iter()
-                        .filter_map(|l| states.get_mut(&l.id)?.ready_at(1, now))
+                        .filter_map(|l| states.get_mut(&l.id)?.1.ready_at(1, now))
                         .max()
                         .unwrap_or(now)
                 };
@@ -897,7 +911,7 @@ impl MemoryReservation {
     fn each(&self, f: impl Fn(&mut super::kinds::LimitState)) {
         let mut states = self.store.limits.lock();
         for id in &self.ids {
-            if let Some(s) = states.get_mut(id) {
+            if let Some((_, s)) = states.get_mut(id) {
                 f(s);
             }
         }
