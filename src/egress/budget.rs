@@ -6,8 +6,8 @@
 //! connection carries its [`Slot`] and gives it back when it closes.
 //!
 //! A connection refused here, or by the kernel for want of descriptors or memory, is
-//! sluice's own failure: [`is_local_failure`] tells the callers, which answer `connection_limit`
-//! and keep it from the upstream's breaker.
+//! sluice's own failure: `egress::is_local_failure` tells the callers, which answer
+//! `connection_limit` and keep it from the upstream's breaker.
 
 use std::io;
 use std::pin::Pin;
@@ -70,50 +70,7 @@ impl Drop for Slot {
     "sluice has {0} upstream connections open, its limit (max_connections): no descriptor \
      for another"
 )]
-pub(crate) struct NoDescriptor(usize);
-
-/// Whether `e` is sluice's own want of resources rather than the upstream's failure: its
-/// own cap, or the kernel's refusal for want of descriptors (EMFILE, ENFILE) or memory
-/// (ENOBUFS, ENOMEM).
-pub(crate) fn is_local_failure(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cur = Some(e);
-    while let Some(err) = cur {
-        if err.downcast_ref::<NoDescriptor>().is_some() {
-            return true;
-        }
-        // Transparent, so its `source()` skips the io::Error it wraps.
-        if let Some(super::ConnectError::Io(io)) = err.downcast_ref::<super::ConnectError>()
-            && is_local_failure(io)
-        {
-            return true;
-        }
-        if let Some(io) = err.downcast_ref::<io::Error>() {
-            if raw_is_local(io) {
-                return true;
-            }
-            if let Some(inner) = io.get_ref()
-                && is_local_failure(inner)
-            {
-                return true;
-            }
-        }
-        cur = err.source();
-    }
-    false
-}
-
-#[cfg(unix)]
-fn raw_is_local(e: &io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
-    )
-}
-
-#[cfg(not(unix))]
-fn raw_is_local(_: &io::Error) -> bool {
-    false
-}
+pub(crate) struct NoDescriptor(pub(crate) usize);
 
 /// An upstream connection with its slot: the slot goes back when the socket closes.
 #[derive(Debug)]
@@ -205,16 +162,5 @@ mod tests {
         assert!(b.take().is_err());
         drop(two);
         assert!(b.take().is_err(), "still 1 open against a cap of 1");
-    }
-
-    #[test]
-    fn local_failures_are_told_from_the_upstreams() {
-        let own: Box<dyn std::error::Error + Send + Sync> =
-            Box::new(io::Error::other(NoDescriptor(3)));
-        assert!(is_local_failure(&*own));
-        let emfile = io::Error::from_raw_os_error(libc::EMFILE);
-        assert!(is_local_failure(&emfile));
-        let refused = io::Error::from_raw_os_error(libc::ECONNREFUSED);
-        assert!(!is_local_failure(&refused));
     }
 }

@@ -13,8 +13,8 @@ mod budget;
 mod dial;
 pub(crate) mod ip;
 
-use budget::Budget;
-pub(crate) use budget::{Counted, is_local_failure};
+pub(crate) use budget::Counted;
+use budget::{Budget, NoDescriptor};
 
 use parking_lot::RwLock;
 use std::fmt;
@@ -310,6 +310,49 @@ fn is_local(ip: IpAddr) -> bool {
     ip.is_loopback() || std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
 }
 
+/// Whether `e` is sluice's own want of resources rather than the upstream's failure: its
+/// own cap, or the kernel's refusal for want of descriptors (EMFILE, ENFILE) or memory
+/// (ENOBUFS, ENOMEM).
+pub(crate) fn is_local_failure(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if err.downcast_ref::<NoDescriptor>().is_some() {
+            return true;
+        }
+        // Transparent, so its `source()` skips the io::Error it wraps.
+        if let Some(ConnectError::Io(io)) = err.downcast_ref::<ConnectError>()
+            && is_local_failure(io)
+        {
+            return true;
+        }
+        if let Some(io) = err.downcast_ref::<io::Error>() {
+            if raw_is_local(io) {
+                return true;
+            }
+            if let Some(inner) = io.get_ref()
+                && is_local_failure(inner)
+            {
+                return true;
+            }
+        }
+        cur = err.source();
+    }
+    false
+}
+
+#[cfg(unix)]
+fn raw_is_local(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
+
+#[cfg(not(unix))]
+fn raw_is_local(_: &io::Error) -> bool {
+    false
+}
+
 /// Why a pooled connection could not be made.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ConnectError {
@@ -357,6 +400,17 @@ impl tower_service::Service<Uri> for Connector {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn local_failures_are_told_from_the_upstreams() {
+        let own: Box<dyn std::error::Error + Send + Sync> =
+            Box::new(io::Error::other(NoDescriptor(3)));
+        assert!(is_local_failure(&*own));
+        let emfile = io::Error::from_raw_os_error(libc::EMFILE);
+        assert!(is_local_failure(&emfile));
+        let refused = io::Error::from_raw_os_error(libc::ECONNREFUSED);
+        assert!(!is_local_failure(&refused));
+    }
 
     fn rules(toml: &str) -> Rules {
         Rules::new(&Config::parse(toml, "t.toml").unwrap())
