@@ -7,13 +7,13 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::RwLock;
 use tokio::time::Instant;
 
-use super::Cell;
+use super::cell::{Cell, Occupancy};
 use crate::route::Partition;
 
 /// Enough shards that one holds about a thousand partitions at a million: the sweep
@@ -35,20 +35,6 @@ const REMOVE_AT_ONCE: usize = 256;
 
 pub(super) type CellKey = (Arc<str>, Option<Partition>);
 type Shard = RwLock<HashMap<CellKey, Arc<Cell>>>;
-
-/// The live partitions of one upstream (by name: a reload keeps the count).
-#[derive(Default)]
-pub(super) struct Occupancy {
-    live: AtomicUsize,
-    /// When a refusal at the cap was last logged, so that it is logged once a minute.
-    pub(super) warned: Mutex<Option<Instant>>,
-}
-
-impl Occupancy {
-    pub(super) fn live(&self) -> usize {
-        self.live.load(Ordering::Relaxed)
-    }
-}
 
 /// What the admin views show of the partitions, bounded whatever their number.
 #[derive(Default)]

@@ -11,6 +11,7 @@ use super::*;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::route::Route;
+use serde_json::json;
 
 fn limiter(limits_toml: &str) -> (Arc<Limiter>, Metrics) {
     let text = format!("[[upstream]]\nname = \"u\"\nhosts = [\"u.example\"]\n{limits_toml}");
