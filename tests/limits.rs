@@ -367,9 +367,12 @@ async fn a_blind_tunnel_holds_a_concurrency_permit_while_open() {
         Some("queue_timeout")
     );
 
-    first.write_all(b"ping").await.unwrap();
-    let mut buf = [0u8; 4];
+    // A TLS record: carried blind to a configured upstream (anything that is neither TLS
+    // nor HTTP would close the tunnel; see proxy::sniff).
+    first.write_all(b"\x16\x03\x01ping").await.unwrap();
+    let mut buf = [0u8; 7];
     first.read_exact(&mut buf).await.unwrap();
+    assert_eq!(&buf, b"\x16\x03\x01ping");
     drop(first);
     let mut third = None;
     for _ in 0..50 {
