@@ -89,19 +89,25 @@ class Upstream:
         self.server = None
         self.in_flight = 0
         self.max_in_flight = 0
+        self.writers = set()
 
     async def start(self):
         self.server = await asyncio.start_server(self.serve, "127.0.0.1", self.port)
 
     async def stop(self):
+        """Down: no new connection, and those open are cut."""
         self.server.close()
+        for w in list(self.writers):
+            w.transport.abort()
         await self.server.wait_closed()
 
     async def serve(self, reader, writer):
+        self.writers.add(writer)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                self.arrivals.append(time.monotonic())
+                key = re.search(rb"authorization: *([^\r]+)", head, re.I)
+                self.arrivals.append((time.monotonic(), key.group(1) if key else b""))
                 line = head.split(b"\r\n", 1)[0].decode()
                 m = re.search(rb"content-length: *(\d+)", head, re.I)
                 if m:
@@ -121,6 +127,7 @@ class Upstream:
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
             pass
         finally:
+            self.writers.discard(writer)
             writer.close()
 
 
@@ -284,8 +291,12 @@ async def main():
         "arrivals": {n: len(u.arrivals) for n, u in ups.items()},
         "slow_max_in_flight": ups["slow"].max_in_flight,
         "slow_limit_max": max(l["slow"] for l in LIMITS),
-        "over_limit": {n: violations(sorted(u.arrivals), changes, n, end)
-                       for n, u in ups.items() if n != "slow"},
+        # Per partition: catalog's limit is per API key.
+        "over_limit": {n: [sum(x) for x in zip(*(
+            violations(sorted(t for t, k in u.arrivals if k == key), changes, n, end)
+            for key in {k for _, k in u.arrivals}))]
+            for n, u in ups.items() if n != "slow"},
+        "partitions": {n: len({k for _, k in u.arrivals}) for n, u in ups.items()},
         "events": events,
     }
     print(json.dumps(report, indent=1))
