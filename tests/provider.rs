@@ -269,6 +269,8 @@ struct Req {
     delay: f64,
     /// After its arrival; `None`: no answer ever comes (a timeout).
     answer_ms: Option<u64>,
+    /// The units it costs (1: a limit of requests), at most what the limit can admit.
+    cost: u64,
 }
 
 fn shape() -> impl Strategy<Value = Shape> {
@@ -329,7 +331,38 @@ fn req() -> impl Strategy<Value = Req> {
             fate,
             delay,
             answer_ms,
+            cost: 1,
         })
+}
+
+/// The kinds whose providers count costs (`Counter::arrive_n`).
+fn weighted_shape() -> impl Strategy<Value = Shape> {
+    shape().prop_filter("a provider that counts costs", |s| {
+        matches!(
+            s.kind,
+            Kind::Sliding
+                | Kind::Fixed
+                | Kind::Token { .. }
+                | Kind::CounterClock { .. }
+                | Kind::Calendar { .. }
+        )
+    })
+}
+
+/// A request costing 1 to 5 units.
+fn weighted_req() -> impl Strategy<Value = Req> {
+    (req(), prop_oneof![2 => Just(1u64), 3 => 2..=5u64]).prop_map(|(r, cost)| Req { cost, ..r })
+}
+
+impl Shape {
+    /// The most one request can cost and still be admitted: the window's permits, the
+    /// bucket's burst.
+    fn capacity(&self) -> u64 {
+        match self.kind {
+            Kind::Token { burst } => u64::from(burst),
+            _ => u64::from(self.permits),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -354,6 +387,7 @@ fn simulate(shape: &Shape, reqs: &[Req]) -> Result<Run, TestCaseError> {
     let t0 = Instant::now();
     let at = |us: u64| t0 + Duration::from_micros(us);
     let mut l = LimitState::on_clock(&shape.limit(), t0, 0, shape.unix0());
+    let cost = |i: usize| reqs[i].cost.min(shape.capacity());
     if let Some((edge, slack)) = shape.announced(t0) {
         l.realign(edge, slack);
     }
@@ -378,7 +412,7 @@ fn simulate(shape: &Shape, reqs: &[Req]) -> Result<Run, TestCaseError> {
         match ev {
             Ev::Join(i) => queue.push_back(i),
             Ev::Send(i) => {
-                l.sent(i as u64, Some(0), now);
+                l.sent_n(i as u64, cost(i), Some(0), now);
                 let arrival = t + (reqs[i].delay * margin_us as f64) as u64;
                 arrivals.push((arrival, i));
                 if let Some(a) = reqs[i].answer_ms {
@@ -386,9 +420,9 @@ fn simulate(shape: &Shape, reqs: &[Req]) -> Result<Run, TestCaseError> {
                 }
             }
             Ev::GiveUp(i) => {
-                l.unsent(0);
+                l.unsent_n(cost(i), 0);
                 if let Fate::SentAfterGivingUp = reqs[i].fate {
-                    l.sent(i as u64, None, now);
+                    l.sent_n(i as u64, cost(i), None, now);
                     let arrival = t + (reqs[i].delay * margin_us as f64) as u64;
                     arrivals.push((arrival, i));
                 }
@@ -396,9 +430,11 @@ fn simulate(shape: &Shape, reqs: &[Req]) -> Result<Run, TestCaseError> {
             Ev::Answer(i) => l.answered(i as u64, now, Duration::ZERO),
             Ev::Wake => {}
         }
-        while !queue.is_empty() && l.can_take(now) {
+        while let Some(&head) = queue.front()
+            && l.can_take_n(cost(head), now)
+        {
             let i = queue.pop_front().unwrap();
-            l.take(now);
+            l.take_n(cost(i), now);
             admitted += 1;
             let later = t + reqs[i].connect_ms * 1000;
             match reqs[i].fate {
@@ -406,8 +442,8 @@ fn simulate(shape: &Shape, reqs: &[Req]) -> Result<Run, TestCaseError> {
                 Fate::Failed | Fate::SentAfterGivingUp => push(&mut events, later, Ev::GiveUp(i)),
             }
         }
-        if !queue.is_empty() {
-            let ready = l.ready_at(1, now);
+        if let Some(&head) = queue.front() {
+            let ready = l.ready_at(cost(head), now);
             prop_assert!(ready.is_some(), "a rate limit always knows a next instant");
             let ready = ready.unwrap();
             prop_assert!(ready > now, "nothing admits now, yet ready_at says now");
@@ -451,6 +487,31 @@ proptest! {
                     "{} refused request {} arriving at {} us", algorithm.name(), i, us
                 );
             }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Requests that cost several units (tokens, points), admitted FIFO whenever the
+    /// limit has room for all of one: a provider that counts the same costs refuses none,
+    /// whatever the connects and answers, and every request is admitted in the end.
+    #[test]
+    fn the_provider_never_refuses_a_weighted_request(
+        shape in weighted_shape(),
+        reqs in prop::collection::vec(weighted_req(), 1..60),
+    ) {
+        let run = simulate(&shape, &reqs)?;
+        prop_assert_eq!(run.admitted, reqs.len());
+        let t0 = Instant::now();
+        let mut provider = shape.provider(t0);
+        for (us, i) in &run.arrivals {
+            let cost = reqs[*i].cost.min(shape.capacity());
+            prop_assert!(
+                provider.arrive_n(t0 + Duration::from_micros(*us), cost),
+                "the provider refused request {} costing {} arriving at {} us", i, cost, us
+            );
         }
     }
 }

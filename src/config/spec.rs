@@ -470,6 +470,11 @@ pub(crate) const DEFAULT_MARGIN: Margin = Margin::Fraction(200_000);
 pub(crate) const DEFAULT_MARGIN_CAP: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl LimitSpec {
+    /// The unit it counts, as an index into its upstream's units (0: requests).
+    pub(crate) fn unit(&self) -> u8 {
+        crate::limit::costs::REQUESTS
+    }
+
     /// A letter for the kind, one per state machine: a reload carries a limit's state,
     /// and a shared limit keeps its Redis key, only while it stays the same.
     pub(crate) fn kind_letter(&self) -> char {

@@ -14,6 +14,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::aimd::{Adapts, Aimd};
+use super::costs::{Costs, REQUESTS};
 use super::kinds::{Id, LimitState};
 use super::learned::Learned;
 pub(crate) use super::queue::{Queue, Queued, Tenant};
@@ -66,6 +67,8 @@ pub(crate) struct Admitted<W> {
     /// The rate limit it waited for, if it waited for one: it was admitted at that
     /// limit's edge, the instant the limit allowed it.
     pub(crate) edge: Option<LimitRef>,
+    /// What it cost.
+    pub(crate) costs: Costs,
     pub(crate) waiter: W,
 }
 
@@ -85,6 +88,8 @@ pub(crate) struct FamilyBucket<W> {
     pub(crate) limits: Vec<LimitState>,
     pub(crate) paused_until: Option<Instant>,
     pub(crate) queue: Queue<W>,
+    /// What its queue's waiters cost together: a new arrival waits behind all of it.
+    queued: Costs,
     holds_concurrency: bool,
     /// Whether an admission pays a limit counted in time (so its send matters).
     pays_rate: bool,
@@ -124,20 +129,24 @@ impl<W> FamilyBucket<W> {
             spec: spec.clone(),
             paused_until: None,
             queue: Queue::new(spec.fair),
+            queued: Costs::default(),
         };
         f.set_pays(up);
         f
     }
 
-    /// Whether every limit of its own (its adaptive rate included) admits its head now.
-    fn admits(&mut self, now: Instant) -> bool {
-        self.limits.iter_mut().all(|l| l.can_take(now))
+    /// Whether every limit of its own (its adaptive rate included) admits a request
+    /// costing `costs` now.
+    fn admits(&mut self, costs: &Costs, now: Instant) -> bool {
+        self.limits
+            .iter_mut()
+            .all(|l| l.can_take_n(costs.of(l.unit()), now))
             && self.aimd.as_ref().is_none_or(|a| a.can_take(now))
     }
 
-    fn take(&mut self, now: Instant) {
+    fn take(&mut self, costs: &Costs, now: Instant) {
         for l in &mut self.limits {
-            l.take(now);
+            l.take_n(costs.of(l.unit()), now);
         }
         if let Some(a) = &mut self.aimd {
             a.take(now);
@@ -207,6 +216,18 @@ fn take_learned(learned: &mut Option<Box<Learned>>, concurrency_only: bool, now:
     if let Some(l) = learned.as_mut().filter(|_| !concurrency_only) {
         l.take(now);
     }
+}
+
+/// What a new arrival of `family` and those served before it cost, for its `eta`: in a
+/// FIFO queue everyone queued goes first; with tenants in turns only `turn - 1` requests
+/// do, whose other costs are unknown and taken as nothing (a lower bound).
+fn ahead_of_new<W>(f: &FamilyBucket<W>, turn: u64, costs: Costs) -> Costs {
+    let before = if f.spec.fair {
+        Costs::default()
+    } else {
+        f.queued
+    };
+    (before + costs).with(REQUESTS, turn)
 }
 
 fn paused(until: Option<Instant>, now: Instant) -> bool {
@@ -360,18 +381,20 @@ impl<W> Bucket<W> {
     }
 
     /// The earliest instant the `n`-th request of `family`'s queue could be admitted, if
-    /// it can be known (a lower bound: other families may take upstream permits first).
-    pub(crate) fn eta(&mut self, family: usize, n: u64, now: Instant) -> Option<Instant> {
-        self.eta_by(family, n, now).map(|(at, _)| at)
+    /// it can be known (a lower bound: other families may take upstream permits first),
+    /// when it and those before it cost `ahead` in all (its `n` requests included).
+    pub(crate) fn eta(&mut self, family: usize, ahead: Costs, now: Instant) -> Option<Instant> {
+        self.eta_by(family, ahead, now).map(|(at, _)| at)
     }
 
     /// As `eta`, with the rate limit that decides it (the last to admit), if one does.
     fn eta_by(
         &mut self,
         family: usize,
-        n: u64,
+        ahead: Costs,
         now: Instant,
     ) -> Option<(Instant, Option<LimitRef>)> {
+        let n = ahead.of(REQUESTS);
         let f = &mut self.families[family];
         let mut at = now
             .max(f.paused_until.unwrap_or(now))
@@ -390,7 +413,7 @@ impl<W> Bucket<W> {
             .filter(|(_, l)| !only || l.is_concurrency())
             .map(|(i, l)| (LimitRef::Upstream(i), l));
         for (r, l) in own.chain(up) {
-            let ready = l.ready_at(n, now)?;
+            let ready = l.ready_at(ahead.of(l.unit()), now)?;
             if ready > at {
                 at = ready;
                 binding = (!l.is_concurrency()).then_some(r);
@@ -416,7 +439,7 @@ impl<W> Bucket<W> {
     #[cfg(test)]
     pub(crate) fn check(&mut self, family: usize, now: Instant) -> Result<(), Reject> {
         let max_wait = self.families[family].spec.max_wait;
-        self.check_within(family, None, now, max_wait)
+        self.check_within(family, None, Costs::ONE, now, max_wait)
     }
 
     /// As [`Bucket::check`], for an arrival that waits at most `max_wait` (no more than
@@ -425,13 +448,15 @@ impl<W> Bucket<W> {
         &mut self,
         family: usize,
         tenant: Option<Tenant>,
+        costs: Costs,
         now: Instant,
         max_wait: Duration,
     ) -> Result<(), Reject> {
-        let queue = &self.families[family].queue;
+        let f = &self.families[family];
+        let queue = &f.queue;
         let (mine, all) = (queue.len_of(tenant), queue.len());
         let turn = queue.turn_for_new(tenant);
-        let eta = self.eta(family, turn, now);
+        let eta = self.eta(family, ahead_of_new(f, turn, costs), now);
         let f = &self.families[family].spec;
         let hint = |eta: Option<Instant>| retry_after(eta.map_or(Duration::ZERO, |t| t - now));
         let max = f.max_queue as usize;
@@ -458,11 +483,11 @@ impl<W> Bucket<W> {
         tenant: Option<Tenant>,
         now: Instant,
     ) -> Duration {
-        let turn = self.families[family]
-            .queue
-            .turn_of(seq, tenant)
-            .unwrap_or(1);
-        let eta = self.eta(family, turn, now);
+        let queue = &self.families[family].queue;
+        let turn = queue.turn_of(seq, tenant).unwrap_or(1);
+        // Its own cost in the priced units, and the requests before it: a lower bound.
+        let own = queue.costs_of(seq, tenant).unwrap_or(Costs::ONE);
+        let eta = self.eta(family, own.with(REQUESTS, turn), now);
         retry_after(eta.map_or(Duration::ZERO, |t| t - now))
     }
 
@@ -470,15 +495,19 @@ impl<W> Bucket<W> {
         &mut self,
         family: usize,
         tenant: Option<Tenant>,
+        costs: Costs,
         waiter: W,
         now: Instant,
     ) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.families[family].queue.push_back(Queued {
+        let f = &mut self.families[family];
+        f.queued = f.queued + costs;
+        f.queue.push_back(Queued {
             seq,
             since: now,
             tenant,
+            costs,
             waiter,
         });
         self.waiting += 1;
@@ -490,6 +519,7 @@ impl<W> Bucket<W> {
         let mut out = Vec::with_capacity(self.waiting);
         for (i, f) in self.families.iter_mut().enumerate() {
             out.extend(f.queue.drain().into_iter().map(|q| (i, q.waiter)));
+            f.queued = Costs::default();
         }
         self.waiting = 0;
         out
@@ -504,7 +534,9 @@ impl<W> Bucket<W> {
         tenant: Option<Tenant>,
     ) -> Option<(usize, Queued<W>)> {
         let slot = self.find(family)?;
-        let q = self.families[slot].queue.remove(seq, tenant)?;
+        let f = &mut self.families[slot];
+        let q = f.queue.remove(seq, tenant)?;
+        f.queued = f.queued - q.costs;
         self.waiting -= 1;
         Some((slot, q))
     }
@@ -512,23 +544,23 @@ impl<W> Bucket<W> {
     /// A request of `family` arriving at `now` to a bucket where no one waits: admitted
     /// at once when every limit it pays allows it (its sequence number returned), exactly
     /// as queueing it and dispatching would, without the queue.
-    pub(crate) fn admit_now(&mut self, family: usize, now: Instant) -> Option<u64> {
+    pub(crate) fn admit_now(&mut self, family: usize, costs: &Costs, now: Instant) -> Option<u64> {
         if self.waiting != 0 || paused(self.paused_until, now) {
             return None;
         }
         let f = &mut self.families[family];
-        if paused(f.paused_until, now) || !f.admits(now) {
+        if paused(f.paused_until, now) || !f.admits(costs, now) {
             return None;
         }
         let only = f.spec.concurrency_only;
-        if !paid(&mut self.upstream, only).all(|l| l.can_take(now))
+        if !paid(&mut self.upstream, only).all(|l| l.can_take_n(costs.of(l.unit()), now))
             || !learned_admits(self.learned.as_deref(), only, now)
         {
             return None;
         }
-        f.take(now);
+        f.take(costs, now);
         for l in paid(&mut self.upstream, only) {
-            l.take(now);
+            l.take_n(costs.of(l.unit()), now);
         }
         take_learned(&mut self.learned, only, now);
         let seq = self.next_seq;
@@ -544,10 +576,10 @@ impl<W> Bucket<W> {
         loop {
             let mut best: Option<(usize, (Priority, u64))> = None;
             for (i, f) in self.families.iter_mut().enumerate() {
-                let Some(seq) = f.queue.front().map(|head| head.seq) else {
+                let Some((seq, costs)) = f.queue.front().map(|head| (head.seq, head.costs)) else {
                     continue;
                 };
-                if paused(f.paused_until, now) || !f.admits(now) {
+                if paused(f.paused_until, now) || !f.admits(&costs, now) {
                     continue;
                 }
                 let key = (f.spec.priority, seq);
@@ -558,17 +590,21 @@ impl<W> Bucket<W> {
             let Some((i, _)) = best else { return };
             let f = &mut self.families[i];
             let only = f.spec.concurrency_only;
-            if !paid(&mut self.upstream, only).all(|l| l.can_take(now))
+            let Some(costs) = f.queue.front().map(|head| head.costs) else {
+                return;
+            };
+            if !paid(&mut self.upstream, only).all(|l| l.can_take_n(costs.of(l.unit()), now))
                 || !learned_admits(self.learned.as_deref(), only, now)
             {
                 return;
             }
-            f.take(now);
+            f.take(&costs, now);
             for l in paid(&mut self.upstream, only) {
-                l.take(now);
+                l.take_n(costs.of(l.unit()), now);
             }
             take_learned(&mut self.learned, only, now);
             let Some(q) = f.queue.pop_front() else { return };
+            f.queued = f.queued - q.costs;
             self.waiting -= 1;
             out.push(Admitted {
                 family: i,
@@ -576,6 +612,7 @@ impl<W> Bucket<W> {
                 since: q.since,
                 at: now,
                 edge: f.binding.filter(|_| q.since < now),
+                costs: q.costs,
                 waiter: q.waiter,
             });
         }
@@ -612,17 +649,24 @@ impl<W> Bucket<W> {
 
     /// Gives back everything an admission of `epoch` in `family` took: its grant never
     /// reached its request.
-    pub(crate) fn undo(&mut self, family: FamilyRef, epoch: u64) {
+    pub(crate) fn undo(&mut self, family: FamilyRef, costs: &Costs, epoch: u64) {
         for l in self.paid_by(family) {
-            l.undo(epoch);
+            l.undo(costs.of(l.unit()), epoch);
         }
     }
 
     /// Admission `id` (of `epoch`, `None` if already undone) was handed to its upstream
     /// connection at `now`.
-    pub(crate) fn sent(&mut self, family: FamilyRef, id: Id, epoch: Option<u64>, now: Instant) {
+    pub(crate) fn sent(
+        &mut self,
+        family: FamilyRef,
+        id: Id,
+        costs: &Costs,
+        epoch: Option<u64>,
+        now: Instant,
+    ) {
         for l in self.paid_by(family) {
-            l.sent(id, epoch, now);
+            l.sent_n(id, costs.of(l.unit()), epoch, now);
         }
     }
 
@@ -635,9 +679,9 @@ impl<W> Bucket<W> {
 
     /// Admission of `epoch` never reached its upstream connection: its rate permits
     /// come back (its concurrency permits come back with `release`).
-    pub(crate) fn unsent(&mut self, family: FamilyRef, epoch: u64) {
+    pub(crate) fn unsent(&mut self, family: FamilyRef, costs: &Costs, epoch: u64) {
         for l in self.paid_by(family) {
-            l.unsent(epoch);
+            l.unsent_n(costs.of(l.unit()), epoch);
         }
     }
 
@@ -646,11 +690,11 @@ impl<W> Bucket<W> {
     pub(crate) fn release(&mut self, family: FamilyRef, epoch: u64) {
         if let Some(slot) = self.find(family) {
             for l in &mut self.families[slot].limits {
-                l.release(epoch);
+                l.release(1, epoch);
             }
         }
         for l in &mut self.upstream {
-            l.release(epoch);
+            l.release(1, epoch);
         }
     }
 
@@ -734,7 +778,11 @@ impl<W> Bucket<W> {
             if self.families[i].queue.is_empty() {
                 continue;
             }
-            let eta = self.eta_by(i, 1, now);
+            let head = self.families[i]
+                .queue
+                .front()
+                .map_or(Costs::ONE, |h| h.costs);
+            let eta = self.eta_by(i, head, now);
             // The head will be admitted at this limit's edge (unless a release or a
             // reload comes first), which the edge-429 hint needs to know.
             self.families[i].binding = eta.and_then(|(_, b)| b);

@@ -16,6 +16,7 @@ use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
 
 use super::bucket::{Admitted, Bucket, FamilyRef, LimitRef};
+use super::costs::Costs;
 use super::kinds::{Id, LimitState};
 
 use crate::config::units::fmt_duration;
@@ -148,11 +149,11 @@ impl Cell {
                 let m = st.metrics(a.family);
                 m.depth.dec();
                 m.wait.observe((a.at - a.since).as_secs_f64());
-                let grant = self.grant(st, a.family, a.seq, a.at, a.edge, epoch);
+                let grant = self.grant(st, a.family, (a.seq, a.costs), a.at, a.edge, epoch);
                 let family = st.bucket.family_ref(a.family);
                 if let Err(mut g) = a.waiter.tx.send(grant) {
                     g.disarm();
-                    st.bucket.undo(family, epoch);
+                    st.bucket.undo(family, &a.costs, epoch);
                     undone = true;
                 }
             }
@@ -167,7 +168,7 @@ impl Cell {
         self: &Arc<Self>,
         st: &CellState,
         slot: usize,
-        seq: u64,
+        (seq, costs): (u64, Costs),
         at: Instant,
         edge: Option<LimitRef>,
         epoch: u64,
@@ -183,6 +184,7 @@ impl Cell {
                 admitted: at,
                 sent_after: AtomicU64::new(0),
                 edge,
+                costs,
                 global: None,
             })
         });
@@ -337,10 +339,12 @@ impl Drop for Grant {
             return;
         };
         permit.holds = false;
-        permit.ticket = None;
         let cell = permit.cell.clone();
         let mut st = cell.lock();
-        st.bucket.undo(permit.family, permit.epoch);
+        // Rate limits took what its ticket says it cost; without one it paid
+        // concurrency only, which counts requests.
+        let costs = permit.ticket.take().map_or(Costs::ONE, |t| t.costs);
+        st.bucket.undo(permit.family, &costs, permit.epoch);
         cell.changed(&mut st, Instant::now());
     }
 }
@@ -463,7 +467,7 @@ impl Permit {
     }
 
     /// Follows the request's shared limits too: its send and answer reach them.
-    pub(super) fn hold(&mut self, hold: Box<dyn Reservation>) {
+    pub(super) fn hold(&mut self, hold: Box<dyn Reservation>, costs: &Costs) {
         let ticket = self.ticket.get_or_insert_with(|| {
             // Its local limits count nothing in time: a ticket for the shared ones only.
             Arc::new(Ticket {
@@ -475,6 +479,7 @@ impl Permit {
                 admitted: Instant::now(),
                 sent_after: AtomicU64::new(0),
                 edge: None,
+                costs: *costs,
                 global: None,
             })
         });
@@ -548,7 +553,7 @@ impl Permit {
                 phase @ (ADMITTED | UNSENT) => {
                     // A response without a reported send: it was sent by now at the latest.
                     let epoch = (phase == ADMITTED).then_some(t.epoch);
-                    st.bucket.sent(t.family, t.id, epoch, now);
+                    st.bucket.sent(t.family, t.id, &t.costs, epoch, now);
                     st.bucket.answered(t.family, t.id, now, Duration::ZERO);
                     sent = Some((now, Duration::ZERO));
                 }
@@ -589,7 +594,7 @@ impl Drop for Permit {
             && t.phase.load(Ordering::Relaxed) == ADMITTED
         {
             // Never handed to a connection: the provider did not see it.
-            st.bucket.unsent(t.family, t.epoch);
+            st.bucket.unsent(t.family, &t.costs, t.epoch);
             t.phase.store(UNSENT, Ordering::Relaxed);
             unsent = Some(t);
         }
@@ -624,6 +629,8 @@ pub(crate) struct Ticket {
     pub(super) sent_after: AtomicU64,
     /// The rate limit it waited for: it was admitted at that limit's edge.
     pub(super) edge: Option<LimitRef>,
+    /// What it cost, in each unit.
+    pub(super) costs: Costs,
     /// Its shared limits, to be told of its send and answer too.
     pub(super) global: Option<Box<dyn Reservation>>,
 }
@@ -649,7 +656,7 @@ impl SendHook {
             UNSENT => None,
             _ => return,
         };
-        st.bucket.sent(t.family, t.id, epoch, now);
+        st.bucket.sent(t.family, t.id, &t.costs, epoch, now);
         let after = now.saturating_duration_since(t.admitted).as_nanos();
         t.sent_after
             .store(u64::try_from(after).unwrap_or(u64::MAX), Ordering::Relaxed);

@@ -30,6 +30,7 @@
 pub(crate) mod aimd;
 pub(crate) mod bucket;
 mod cell;
+pub(crate) mod costs;
 pub(crate) mod error;
 pub(crate) mod exposure;
 pub(crate) mod kinds;
@@ -218,10 +219,23 @@ impl Limiter {
 
     /// As [`Limiter::acquire`], for a request that waits no later than `deadline` (the
     /// client's `sluice-max-wait`) if that comes before its family's `max_wait` runs out.
-    pub(crate) async fn acquire_by(
+    /// Not itself `async`, so that its future is `acquire_priced`'s, not one around it.
+    pub(crate) fn acquire_by<'a>(
+        &'a self,
+        plan: &'a Arc<Plan>,
+        route: &'a Route,
+        deadline: Option<Instant>,
+    ) -> impl Future<Output = Result<Option<Permit>, LimitError>> + 'a {
+        self.acquire_priced(plan, route, &costs::Costs::ONE, deadline)
+    }
+
+    /// As [`Limiter::acquire_by`], for a request that costs `costs`: every limit takes
+    /// its cost in the unit it counts, and its queue's head waits until all of it fits.
+    pub(crate) async fn acquire_priced(
         &self,
         plan: &Arc<Plan>,
         route: &Route,
+        costs: &costs::Costs,
         deadline: Option<Instant>,
     ) -> Result<Option<Permit>, LimitError> {
         let cell = self.cell(plan, route)?;
@@ -230,6 +244,7 @@ impl Limiter {
             index,
             tenant: route.tenant,
             deadline,
+            costs,
         };
         if plan.global(index).is_empty() {
             return self.wait(cell, plan, at).await;
@@ -254,9 +269,9 @@ impl Limiter {
         &self,
         cell: Arc<Cell>,
         plan: &Arc<Plan>,
-        at: Place,
+        at: Place<'_>,
     ) -> Result<Option<Permit>, LimitError> {
-        let (index, deadline) = (at.index, at.deadline);
+        let (index, deadline, costs) = (at.index, at.deadline, at.costs);
         let start = Instant::now();
         let Some(mut permit) = self.wait(cell.clone(), plan, at).await? else {
             return Ok(None);
@@ -292,7 +307,7 @@ impl Limiter {
             .cluster_wait
             .observe(admitted.elapsed().as_secs_f64());
         if let Some(r) = reservation {
-            permit.hold(r);
+            permit.hold(r, costs);
         }
         Ok(Some(permit))
     }
@@ -312,6 +327,7 @@ impl Limiter {
             index: plan.tunnel_index(),
             tenant: None,
             deadline: None,
+            costs: &costs::Costs::ONE,
         };
         self.wait(cell, plan, at).await
     }
@@ -320,12 +336,13 @@ impl Limiter {
         &self,
         cell: Arc<Cell>,
         plan: &Arc<Plan>,
-        at: Place,
+        at: Place<'_>,
     ) -> Result<Option<Permit>, LimitError> {
         let Place {
             index,
             tenant,
             deadline,
+            costs,
         } = at;
         use std::sync::atomic::Ordering;
         if self.closed.load(Ordering::Acquire) {
@@ -342,7 +359,7 @@ impl Limiter {
             let max_wait = st.bucket.families[slot].spec.max_wait;
             let max_wait =
                 deadline.map_or(max_wait, |d| max_wait.min(d.saturating_duration_since(now)));
-            if let Err(r) = st.bucket.check_within(slot, tenant, now, max_wait) {
+            if let Err(r) = st.bucket.check_within(slot, tenant, *costs, now, max_wait) {
                 let m = st.metrics(slot);
                 match r {
                     Reject::QueueFull { .. } => m.queue_full.inc(),
@@ -352,15 +369,15 @@ impl Limiter {
             }
             // No one waits and every limit allows it: admitted without the queue, its
             // channel or a dispatch round.
-            if let Some(seq) = st.bucket.admit_now(slot, now) {
+            if let Some(seq) = st.bucket.admit_now(slot, costs, now) {
                 let m = st.metrics(slot);
                 m.wait.observe(0.0);
                 let epoch = st.bucket.epoch();
-                let grant = cell.grant(&st, slot, seq, now, None, epoch);
+                let grant = cell.grant(&st, slot, (seq, *costs), now, None, epoch);
                 return Ok(grant.into_permit());
             }
             let (tx, rx) = oneshot::channel();
-            let seq = st.bucket.push(slot, tenant, Waiter { tx }, now);
+            let seq = st.bucket.push(slot, tenant, *costs, Waiter { tx }, now);
             st.metrics(slot).depth.inc();
             let family = st.bucket.family_ref(slot);
             cell.dispatch(&mut st, now);
@@ -518,10 +535,12 @@ struct Queued<'a> {
 /// Where a request waits: its family's queue, as which tenant, and until when at most
 /// (the client's `sluice-max-wait`).
 #[derive(Clone, Copy)]
-struct Place {
+struct Place<'a> {
     index: usize,
     tenant: Option<bucket::Tenant>,
     deadline: Option<Instant>,
+    /// What the request costs: borrowed, so that a request's future does not carry it.
+    costs: &'a costs::Costs,
 }
 
 impl Drop for Queued<'_> {

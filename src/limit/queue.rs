@@ -16,6 +16,8 @@ pub(crate) struct Queued<W> {
     pub(crate) seq: u64,
     pub(crate) since: Instant,
     pub(crate) tenant: Option<Tenant>,
+    /// What it costs: the head waits until every limit has room for all of it.
+    pub(crate) costs: super::costs::Costs,
     pub(crate) waiter: W,
 }
 
@@ -214,6 +216,21 @@ impl<W> Queue<W> {
         }
     }
 
+    /// What waiter `seq` (of `tenant`) costs, while it waits.
+    pub(crate) fn costs_of(&self, seq: u64, tenant: Option<Tenant>) -> Option<super::costs::Costs> {
+        match self {
+            Queue::Fifo(q) => q
+                .binary_search_by_key(&seq, |w| w.seq)
+                .ok()
+                .map(|i| q[i].costs),
+            Queue::Fair(f) => {
+                let list = f.tenants.get(&tenant)?;
+                let k = list.binary_search_by_key(&seq, |w| w.seq).ok()?;
+                Some(list[k].costs)
+            }
+        }
+    }
+
     /// The turn of the `k`-th request (from 0) of `tenant`: every tenant serves one per
     /// round, in turn order, so it comes after `k` rounds of the others (or fewer, for
     /// tenants with fewer waiting), and after this round's turns of those before it.
@@ -247,6 +264,7 @@ mod tests {
             seq,
             since: Instant::now(),
             tenant: Some(tenant),
+            costs: crate::limit::costs::Costs::ONE,
             waiter: (),
         }
     }

@@ -220,6 +220,113 @@ impl Counter {
         ))
     }
 
+    /// Counts an arrival at `at` costing `n` units (arrivals in time order), as providers
+    /// that count what a request costs do: Python `limits`' `hit(..., cost=n)` for the
+    /// moving window, the fixed window and the sliding window counter (their checks, with
+    /// `n` where one was), a GCRA whose `n` tokens must all conform, django-ratelimit's
+    /// clock window counting `n`. haproxy's and nginx's counters count requests: for
+    /// them `n` must be 1. `false` is a 429.
+    pub fn arrive_n(&mut self, at: Instant, n: u64) -> bool {
+        if n == 1 {
+            return self.arrive(at);
+        }
+        match self {
+            Counter::Sliding {
+                permits,
+                window,
+                accepted,
+            } => {
+                while accepted.front().is_some_and(|t| *t + *window <= at) {
+                    accepted.pop_front();
+                }
+                if accepted.len() + n as usize > *permits {
+                    return false;
+                }
+                accepted.extend(std::iter::repeat_n(at, n as usize));
+                true
+            }
+            Counter::Fixed {
+                permits,
+                window,
+                start,
+                count,
+            } => {
+                if start.is_none_or(|s| at >= s + *window) {
+                    *start = Some(at);
+                    *count = 0;
+                }
+                if u64::from(*count) + n > u64::from(*permits) {
+                    return false;
+                }
+                *count += n as u32;
+                true
+            }
+            Counter::Token {
+                rate,
+                per_ns,
+                burst,
+                base,
+                tat,
+            } => {
+                let base = *base.get_or_insert(at);
+                let t = (at - base).as_nanos() * *rate;
+                let tau = (*burst - 1) * *per_ns;
+                let n = u128::from(n);
+                if (*tat).max(t) + (n - 1) * *per_ns > t + tau {
+                    return false;
+                }
+                *tat = (*tat).max(t) + n * *per_ns;
+                true
+            }
+            Counter::Weighted {
+                permits,
+                window_ns,
+                clock,
+                rounds_down,
+                index,
+                curr,
+                prev,
+            } => {
+                let t = clock.unix_ns(at);
+                let (i, x) = (t / *window_ns, t % *window_ns);
+                if i != *index {
+                    *prev = if i == *index + 1 { *curr } else { 0 };
+                    *curr = 0;
+                    *index = i;
+                }
+                let (w, n) = (*window_ns, u128::from(n));
+                let ok = if *rounds_down {
+                    *prev * (w - x) / w + *curr + n <= *permits
+                } else {
+                    *prev * (w - x) + *curr * w + n * w <= *permits * w
+                };
+                if ok {
+                    *curr += n;
+                }
+                ok
+            }
+            Counter::Calendar {
+                permits,
+                window_ns,
+                offset_ns,
+                clock,
+                index,
+                count,
+            } => {
+                let i = (clock.unix_ns(at) - *offset_ns) / *window_ns;
+                if *index != Some(i) {
+                    *index = Some(i);
+                    *count = 0;
+                }
+                *count += n;
+                *count <= *permits
+            }
+            Counter::Haproxy { .. } | Counter::Nginx { .. } | Counter::All(_) => {
+                panic!("this provider counts requests, not costs")
+            }
+        }
+    }
+
     /// Counts an arrival at `at` (arrivals in time order); `false` is a 429.
     pub fn arrive(&mut self, at: Instant) -> bool {
         match self {

@@ -8,6 +8,7 @@ use tokio::time::Instant;
 use super::*;
 use crate::config::Margin;
 use crate::config::spec::Scope;
+use crate::limit::costs::Costs;
 
 fn nz(v: u32) -> NonZeroU32 {
     NonZeroU32::new(v).unwrap()
@@ -79,7 +80,7 @@ fn dispatch<W>(b: &mut Bucket<W>, now: Instant, out: &mut Vec<Admitted<W>>) {
     b.dispatch(now, out);
     for a in &out[from..] {
         let f = b.family_ref(a.family);
-        b.sent(f, a.seq, Some(b.epoch()), now);
+        b.sent(f, a.seq, &Costs::ONE, Some(b.epoch()), now);
         b.answered(f, a.seq, now, Duration::ZERO);
     }
 }
@@ -102,7 +103,7 @@ fn fifo_within_a_family() {
         t0,
     );
     for id in 0..6 {
-        b.push(0, None, id, t0);
+        b.push(0, None, Costs::ONE, id, t0);
     }
     assert_eq!(run(&mut b, t0), [0, 1]);
     assert_eq!(run(&mut b, t0 + ms(999)), Vec::<u32>::new());
@@ -122,11 +123,11 @@ fn a_saturated_family_does_not_delay_another() {
         ],
     );
     let mut b = Bucket::new(&s, t0);
-    b.push(0, None, 1, t0);
-    b.push(0, None, 2, t0);
+    b.push(0, None, Costs::ONE, 1, t0);
+    b.push(0, None, Costs::ONE, 2, t0);
     assert_eq!(run(&mut b, t0), [1]);
-    b.push(1, None, 10, t0 + ms(1));
-    b.push(1, None, 11, t0 + ms(1));
+    b.push(1, None, Costs::ONE, 10, t0 + ms(1));
+    b.push(1, None, Costs::ONE, 11, t0 + ms(1));
     assert_eq!(
         run(&mut b, t0 + ms(1)),
         [10, 11],
@@ -147,11 +148,11 @@ fn priority_then_arrival_on_a_shared_limit_and_low_still_served() {
         ],
     );
     let mut b = Bucket::new(&s, t0);
-    assert_eq!(b.push(0, None, 1, t0), 0);
-    b.push(0, None, 2, t0);
-    b.push(2, None, 20, t0);
-    b.push(1, None, 10, t0);
-    b.push(1, None, 11, t0);
+    assert_eq!(b.push(0, None, Costs::ONE, 1, t0), 0);
+    b.push(0, None, Costs::ONE, 2, t0);
+    b.push(2, None, Costs::ONE, 20, t0);
+    b.push(1, None, Costs::ONE, 10, t0);
+    b.push(1, None, Costs::ONE, 11, t0);
     let mut order = Vec::new();
     for step in 0..5 {
         order.extend(run(&mut b, t0 + ms(100 * step)));
@@ -171,8 +172,8 @@ fn multi_limit_admission_takes_all_or_nothing() {
         vec![fam("f", Priority::Normal, vec![conc(1)])],
     );
     let mut b = Bucket::new(&s, t0);
-    b.push(0, None, 1, t0);
-    b.push(0, None, 2, t0);
+    b.push(0, None, Costs::ONE, 1, t0);
+    b.push(0, None, Costs::ONE, 2, t0);
     assert_eq!(run(&mut b, t0), [1]);
     for i in 1..100 {
         assert!(run(&mut b, t0 + ms(i)).is_empty());
@@ -196,7 +197,7 @@ fn pause_holds_order_and_resumes_within_the_burst() {
     );
     b.pause(Some(0), t0 + ms(5000));
     for id in 0..10 {
-        b.push(0, None, id, t0);
+        b.push(0, None, Costs::ONE, id, t0);
     }
     assert!(run(&mut b, t0).is_empty());
     assert!(run(&mut b, t0 + ms(4999)).is_empty());
@@ -227,12 +228,12 @@ fn bounds_reject_at_once_with_a_hint() {
     Arc::make_mut(&mut s.families[0]).max_wait = ms(5000);
     let mut b = Bucket::new(&s, t0);
     assert_eq!(b.check(0, t0), Ok(()));
-    b.push(0, None, 0, t0);
+    b.push(0, None, Costs::ONE, 0, t0);
     assert_eq!(run(&mut b, t0), [0]);
     // Positions 1 and 2 would wait 2 s and 4 s: fine. Position 3 would wait 6 s.
     for id in 1..3 {
         assert_eq!(b.check(0, t0), Ok(()));
-        b.push(0, None, id, t0);
+        b.push(0, None, Costs::ONE, id, t0);
     }
     assert_eq!(
         b.check(0, t0),
@@ -244,7 +245,7 @@ fn bounds_reject_at_once_with_a_hint() {
     Arc::make_mut(&mut s2.families[0]).limits = vec![conc(1)];
     let mut b2: Bucket<u32> = Bucket::new(&s2, t0);
     for id in 0..4 {
-        b2.push(0, None, id, t0);
+        b2.push(0, None, Costs::ONE, id, t0);
     }
     // With concurrency the wait cannot be known: only the queue bound rejects at once.
     assert!(matches!(b2.check(0, t0), Err(Reject::QueueFull { .. })));
@@ -260,10 +261,10 @@ fn a_cancelled_waiter_takes_nothing() {
         ),
         t0,
     );
-    b.push(0, None, 0, t0);
+    b.push(0, None, Costs::ONE, 0, t0);
     assert_eq!(run(&mut b, t0), [0]);
-    let s1 = b.push(0, None, 1, t0);
-    b.push(0, None, 2, t0);
+    let s1 = b.push(0, None, Costs::ONE, 1, t0);
+    b.push(0, None, Costs::ONE, 2, t0);
     assert_eq!(
         b.cancel(b.family_ref(0), s1, None).map(|(_, q)| q.waiter),
         Some(1)
@@ -282,7 +283,7 @@ fn idle_once_everything_is_back() {
     );
     let mut b = Bucket::new(&s, t0);
     assert!(b.is_idle(t0));
-    b.push(0, None, 0, t0);
+    b.push(0, None, Costs::ONE, 0, t0);
     let mut out = Vec::new();
     dispatch(&mut b, t0, &mut out);
     assert!(
@@ -386,7 +387,7 @@ proptest! {
         for op in ops {
             match op {
                 Op::Arrive(f) => {
-                    let seq = b.push(f, None, 0, now);
+                    let seq = b.push(f, None, Costs::ONE, 0, now);
                     queued.push((f, seq));
                 }
                 Op::Cancel(i) if !queued.is_empty() => {
@@ -456,7 +457,7 @@ fn a_reload_with_the_same_limits_keeps_the_exact_state() {
     };
     let mut b = Bucket::new(&make(), t0);
     for id in 0..6 {
-        b.push((id % 2) as usize, None, id, t0);
+        b.push((id % 2) as usize, None, Costs::ONE, id, t0);
     }
     b.pause(Some(1), t0 + ms(300));
     // Family a's burst of two; b is paused.
@@ -480,7 +481,7 @@ fn a_raised_limit_admits_more_at_once_in_queue_order() {
     };
     let mut b = Bucket::new(&s(2), t0);
     for id in 0..10 {
-        b.push(0, None, id, t0);
+        b.push(0, None, Costs::ONE, id, t0);
     }
     assert_eq!(run(&mut b, t0), [0, 1]);
     b.reconfigure(&s(5), t0 + ms(100));
@@ -505,7 +506,7 @@ fn a_lowered_limit_counts_the_permits_already_taken() {
     };
     let mut b = Bucket::new(&s(5), t0);
     for id in 0..10 {
-        b.push(0, None, id, t0);
+        b.push(0, None, Costs::ONE, id, t0);
     }
     assert_eq!(run(&mut b, t0), [0, 1, 2, 3, 4]);
     b.reconfigure(&s(2), t0 + ms(100));
@@ -533,7 +534,7 @@ fn a_removed_family_drains_under_its_old_limits_then_goes() {
     let new = spec(vec![conc(10)], vec![fam("b", Priority::Normal, vec![])]);
     let mut b = Bucket::new(&old, t0);
     for id in 0..3 {
-        b.push(0, None, id, t0);
+        b.push(0, None, Costs::ONE, id, t0);
     }
     let mut out = Vec::new();
     dispatch(&mut b, t0, &mut out);
@@ -565,7 +566,7 @@ fn permits_from_before_a_reload_never_return_a_limit_they_did_not_take() {
     );
     let mut b = Bucket::new(&old, t0);
     for id in 0..6 {
-        b.push(0, None, id, t0);
+        b.push(0, None, Costs::ONE, id, t0);
     }
     assert_eq!(run(&mut b, t0), [0, 1, 2, 3]);
     let f = b.family_ref(0);
@@ -658,7 +659,7 @@ proptest! {
                 ReloadOp::Arrive(i) => {
                     // Arrivals come only to the live config's own families.
                     let slot = i % (specs[current].families.len() - 1);
-                    let seq = b.push(slot, None, 0, now);
+                    let seq = b.push(slot, None, Costs::ONE, 0, now);
                     queued.push((b.family_ref(slot), seq));
                 }
                 ReloadOp::Cancel(i) if !queued.is_empty() => {
@@ -734,17 +735,17 @@ proptest! {
         for op in ops {
             match op {
                 Op::Arrive(f) => {
-                    queued_b.push(f, None, 0, now);
-                    match direct_b.admit_now(f, now) {
+                    queued_b.push(f, None, Costs::ONE, 0, now);
+                    match direct_b.admit_now(f, &Costs::ONE, now) {
                         Some(seq) => {
                             let r = direct_b.family_ref(f);
-                            direct_b.sent(r, seq, Some(direct_b.epoch()), now);
+                            direct_b.sent(r, seq, &Costs::ONE, Some(direct_b.epoch()), now);
                             direct_b.answered(r, seq, now, Duration::ZERO);
                             direct_log.push((f, seq, now));
                             direct_in.push(f);
                         }
                         None => {
-                            direct_b.push(f, None, 0, now);
+                            direct_b.push(f, None, Costs::ONE, 0, now);
                         }
                     }
                 }

@@ -23,14 +23,16 @@ struct Sent {
     /// computed from).
     first: i128,
     last: i128,
+    /// The units it costs.
+    w: u64,
 }
 
 #[derive(Debug, Clone)]
 pub(super) struct Calendar {
-    permits: u32,
+    permits: u64,
     window: Duration,
     pub(super) margin: Duration,
-    pub(super) pending: u32,
+    pub(super) pending: u64,
     /// A window edge.
     origin: Instant,
     /// How far the real edges may be from `origin`'s.
@@ -47,7 +49,7 @@ impl Calendar {
         origin: Instant,
     ) -> Calendar {
         Calendar {
-            permits,
+            permits: u64::from(permits),
             window,
             margin,
             pending: 0,
@@ -134,12 +136,13 @@ impl Calendar {
         self.sent.retain(|s| s.last >= k);
     }
 
-    /// Sent requests that may land in window `k`.
-    fn sent_in(&self, k: i128) -> u32 {
+    /// The weight of the sent requests that may land in window `k`.
+    fn sent_in(&self, k: i128) -> u64 {
         self.sent
             .iter()
             .filter(|s| s.first <= k && k <= s.last)
-            .count() as u32
+            .map(|s| s.w)
+            .sum()
     }
 
     /// The last window a sent request may land in.
@@ -153,12 +156,12 @@ impl Calendar {
             .map(|k| self.sent_in(k))
             .max()
             .unwrap_or(0);
-        u64::from(self.permits.saturating_sub(fullest + self.pending))
+        self.permits.saturating_sub(fullest + self.pending)
     }
 
-    pub(super) fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
+    pub(super) fn sent(&mut self, id: Id, w: u64, reserved: bool, now: Instant) {
         if reserved {
-            self.pending = self.pending.saturating_sub(1);
+            self.pending = self.pending.saturating_sub(w);
         }
         let bound = now + self.margin;
         let (first, last) = self.span(now, bound);
@@ -168,7 +171,15 @@ impl Calendar {
             bound,
             first,
             last,
+            w,
         });
+    }
+
+    /// Admission `id`, sent, weighs `w` now: every window it may land in counts that.
+    pub(super) fn reweigh(&mut self, id: Id, w: u64) {
+        if let Some(s) = self.sent.iter_mut().rev().find(|s| s.id == id) {
+            s.w = w;
+        }
     }
 
     pub(super) fn answered(&mut self, id: Id, now: Instant) {
@@ -183,16 +194,16 @@ impl Calendar {
         (s.bound, s.first, s.last) = (bound, first, last);
     }
 
-    /// The earliest instant the `n`-th request from now could be admitted, a lower bound.
+    /// The earliest instant the `n`-th unit from now could be admitted, a lower bound.
     /// An admission counts in every window from its own on until it is sent, so the first
     /// can go in the first window after which every window has room for it and the
     /// pending ones; from there each window takes what room it has, the pending first.
     pub(super) fn ready_at(&self, n: u64, now: Instant) -> Instant {
-        let p = u64::from(self.permits);
-        let pending = u64::from(self.pending);
+        let p = self.permits.max(1);
+        let pending = self.pending;
         let here = self.first(now);
         let last = self.last().unwrap_or(here).max(here);
-        let sent = |k: i128| u64::from(self.sent_in(k));
+        let sent = |k: i128| self.sent_in(k);
         let mut k = (here..=last)
             .rev()
             .find(|k| sent(*k) + pending + 1 > p)

@@ -47,7 +47,7 @@ pub(super) struct Counter {
     permits: u128,
     window: u128,
     pub(super) margin: Duration,
-    pub(super) pending: usize,
+    pub(super) pending: u64,
     edges: Edges,
     /// The provider rounds the estimate down before comparing.
     rounds_down: bool,
@@ -149,34 +149,35 @@ impl Counter {
                     0
                 }
             };
-            let cur = (self.sent.len() - self.sent.before(start)) as u128 + extra_in(start, None);
-            let prev = (self.sent.before(start) - self.sent.before(before)) as u128
+            let cur =
+                u128::from(self.sent.weight() - self.sent.before(start)) + extra_in(start, None);
+            let prev = u128::from(self.sent.before(start) - self.sent.before(before))
                 + extra_in(before, Some(start));
             return cur * w + prev * weight(x as u128, w);
         }
         // How long before `t` each request arrived, with how many arrived then; the ones
         // still ahead count fully.
-        let mut full = 0;
-        let mut past: Vec<(u128, u128)> = Vec::with_capacity(self.sent.len() + 1);
-        for at in self.sent.iter().rev() {
+        let mut full: u128 = 0;
+        let mut past: Vec<(u128, u128)> = Vec::new();
+        for (at, weight) in self.sent.iter().rev() {
             if at >= t {
-                full += 1;
+                full += u128::from(weight);
                 continue;
             }
             let d = (t - at).as_nanos();
             if d >= 2 * w {
                 break;
             }
-            past.push((d, 1));
+            past.push((d, u128::from(weight)));
         }
         if extra_at >= t {
-            full += extra as usize;
+            full += u128::from(extra);
         } else if extra > 0 {
             let d = (t - extra_at).as_nanos();
             let i = past.partition_point(|p| p.0 < d);
             past.insert(i, (d, u128::from(extra)));
         }
-        let full = full as u128 * w;
+        let full = full * w;
         // Any placement of the edges, or (edges known to within a slack) any within it.
         let range = match self.edges {
             Edges::Clock { origin, slack } => {
@@ -200,7 +201,7 @@ impl Counter {
     }
 
     pub(super) fn available(&self, now: Instant) -> u64 {
-        let load = self.load(now, self.pending as u64, now);
+        let load = self.load(now, self.pending, now);
         let (w, cap) = (self.window, self.permits * self.window);
         let n = if self.rounds_down {
             cap.saturating_sub(load).div_ceil(w)
@@ -210,24 +211,29 @@ impl Counter {
         u64::try_from(n).unwrap_or(u64::MAX)
     }
 
-    pub(super) fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
+    pub(super) fn sent(&mut self, id: Id, w: u64, reserved: bool, now: Instant) {
         if reserved {
-            self.pending = self.pending.saturating_sub(1);
+            self.pending = self.pending.saturating_sub(w);
         }
-        self.sent.insert(now + self.margin, id);
+        self.sent.insert(now + self.margin, id, w);
+    }
+
+    /// Admission `id`, sent, weighs `w` now: its estimate term changes in place.
+    pub(super) fn reweigh(&mut self, id: Id, w: u64) {
+        self.sent.reweigh(id, w);
     }
 
     pub(super) fn answered(&mut self, id: Id, now: Instant) {
         self.sent.answered(id, now);
     }
 
-    /// The earliest instant the `n`-th request from now (n >= 1) could be admitted if
+    /// The earliest instant the `n`-th unit from now (n >= 1) could be admitted if
     /// nothing else took any, a lower bound: the pending requests and the `n - 1` before
     /// it as if they reached the provider now (any later, they would count for more),
     /// and no more than `permits` in any one window.
     pub(super) fn ready_at(&self, n: u64, now: Instant) -> Instant {
-        let ahead = n.max(1) - 1 + self.pending as u64;
-        let per_window = (ahead + 1).div_ceil(self.permits as u64);
+        let ahead = n.max(1) - 1 + self.pending;
+        let per_window = (ahead + 1).div_ceil((self.permits as u64).max(1));
         let floor = super::time::turns_after(now, self.window(), per_window.saturating_sub(2));
         let fits = |t: Instant| self.room(self.load(t, ahead, now));
         if fits(floor) {

@@ -23,13 +23,14 @@ use super::time::{Id, turns_after};
 
 #[derive(Debug, Clone)]
 pub(super) struct Fixed {
-    permits: u32,
+    permits: u64,
     window: Duration,
     pub(super) margin: Duration,
-    pub(super) pending: u32,
+    pub(super) pending: u64,
     cur: Option<Window>,
-    /// Sends of `cur` that may have arrived after it closed: (id, sent, latest arrival).
-    unsure: Vec<(Id, Instant, Instant)>,
+    /// Sends of `cur` that may have arrived after it closed: (id, sent, latest arrival,
+    /// weight).
+    unsure: Vec<(Id, Instant, Instant, u64)>,
 }
 
 #[derive(Debug, Clone)]
@@ -41,8 +42,8 @@ struct Window {
     /// The send that opened it, or the first one after the unsure sends, with the
     /// latest instant it may have arrived (lowered by its response).
     anchor: Option<(Id, Instant)>,
-    /// Sends that may have landed in it.
-    sent: u32,
+    /// The weight of the sends that may have landed in it.
+    sent: u64,
 }
 
 impl Window {
@@ -55,7 +56,7 @@ impl Window {
 impl Fixed {
     pub(super) fn new(permits: u32, window: Duration, margin: Duration) -> Fixed {
         Fixed {
-            permits,
+            permits: u64::from(permits),
             window,
             margin,
             pending: 0,
@@ -95,22 +96,22 @@ impl Fixed {
             lo: closed.max(first),
             others: latest,
             anchor: None,
-            sent: unsure.len() as u32,
+            sent: unsure.iter().map(|u| u.3).sum(),
         })
     }
 
-    fn counted(&self) -> u32 {
+    fn counted(&self) -> u64 {
         self.cur.as_ref().map_or(0, |c| c.sent) + self.pending
     }
 
     pub(super) fn available(&self) -> u64 {
-        u64::from(self.permits.saturating_sub(self.counted()))
+        self.permits.saturating_sub(self.counted())
     }
 
-    pub(super) fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
+    pub(super) fn sent(&mut self, id: Id, w: u64, reserved: bool, now: Instant) {
         self.refresh(now);
         if reserved {
-            self.pending = self.pending.saturating_sub(1);
+            self.pending = self.pending.saturating_sub(w);
         }
         let latest = now + self.margin;
         let Some(c) = &mut self.cur else {
@@ -118,18 +119,18 @@ impl Fixed {
                 lo: now,
                 others: now,
                 anchor: Some((id, latest)),
-                sent: 1,
+                sent: w,
             });
             return;
         };
-        c.sent += 1;
+        c.sent += w;
         // A window opened by unsure sends may instead open with the first send after
         // them (if they all landed in the window before): that one bounds it too.
         if c.anchor.is_none() {
             c.anchor = Some((id, latest));
         }
         if latest >= c.lo + self.window {
-            self.unsure.push((id, now, latest));
+            self.unsure.push((id, now, latest, w));
         }
     }
 
@@ -152,18 +153,38 @@ impl Fixed {
         }
     }
 
-    /// The earliest instant the `n`-th request from now could be admitted, a lower bound:
-    /// the pending requests go first.
+    /// Admission `id`, sent, weighs `w` now. More is charged to the window open now,
+    /// whichever it landed in (counting more than the provider can only admit less); a
+    /// refund is taken back only from a window known to hold the send (the one it opened,
+    /// or one its unsure arrival may have opened), and otherwise the estimate stands.
+    pub(super) fn reweigh(&mut self, id: Id, was: u64, w: u64, now: Instant) {
+        self.refresh(now);
+        let unsure = self.unsure.iter().position(|u| u.0 == id);
+        if let Some(i) = unsure {
+            self.unsure[i].3 = w;
+        }
+        let Some(c) = &mut self.cur else {
+            return;
+        };
+        if w > was {
+            c.sent += w - was;
+        } else if unsure.is_some() || c.anchor.is_some_and(|a| a.0 == id) {
+            c.sent = c.sent.saturating_sub(was - w);
+        }
+    }
+
+    /// The earliest instant the `n`-th unit from now could be admitted, a lower bound:
+    /// the pending units go first.
     pub(super) fn ready_at(&self, n: u64, now: Instant) -> Instant {
-        let p = u64::from(self.permits);
-        let need = n.max(1) + u64::from(self.pending);
+        let p = self.permits.max(1);
+        let need = n.max(1) + self.pending;
         let (mut at, mut counted) = match &self.cur {
             None => (now, 0),
             Some(c) => {
-                if need + u64::from(c.sent) <= p {
+                if need + c.sent <= p {
                     return now;
                 }
-                (c.hi() + self.window, self.unsure.len() as u64)
+                (c.hi() + self.window, self.unsure.iter().map(|u| u.3).sum())
             }
         };
         if counted > 0 {

@@ -43,6 +43,9 @@ pub struct LimitState {
     /// The kind as written (`LimitSpec::kind_letter`): a reload carries state only into
     /// the same one.
     letter: char,
+    /// The unit it counts, by its upstream's unit index (`limit::costs`): a request
+    /// takes its cost in this unit.
+    unit: u8,
     kind: Kind,
 }
 
@@ -144,8 +147,14 @@ impl LimitState {
             since: epoch,
             slowest: Duration::ZERO,
             letter: spec.kind_letter(),
+            unit: spec.unit(),
             kind: Kind::of(spec, now, unix),
         }
+    }
+
+    /// The unit it counts, as an index into its upstream's units.
+    pub(crate) fn unit(&self) -> u8 {
+        self.unit
     }
 
     /// This limit under a changed spec of the same kind (a reload), keeping what has been
@@ -179,13 +188,15 @@ impl LimitState {
             since: self.since,
             slowest: self.slowest,
             letter: self.letter,
+            unit: self.unit,
             kind,
         }
     }
 
-    /// Whether two limits are of the same kind, so one can carry into the other.
+    /// Whether two limits are of the same kind counting the same unit, so one can carry
+    /// into the other.
     pub(crate) fn same_kind(&self, spec: &Limit) -> bool {
-        self.letter == spec.kind_letter()
+        self.letter == spec.kind_letter() && self.unit == spec.unit()
     }
 
     /// Forgets what time has made irrelevant (expired window entries, closed windows).
@@ -216,17 +227,30 @@ impl LimitState {
         self.available(now) > 0
     }
 
+    /// Whether `w` units can be taken now, at once (a request that costs `w`). A cost of
+    /// nothing is always admitted.
+    pub fn can_take_n(&mut self, w: u64, now: Instant) -> bool {
+        w == 0 || self.available(now) >= w
+    }
+
     /// Admits one. Callers check `can_take` first, for every limit, so a request takes
     /// all its permits at the same instant or none.
     pub fn take(&mut self, now: Instant) {
+        self.take_n(1, now);
+    }
+
+    /// Admits a request that costs `w` units (see `can_take_n`).
+    pub fn take_n(&mut self, w: u64, now: Instant) {
         self.refresh(now);
         match &mut self.kind {
-            Kind::TokenBucket(g) => g.pending += 1,
-            Kind::SlidingWindow(w) => w.pending += 1,
-            Kind::FixedWindow(w) => w.pending += 1,
-            Kind::Calendar(w) => w.pending += 1,
-            Kind::SlidingCounter(c) => c.pending += 1,
-            Kind::Concurrency { in_flight, .. } => *in_flight += 1,
+            Kind::TokenBucket(g) => g.pending += w,
+            Kind::SlidingWindow(x) => x.pending += w,
+            Kind::FixedWindow(x) => x.pending += w,
+            Kind::Calendar(x) => x.pending += w,
+            Kind::SlidingCounter(c) => c.pending += w,
+            Kind::Concurrency { in_flight, .. } => {
+                *in_flight = in_flight.saturating_add(u32::try_from(w).unwrap_or(u32::MAX))
+            }
         }
     }
 
@@ -235,22 +259,48 @@ impl LimitState {
     /// send that raced its own cancellation). A send this limit never admitted still
     /// counts: the provider will see it.
     pub fn sent(&mut self, id: Id, epoch: Option<u64>, now: Instant) {
+        self.sent_n(id, 1, epoch, now);
+    }
+
+    /// As `sent`, for an admission that costs `w` units.
+    pub fn sent_n(&mut self, id: Id, w: u64, epoch: Option<u64>, now: Instant) {
         let reserved = epoch.is_some_and(|e| e >= self.since);
         match &mut self.kind {
-            Kind::TokenBucket(g) => g.sent(id, reserved, now),
-            Kind::SlidingWindow(w) => {
-                w.refresh(now);
-                w.sent(id, reserved, now)
+            Kind::TokenBucket(g) => g.sent(id, w, reserved, now),
+            Kind::SlidingWindow(x) => {
+                x.refresh(now);
+                x.sent(id, w, reserved, now)
             }
-            Kind::FixedWindow(w) => w.sent(id, reserved, now),
-            Kind::Calendar(w) => {
-                w.refresh(now);
-                w.sent(id, reserved, now)
+            Kind::FixedWindow(x) => x.sent(id, w, reserved, now),
+            Kind::Calendar(x) => {
+                x.refresh(now);
+                x.sent(id, w, reserved, now)
             }
             Kind::SlidingCounter(c) => {
                 c.refresh(now);
-                c.sent(id, reserved, now)
+                c.sent(id, w, reserved, now)
             }
+            Kind::Concurrency { .. } => {}
+        }
+    }
+
+    /// Admission `id` of reload epoch `epoch`, sent costing `was` units, costs `w`: its
+    /// true cost, as its response reported it. The difference is given back to or taken
+    /// from what the admission holds (`token_bucket`: the bucket, which may go into
+    /// debt; `sliding_window`, `sliding_counter`, `fixed_window` on the clock: its entry;
+    /// `fixed_window` from the first request: more is charged to the open window, and a
+    /// refund only to a window known to hold it).
+    pub fn reweigh(&mut self, id: Id, was: u64, w: u64, epoch: u64, now: Instant) {
+        if epoch < self.since || was == w {
+            return;
+        }
+        self.refresh(now);
+        match &mut self.kind {
+            Kind::TokenBucket(g) => g.reweigh(id, was, w, now),
+            Kind::SlidingWindow(x) => x.reweigh(id, w),
+            Kind::FixedWindow(x) => x.reweigh(id, was, w, now),
+            Kind::Calendar(x) => x.reweigh(id, w),
+            Kind::SlidingCounter(c) => c.reweigh(id, w),
             Kind::Concurrency { .. } => {}
         }
     }
@@ -274,33 +324,38 @@ impl LimitState {
     /// Admission of `epoch` never reached its upstream connection (connect failed, the
     /// client left): the provider never saw it, so its rate permit comes back.
     pub fn unsent(&mut self, epoch: u64) {
+        self.unsent_n(1, epoch);
+    }
+
+    /// As `unsent`, for an admission that cost `w` units.
+    pub fn unsent_n(&mut self, w: u64, epoch: u64) {
         if epoch < self.since {
             return;
         }
         match &mut self.kind {
-            Kind::TokenBucket(g) => g.pending = g.pending.saturating_sub(1),
-            Kind::SlidingWindow(w) => w.pending = w.pending.saturating_sub(1),
-            Kind::FixedWindow(w) => w.pending = w.pending.saturating_sub(1),
-            Kind::Calendar(w) => w.pending = w.pending.saturating_sub(1),
-            Kind::SlidingCounter(c) => c.pending = c.pending.saturating_sub(1),
+            Kind::TokenBucket(g) => g.pending = g.pending.saturating_sub(w),
+            Kind::SlidingWindow(x) => x.pending = x.pending.saturating_sub(w),
+            Kind::FixedWindow(x) => x.pending = x.pending.saturating_sub(w),
+            Kind::Calendar(x) => x.pending = x.pending.saturating_sub(w),
+            Kind::SlidingCounter(c) => c.pending = c.pending.saturating_sub(w),
             Kind::Concurrency { .. } => {}
         }
     }
 
-    /// Gives back everything an admission of `epoch` took (it never reached its waiter):
-    /// the state becomes what it would be had it never been admitted.
-    pub(crate) fn undo(&mut self, epoch: u64) {
-        self.unsent(epoch);
-        self.release(epoch);
+    /// Gives back everything an admission of `epoch` that cost `w` took (it never reached
+    /// its waiter): the state becomes what it would be had it never been admitted.
+    pub(crate) fn undo(&mut self, w: u64, epoch: u64) {
+        self.unsent_n(w, epoch);
+        self.release(w, epoch);
     }
 
-    /// A finished request, admitted in reload epoch `epoch`, gives its concurrency permit
-    /// back; the other kinds return permits with time alone.
-    pub(crate) fn release(&mut self, epoch: u64) {
+    /// A finished request, admitted in reload epoch `epoch` and costing `w`, gives its
+    /// concurrency permit back; the other kinds return permits with time alone.
+    pub(crate) fn release(&mut self, w: u64, epoch: u64) {
         if let Kind::Concurrency { in_flight, .. } = &mut self.kind
             && self.since <= epoch
         {
-            *in_flight = in_flight.saturating_sub(1);
+            *in_flight = in_flight.saturating_sub(u32::try_from(w).unwrap_or(u32::MAX));
         }
     }
 
@@ -374,10 +429,10 @@ impl LimitState {
     pub(crate) fn unsent_count(&self) -> u64 {
         match &self.kind {
             Kind::TokenBucket(g) => g.pending,
-            Kind::SlidingWindow(w) => w.pending as u64,
-            Kind::FixedWindow(w) => u64::from(w.pending),
-            Kind::Calendar(w) => u64::from(w.pending),
-            Kind::SlidingCounter(c) => c.pending as u64,
+            Kind::SlidingWindow(w) => w.pending,
+            Kind::FixedWindow(w) => w.pending,
+            Kind::Calendar(w) => w.pending,
+            Kind::SlidingCounter(c) => c.pending,
             Kind::Concurrency { .. } => 0,
         }
     }

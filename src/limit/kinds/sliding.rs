@@ -8,24 +8,24 @@ use tokio::time::Instant;
 use super::bounds::Bounds;
 use super::time::{Id, turns_after};
 
-/// `pending` requests are admitted but not sent: each holds a slot with no known return.
+/// `pending` units are admitted but not sent: each holds a slot with no known return.
 /// `sent` holds, ascending, the latest instant the provider may have counted each sent
-/// request (its send plus the margin, lowered to its response when that comes first);
+/// request (with the units it weighs) (its send plus the margin, lowered to its response when that comes first);
 /// its slot frees `window` later. Any request the provider counted before another's
 /// slot was reused is then at least `window` before it, at the provider.
 #[derive(Debug, Clone)]
 pub(super) struct Sliding {
-    permits: usize,
+    permits: u64,
     window: Duration,
     pub(super) margin: Duration,
-    pub(super) pending: usize,
+    pub(super) pending: u64,
     sent: Bounds,
 }
 
 impl Sliding {
     pub(super) fn new(permits: u32, window: Duration, margin: Duration) -> Sliding {
         Sliding {
-            permits: permits as usize,
+            permits: u64::from(permits),
             window,
             margin,
             pending: 0,
@@ -47,34 +47,40 @@ impl Sliding {
         self.sent.forget_while(|t| t + window <= now);
     }
 
-    fn held(&self) -> usize {
-        self.pending + self.sent.len()
+    fn held(&self) -> u64 {
+        self.pending + self.sent.weight()
     }
 
     pub(super) fn available(&self) -> u64 {
-        self.permits.saturating_sub(self.held()) as u64
+        self.permits.saturating_sub(self.held())
     }
 
-    pub(super) fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
+    pub(super) fn sent(&mut self, id: Id, w: u64, reserved: bool, now: Instant) {
         if reserved {
-            self.pending = self.pending.saturating_sub(1);
+            self.pending = self.pending.saturating_sub(w);
         }
-        self.sent.insert(now + self.margin, id);
+        self.sent.insert(now + self.margin, id, w);
+    }
+
+    /// Admission `id`, sent, weighs `w` now: its slots shrink or grow in place, freeing
+    /// when its entry's window passes as before.
+    pub(super) fn reweigh(&mut self, id: Id, w: u64) {
+        self.sent.reweigh(id, w);
     }
 
     pub(super) fn answered(&mut self, id: Id, now: Instant) {
         self.sent.answered(id, now);
     }
 
-    /// The earliest instant the `n`-th permit from now (n >= 1) could be taken if nothing
+    /// The earliest instant the `n`-th unit from now (n >= 1) could be taken if nothing
     /// else took any: a lower bound, with every pending request as if sent now.
     pub(super) fn ready_at(&self, n: u64, now: Instant) -> Instant {
         // Slot i of the window frees when its holder's `window` has passed (free slots:
         // now); the m-th future admission reuses slot (m-1) mod permits, one window later
         // for every full turn. After a reload lowered the limit more may be held than
         // allowed: the excess must expire before any slot frees.
-        let p = self.permits as u64;
-        let held = self.held() as u64;
+        let p = self.permits.max(1);
+        let held = self.held();
         let free = p.saturating_sub(held);
         let excess = held.saturating_sub(p);
         let m = n.max(1) - 1;
@@ -90,14 +96,13 @@ impl Sliding {
     /// When the `i`-th held slot (0-based, earliest first) frees at the soonest: sent
     /// requests in order, pending ones as if sent at `now`.
     fn frees(&self, i: u64, now: Instant) -> Instant {
-        let i = i as usize;
         let before_now = self.sent.before(now);
         let t = if i < before_now {
-            self.sent.get(i)
+            self.sent.unit(i)
         } else if i < before_now + self.pending {
             None
         } else {
-            self.sent.get(i - self.pending)
+            self.sent.unit(i - self.pending)
         };
         t.unwrap_or(now) + self.window
     }

@@ -291,9 +291,9 @@ fn concurrency_holds_until_release() {
     );
     assert_eq!(l.ready_at(1, t0), None);
     l.sent(0, Some(0), t0);
-    l.release(0);
+    l.release(1, 0);
     assert!(l.can_take(t0));
-    l.release(0);
+    l.release(1, 0);
     assert!(l.is_pristine(t0));
 }
 
@@ -309,7 +309,7 @@ fn undo_restores_the_untaken_state() {
     for spec in &specs {
         let mut l = LimitState::new(spec, t0);
         l.take(t0 + ms(10));
-        l.undo(0);
+        l.undo(1, 0);
         assert!(l.is_pristine(t0 + ms(20)), "{spec:?} -> {l:?}");
         assert_eq!(l.available(t0 + ms(20)), 2, "{spec:?}");
     }
@@ -413,16 +413,16 @@ fn carried_windows_and_concurrency_keep_what_was_taken() {
     }
     let mut lower = c.carry(&conc_spec(2), t0, 1);
     assert_eq!(lower.available(t0), 0);
-    lower.release(0);
+    lower.release(1, 0);
     assert_eq!(lower.available(t0), 0);
-    lower.release(0);
+    lower.release(1, 0);
     assert_eq!(lower.available(t0), 1);
     // A limit born in epoch 1 was never paid by a permit of epoch 0.
     let mut born = LimitState::new_in(&conc_spec(2), t0, 1);
     born.take(t0);
-    born.release(0);
+    born.release(1, 0);
     assert_eq!(born.available(t0), 1);
-    born.release(1);
+    born.release(1, 1);
     assert_eq!(born.available(t0), 2);
 }
 
@@ -724,4 +724,87 @@ fn clock_edges_move_to_an_announced_reset_and_allow_for_its_seconds() {
     assert_eq!(c.clock_edges(t0), Some((ms(13_000), slack)));
     let any = "kind = \"sliding_counter\"\npermits = 2\nwindow = \"1m\"";
     assert!(!at_unix(any, t0, ROUND).realign(t0 + ms(13_000), slack));
+}
+
+/// Weighted admissions (a request that costs `w` units) and their corrections, kind by
+/// kind: the units taken, what a refund gives back and what a surcharge owes.
+#[test]
+fn costs_are_taken_whole_and_corrected_where_they_were_counted() {
+    let t0 = Instant::now();
+    // A token bucket of 10 a second, burst 10: 8 taken and sent leave 2.
+    let mut l = LimitState::new(&token_spec(10, ms(1000), 10, 0), t0);
+    assert!(l.can_take_n(8, t0) && !l.can_take_n(11, t0));
+    l.take_n(8, t0);
+    assert!(!l.can_take_n(3, t0));
+    l.sent_n(1, 8, Some(0), t0);
+    assert_eq!(l.available(t0), 2);
+    // It cost 3: 5 come back at once.
+    l.reweigh(1, 8, 3, 0, t0);
+    assert_eq!(l.available(t0), 7);
+    // It cost 17: the bucket owes 7, and admits nothing until time has paid them.
+    l.reweigh(1, 3, 17, 0, t0);
+    assert_eq!(l.available(t0), 0);
+    assert_eq!(l.ready_at(1, t0), Some(t0 + ms(800)));
+    // A refund never fills the bucket beyond full.
+    let mut l = LimitState::new(&token_spec(10, ms(1000), 10, 0), t0);
+    l.take_n(2, t0);
+    l.sent_n(1, 2, Some(0), t0);
+    l.reweigh(1, 2, 0, 0, t0 + ms(500));
+    assert_eq!(l.available(t0 + ms(500)), 10);
+
+    // A sliding log: the entry shrinks or grows in place, and frees a window after it.
+    let mut l = LimitState::new(&sliding_spec(10, 1000, 0), t0);
+    l.take_n(6, t0);
+    l.sent_n(1, 6, Some(0), t0);
+    l.take_n(1, t0);
+    l.sent_n(2, 1, Some(0), t0 + ms(100));
+    assert_eq!(l.available(t0 + ms(100)), 3);
+    l.reweigh(1, 6, 2, 0, t0 + ms(200));
+    assert_eq!(l.available(t0 + ms(200)), 7);
+    l.reweigh(1, 2, 9, 0, t0 + ms(200));
+    assert_eq!(l.available(t0 + ms(200)), 0);
+    // The 3 units a new request needs: from the first entry's end on.
+    assert_eq!(l.ready_at(3, t0 + ms(200)), Some(t0 + ms(1000)));
+    assert_eq!(
+        l.available(t0 + ms(1000)),
+        9,
+        "the entry of 9 freed with its window"
+    );
+
+    // A fixed window from the first request: more is charged to the open window; a
+    // refund comes back for the send that opened it, not for one it cannot place.
+    let mut l = LimitState::new(&fixed_spec(10, 1000, 0), t0);
+    l.take_n(4, t0);
+    l.sent_n(1, 4, Some(0), t0);
+    l.take_n(4, t0);
+    l.sent_n(2, 4, Some(0), t0 + ms(10));
+    assert_eq!(l.available(t0 + ms(10)), 2);
+    l.reweigh(2, 4, 1, 0, t0 + ms(20));
+    assert_eq!(
+        l.available(t0 + ms(20)),
+        2,
+        "not the anchor: the estimate stands"
+    );
+    l.reweigh(1, 4, 1, 0, t0 + ms(20));
+    assert_eq!(l.available(t0 + ms(20)), 5, "the anchor's refund");
+    l.reweigh(2, 4, 9, 0, t0 + ms(20));
+    assert_eq!(l.available(t0 + ms(20)), 0);
+    assert_eq!(
+        l.available(t0 + ms(1000)),
+        10,
+        "the next window starts afresh"
+    );
+
+    // A correction for a limit made after the admission (a reload) does nothing.
+    let mut l = LimitState::new_in(&sliding_spec(10, 1000, 0), t0, 3);
+    l.take_n(4, t0);
+    l.sent_n(1, 4, Some(3), t0);
+    l.reweigh(1, 4, 1, 2, t0);
+    assert_eq!(l.available(t0), 6);
+    // Concurrency counts requests, whatever they cost elsewhere.
+    let mut c = LimitState::new(&conc_spec(2), t0);
+    assert!(c.can_take_n(1, t0));
+    c.take_n(1, t0);
+    c.release(1, 0);
+    assert_eq!(c.available(t0), 2);
 }

@@ -132,7 +132,8 @@ impl Pace {
 /// nanoseconds since `base` multiplied by `rate`, so that the emission interval `per / rate`
 /// needs no rounding.
 ///
-/// Admitted requests that have not been sent yet (`pending`) hold a token each: they will
+/// Admitted requests that have not been sent yet (`pending`) hold their tokens (one for a
+/// limit that counts requests, their cost for one that counts a unit): they will
 /// reach the provider at some instant from now on, and the bucket only fills with time, so
 /// admitting a request while more than `pending` tokens are available now keeps every one
 /// of them conforming whenever it is sent. A sent request enters `tat` at the latest
@@ -147,9 +148,10 @@ pub(super) struct Gcra {
     tat: u128,
     pub(super) margin: Duration,
     pub(super) pending: u64,
-    /// The last send folded into `tat`: its id, `tat` before it, and the arrival bound it
-    /// used, so that a response before the margin ran out can take back what it assumed.
-    last: Option<(Id, u128, u128)>,
+    /// The last send folded into `tat`: its id, `tat` before it, the arrival bound it
+    /// used and its weight, so that a response before the margin ran out can take back
+    /// what it assumed.
+    last: Option<(Id, u128, u128, u64)>,
 }
 
 impl Gcra {
@@ -210,25 +212,45 @@ impl Gcra {
         self.tokens(now).saturating_sub(self.pending)
     }
 
-    pub(super) fn sent(&mut self, id: Id, reserved: bool, now: Instant) {
+    pub(super) fn sent(&mut self, id: Id, w: u64, reserved: bool, now: Instant) {
         if reserved {
-            self.pending = self.pending.saturating_sub(1);
+            self.pending = self.pending.saturating_sub(w);
         }
         let latest = self.scaled(now + self.margin);
         let before = self.tat;
-        self.tat = before.max(latest) + self.per_ns;
-        self.last = Some((id, before, latest));
+        self.tat = before.max(latest) + u128::from(w) * self.per_ns;
+        self.last = Some((id, before, latest, w));
     }
 
     pub(super) fn answered(&mut self, id: Id, now: Instant) {
-        let Some((last, before, latest)) = self.last else {
+        let Some((last, before, latest, w)) = self.last else {
             return;
         };
         let r = self.scaled(now);
         // Only the last send can be re-folded: ones after it were folded on top of it.
         if last == id && r < latest {
-            self.tat = before.max(r) + self.per_ns;
-            self.last = Some((id, before, r));
+            self.tat = before.max(r) + u128::from(w) * self.per_ns;
+            self.last = Some((id, before, r, w));
+        }
+    }
+
+    /// Admission `id`, sent weighing `was`, weighs `w` now: the difference is paid back
+    /// into the bucket, or owed by it (the bucket goes into debt: nothing more is admitted
+    /// until time has paid it), as the provider settles a request's true cost.
+    pub(super) fn reweigh(&mut self, id: Id, was: u64, w: u64, now: Instant) {
+        let per = self.per_ns;
+        if w >= was {
+            self.tat += u128::from(w - was) * per;
+        } else {
+            // A refund cannot fill the bucket beyond full.
+            let floor = self.scaled(now);
+            self.tat = self
+                .tat
+                .saturating_sub(u128::from(was - w) * per)
+                .max(floor.min(self.tat));
+        }
+        if let Some(last) = self.last.as_mut().filter(|l| l.0 == id) {
+            last.3 = w;
         }
     }
 
