@@ -78,6 +78,9 @@ impl fmt::Display for Limit {
             Limit::Concurrency { max, .. } => format!("concurrency {max} in flight"),
         };
         f.write_str(&text)?;
+        if let Some(unit) = &self.unit_ref().name {
+            write!(f, ", in {unit}")?;
+        }
         if let Some(m) = self.margin() {
             write!(f, ", margin {}", fmt_duration(m))?;
             if self.margin_spec().is_none() {
@@ -143,6 +146,18 @@ pub fn explain(
     url: &Uri,
     headers: &HeaderMap,
 ) -> Result<String, ExplainError> {
+    explain_request(config, method, url, headers, None)
+}
+
+/// As [`explain`], for a request with `body` (`sluice explain -d`): a priced family's
+/// cost is estimated from it.
+pub fn explain_request(
+    config: &Config,
+    method: &Method,
+    url: &Uri,
+    headers: &HeaderMap,
+    body: Option<&[u8]>,
+) -> Result<String, ExplainError> {
     let (scheme, host) = match (url.scheme_str(), url.host()) {
         (Some(s), Some(h)) => (s, normalize_host(h)),
         _ => return Err(ExplainError::NotAbsolute),
@@ -205,6 +220,7 @@ pub fn explain(
     at.family(&mut out);
     at.partition(&mut out, &route);
     at.limits(&mut out);
+    at.cost(&mut out, headers, body, path);
     at.learning(&mut out);
     at.policy(&mut out, method, headers);
     if scheme == "https" {
@@ -330,6 +346,59 @@ impl Matched<'_> {
                     c.redis
                 ),
             );
+        }
+    }
+
+    /// What a priced family's request costs, estimated as the proxy would from the headers
+    /// and `body`; and a warning where corrections assume the provider reconciles.
+    fn cost(&self, out: &mut String, headers: &HeaderMap, body: Option<&[u8]>, path: &str) {
+        use crate::price::{BodyView, Declared};
+        let Some(f) = self.family.filter(|f| !f.prices.is_empty()) else {
+            return;
+        };
+        let limit = self.config.proxy.max_replay_body;
+        let json = body.and_then(|b| serde_json::from_slice::<serde_json::Value>(b).ok());
+        let view = match (body, &json) {
+            (None, _) => BodyView::Unread,
+            (Some(b), _) if b.len() as u64 > limit => BodyView::TooLarge { limit },
+            (Some(_), Some(v)) => BodyView::Json(v),
+            (Some(_), None) => BodyView::NotJson,
+        };
+        let priced = Declared::read(headers)
+            .and_then(|d| crate::price::price(&f.prices, headers, &d, &view, path));
+        let text = match priced {
+            Ok(costs) => {
+                let units: Vec<String> = f
+                    .prices
+                    .iter()
+                    .map(|p| format!("{} {} (estimate {})", costs.of(p.index), p.unit, p.estimate))
+                    .collect();
+                format!("1 request, {}", units.join(", "))
+            }
+            Err(e) => {
+                let (reason, status) = e.answer();
+                let hint = if body.is_none() {
+                    " (give the body with -d @file)"
+                } else {
+                    ""
+                };
+                format!("answered {status} sluice_{reason}: {e}{hint}")
+            }
+        };
+        line(out, "cost", &text);
+        for p in f.prices.iter() {
+            if let Some(a) = &p.actual {
+                line(
+                    out,
+                    "",
+                    &format!(
+                        "{} corrected after the response from {a}: right only if the provider \
+                         reconciles its count too (Anthropic, Shopify); against one that keeps \
+                         its estimate (OpenAI, GitHub) this admits more than it allows",
+                        p.unit
+                    ),
+                );
+            }
         }
     }
 
@@ -621,5 +690,36 @@ mod tests {
             "{out}"
         );
         assert!(!out.contains("s3cret"), "{out}");
+    }
+
+    #[test]
+    fn prices_a_request_from_its_body_and_warns_of_corrections() {
+        let c = Config::parse(
+            "[[upstream]]\nname = \"anthropic\"\nhosts = [\"api.anthropic.com\"]\n\
+             [[upstream.family]]\nname = \"messages\"\npaths = [\"/v1/messages\"]\n\
+             limits = [{ kind = \"token_bucket\", rate = 8000, per = \"1m\", burst = 8000, unit = \"output_tokens\" }]\n\
+             [upstream.family.cost.output_tokens]\nestimate = \"anthropic:output\"\n\
+             actual = \"json:/usage/output_tokens\"\n",
+            "t",
+        )
+        .unwrap();
+        let url: Uri = "http://api.anthropic.com/v1/messages".parse().unwrap();
+        let body = br#"{"max_tokens": 1200, "messages": [{"role": "user", "content": "hi"}]}"#;
+        let out = explain_request(&c, &Method::POST, &url, &HeaderMap::new(), Some(body)).unwrap();
+        assert!(out.contains("in output_tokens"), "{out}");
+        assert!(
+            out.contains("cost        1 request, 1200 output_tokens (estimate anthropic:output)"),
+            "{out}"
+        );
+        assert!(
+            out.contains("right only if the provider reconciles"),
+            "{out}"
+        );
+        let mut h = HeaderMap::new();
+        h.insert("sluice-cost", "output_tokens=9000".parse().unwrap());
+        let out = explain_request(&c, &Method::POST, &url, &h, None).unwrap();
+        assert!(out.contains("answered 413 sluice_cost_too_large"), "{out}");
+        let out = explain(&c, &Method::POST, &url, &HeaderMap::new()).unwrap();
+        assert!(out.contains("give the body with -d @file"), "{out}");
     }
 }

@@ -45,6 +45,7 @@ pub(crate) mod limit;
 pub(crate) mod log;
 pub(crate) mod metrics;
 pub(crate) mod policy;
+pub(crate) mod price;
 pub(crate) mod proxy;
 pub(crate) mod reload;
 pub(crate) mod rlimit;
@@ -68,7 +69,7 @@ pub use server::Server;
 
 // The other subcommands and the process's set-up.
 pub use cpus::{Machine, Pin, plan as plan_workers};
-pub use explain::explain;
+pub use explain::{explain, explain_request};
 pub use log::{
     AccessFormat, Guard as LogGuard, Stderr as LogWriter, install as install_log, set_access_format,
 };

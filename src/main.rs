@@ -132,6 +132,10 @@ enum Command {
         /// Request header 'Name: value' (repeatable); key headers pick the partition.
         #[arg(short = 'H', long = "header")]
         headers: Vec<String>,
+        /// Request body, or @FILE to read it from a file: a priced family's cost is
+        /// estimated from it.
+        #[arg(short = 'd', long = "data")]
+        data: Option<String>,
     },
 }
 
@@ -177,7 +181,8 @@ fn main() -> ExitCode {
             method,
             url,
             headers,
-        } => explain(&config.config, &method, &url, &headers),
+            data,
+        } => explain(&config.config, &method, &url, &headers, data.as_deref()),
     };
     // Everything logged so far reaches stderr before the process ends (and before a
     // final error, which is written directly).
@@ -289,7 +294,13 @@ fn check(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn explain(path: &Path, method: &str, url: &str, headers: &[String]) -> anyhow::Result<()> {
+fn explain(
+    path: &Path,
+    method: &str,
+    url: &str,
+    headers: &[String],
+    data: Option<&str>,
+) -> anyhow::Result<()> {
     let config = Config::load(path)?;
     for w in config.warnings() {
         eprintln!("warning: {w}");
@@ -308,7 +319,17 @@ fn explain(path: &Path, method: &str, url: &str, headers: &[String]) -> anyhow::
         let value = HeaderValue::from_str(value.trim()).context("invalid header value")?;
         map.append(name, value);
     }
-    print!("{}", sluice::explain(&config, &method, &url, &map)?);
+    let body = match data {
+        Some(d) => Some(match d.strip_prefix('@') {
+            Some(file) => std::fs::read(file).with_context(|| format!("reading {file}"))?,
+            None => d.as_bytes().to_vec(),
+        }),
+        None => None,
+    };
+    print!(
+        "{}",
+        sluice::explain_request(&config, &method, &url, &map, body.as_deref())?
+    );
     Ok(())
 }
 

@@ -26,6 +26,9 @@ pub struct Metrics {
     pub(crate) rejections: IntCounterVec,
     /// `{upstream, family, action}`: upstream 429s by what was done about them.
     pub(crate) upstream_429: IntCounterVec,
+    /// `{upstream, family, unit, stage}`: cost units paid at admission (`estimated`) and
+    /// reported by responses (`actual`).
+    pub(crate) cost: IntCounterVec,
     /// `{upstream, family}`: upstream 429s for requests admitted at the instant a rate
     /// limit allowed them: the provider's window edge is later than sluice believed.
     pub(crate) edge_429: IntCounterVec,
@@ -341,6 +344,10 @@ const HELP: &[(&str, &str)] = &[
         "Upstream 429 responses by the action taken",
     ),
     (
+        "sluice_cost_total",
+        "Cost units of priced requests: estimated (paid at admission) and actual (as responses reported it)",
+    ),
+    (
         "sluice_edge_429_total",
         "Upstream 429s for requests admitted at a rate limit's edge: a larger margin would have held them back",
     ),
@@ -499,6 +506,10 @@ impl Metrics {
                 &["upstream", "family", "action"],
             )?,
             edge_429: m.int_counters("sluice_edge_429_total", &["upstream", "family"])?,
+            cost: m.int_counters(
+                "sluice_cost_total",
+                &["upstream", "family", "unit", "stage"],
+            )?,
             retries: m.int_counters("sluice_retries_total", &["upstream", "family", "reason"])?,
             breaker_state: m.int_gauges("sluice_breaker_state", &["upstream", "state"])?,
             family_breaker_state: m.int_gauges(

@@ -49,6 +49,7 @@ impl Shape {
             margin,
             margin_max: None,
             scope,
+            unit: Default::default(),
         };
         match self.kind {
             's' => Limit::SlidingWindow {
@@ -57,6 +58,7 @@ impl Shape {
                 margin,
                 margin_max: None,
                 scope,
+                unit: Default::default(),
             },
             'f' | 'k' => Limit::FixedWindow {
                 align: if self.kind == 'k' {
@@ -70,6 +72,7 @@ impl Shape {
                 margin,
                 margin_max: None,
                 scope,
+                unit: Default::default(),
             },
             'c' => counter(CounterAlign::Any, Rounding::Down),
             'C' => counter(CounterAlign::Clock, Rounding::Down),
@@ -81,6 +84,7 @@ impl Shape {
                 margin,
                 margin_max: None,
                 scope,
+                unit: Default::default(),
             },
             'p' => Limit::Published {
                 permits,
@@ -88,6 +92,7 @@ impl Shape {
                 margin,
                 margin_max: None,
                 scope,
+                unit: Default::default(),
             },
             _ => Limit::TokenBucket {
                 rate: permits,
@@ -96,6 +101,7 @@ impl Shape {
                 margin,
                 margin_max: None,
                 scope,
+                unit: Default::default(),
             },
         }
     }

@@ -105,6 +105,7 @@ impl Shape {
             margin,
             margin_max: None,
             scope,
+            unit: Default::default(),
         };
         let counter = |align, rounding| Limit::SlidingCounter {
             permits,
@@ -115,6 +116,7 @@ impl Shape {
             margin,
             margin_max: None,
             scope,
+            unit: Default::default(),
         };
         match self.kind {
             Kind::Sliding => Limit::SlidingWindow {
@@ -123,6 +125,7 @@ impl Shape {
                 margin,
                 margin_max: None,
                 scope,
+                unit: Default::default(),
             },
             Kind::Fixed => fixed(WindowAlign::First, None),
             Kind::Token { burst } => Limit::TokenBucket {
@@ -132,6 +135,7 @@ impl Shape {
                 margin,
                 margin_max: None,
                 scope,
+                unit: Default::default(),
             },
             Kind::CounterAny => counter(CounterAlign::Any, Rounding::Down),
             Kind::CounterClock { rounds_down } => counter(
@@ -158,6 +162,7 @@ impl Shape {
                     )),
                     margin_max: None,
                     scope,
+                    unit: Default::default(),
                 }
             }
             Kind::Published => Limit::Published {
@@ -166,6 +171,7 @@ impl Shape {
                 margin,
                 margin_max: None,
                 scope,
+                unit: Default::default(),
             },
             Kind::Announced { counter: false, .. } => fixed(WindowAlign::Clock, None),
             Kind::Announced { counter: true, .. } => counter(CounterAlign::Clock, Rounding::Down),

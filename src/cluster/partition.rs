@@ -1009,7 +1009,7 @@ pub(crate) fn share(spec: &Limit, replicas: u32) -> Option<Limit> {
     };
     let burst =
         |b: u32| std::num::NonZeroU32::new(b / replicas).unwrap_or(std::num::NonZeroU32::MIN);
-    let (margin, scope) = (spec.margin_spec(), spec.scope());
+    let (margin, scope, unit) = (spec.margin_spec(), spec.scope(), spec.unit_ref().clone());
     Some(match *spec {
         Limit::SlidingWindow {
             permits, window, ..
@@ -1027,6 +1027,7 @@ pub(crate) fn share(spec: &Limit, replicas: u32) -> Option<Limit> {
                 margin,
                 margin_max: None,
                 scope,
+                unit: unit.clone(),
             }
         }
         Limit::FixedWindow {
@@ -1045,6 +1046,7 @@ pub(crate) fn share(spec: &Limit, replicas: u32) -> Option<Limit> {
                 margin,
                 margin_max: None,
                 scope,
+                unit: unit.clone(),
             }
         }
         Limit::SlidingCounter {
@@ -1064,6 +1066,7 @@ pub(crate) fn share(spec: &Limit, replicas: u32) -> Option<Limit> {
                 margin,
                 margin_max: None,
                 scope,
+                unit: unit.clone(),
             }
         }
         Limit::TokenBucket {
@@ -1078,6 +1081,7 @@ pub(crate) fn share(spec: &Limit, replicas: u32) -> Option<Limit> {
             margin,
             margin_max: None,
             scope,
+            unit: unit.clone(),
         },
         Limit::LeakyBucket { .. } | Limit::Published { .. } => {
             let pace = Pace::of(spec)?;
@@ -1090,6 +1094,7 @@ pub(crate) fn share(spec: &Limit, replicas: u32) -> Option<Limit> {
                 margin: margin.or(Some(crate::config::Margin::Duration(spec.margin()?))),
                 margin_max: None,
                 scope,
+                unit: unit.clone(),
             }
         }
         Limit::Concurrency { .. } => return None,

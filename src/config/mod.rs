@@ -3,6 +3,7 @@
 //! carries its complete policy (`[defaults]` ← `[[upstream]]` ← `[[upstream.family]]`).
 //! Every error names `file:line:col`.
 
+pub(crate) mod cost;
 mod listen;
 pub(crate) mod pattern;
 pub(crate) mod spec;
@@ -22,7 +23,7 @@ pub use listen::ListenAddr;
 pub(crate) use pattern::{HostPattern, PathGlob};
 pub(crate) use spec::{
     Action, AdminControl, CooldownScope, CounterAlign, Jitter, Learn, LimitSpec as Limit,
-    OnRedisError, Priority, RetryOn, Rounding, Scheme, TlsMode, Unmatched, WindowAlign,
+    OnRedisError, Priority, QueueOrder, RetryOn, Rounding, Scheme, TlsMode, Unmatched, WindowAlign,
 };
 use spec::{AdaptiveSpec, BreakerSpec, ConfigSpec, PolicySpec, RetrySpec};
 pub(crate) use units::Margin;
@@ -206,6 +207,8 @@ pub struct Upstream {
     pub upstream_ca: Option<PathBuf>,
     pub limits: Vec<Limit>,
     pub families: Vec<Family>,
+    /// The units its families price, by index less one (index 0 is requests).
+    pub(crate) units: Vec<String>,
     pub(crate) classify: Vec<ClassifyRule>,
     pub(crate) idempotency_generate: bool,
     pub(crate) cooldown: CooldownScope,
@@ -238,6 +241,10 @@ pub struct Family {
     pub(crate) adaptive: Option<Adaptive>,
     /// Where a request's tenant comes from: its queue then serves tenants in turns.
     pub(crate) tenant: Option<KeySource>,
+    /// What its requests cost in each unit it prices.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(crate) prices: Vec<cost::Price>,
+    pub(crate) queue_order: spec::QueueOrder,
     pub(crate) policy: Policy,
 }
 
@@ -1056,7 +1063,34 @@ fn check_upstream(
     }
     let policy = merge_policy(defaults, &u.policy())?;
 
-    let limits = check_limits(&u.limits, has_cluster)?;
+    // The units its families price, numbered in name order from 1 (0 is requests).
+    let mut units: Vec<String> = u
+        .family
+        .iter()
+        .flat_map(|f| f.cost.keys().cloned())
+        .collect();
+    units.sort();
+    units.dedup();
+    if units.len() > cost::MAX_PRICED {
+        return Err(invalid(
+            u.name.span(),
+            format!(
+                "upstream {name:?} prices {} units ({}); at most {} beside requests",
+                units.len(),
+                units.join(", "),
+                cost::MAX_PRICED
+            ),
+        ));
+    }
+    let mut limits = check_limits(&u.limits, has_cluster)?;
+    let priced: Vec<&str> = units.iter().map(String::as_str).collect();
+    resolve_units(
+        &mut limits,
+        &u.limits,
+        &units,
+        &priced,
+        "any of its families",
+    )?;
     let adaptive = u.adaptive.as_ref().map(check_adaptive).transpose()?;
     let mut families = Vec::with_capacity(u.family.len());
     let mut fam_names: HashSet<String> = HashSet::new();
@@ -1065,7 +1099,7 @@ fn check_upstream(
             f,
             &name,
             (&policy, adaptive, &limits),
-            has_cluster,
+            (has_cluster, &units),
             &mut fam_names,
         )?);
     }
@@ -1102,6 +1136,7 @@ fn check_upstream(
         upstream_ca: u.upstream_ca.map(PathBuf::from),
         limits,
         families,
+        units,
         classify,
         idempotency_generate: u.idempotency_generate.unwrap_or(false),
         access_log: match &u.access_log {
@@ -1159,7 +1194,7 @@ fn check_family(
     f: &spec::FamilySpec,
     name: &str,
     up: (&Policy, Option<Adaptive>, &[Limit]),
-    has_cluster: bool,
+    (has_cluster, units): (bool, &[String]),
     names: &mut HashSet<String>,
 ) -> Result<Family> {
     let (policy, up_adaptive, up_limits) = up;
@@ -1181,7 +1216,19 @@ fn check_family(
         None => None,
         Some(ms) => Some(ms.iter().map(parse_method).collect::<Result<Vec<_>>>()?),
     };
-    let limits = check_limits(&f.limits, has_cluster)?;
+    let mut limits = check_limits(&f.limits, has_cluster)?;
+    let priced: Vec<&str> = f.cost.keys().map(String::as_str).collect();
+    resolve_units(&mut limits, &f.limits, units, &priced, "this family")?;
+    let prices = check_prices(f, units, &limits, up_limits)?;
+    if f.queue_order == spec::QueueOrder::NewestFirst
+        && let Some(t) = &f.tenant
+    {
+        return Err(invalid(
+            t.span(),
+            "a family's queue takes tenants in turns (tenant) or serves the newest first \
+             (queue_order = \"newest_first\"), not both",
+        ));
+    }
     let own = f.adaptive.as_ref().map(check_adaptive).transpose()?;
     let adaptive = own.or(up_adaptive);
     if adaptive.is_some()
@@ -1208,8 +1255,133 @@ fn check_family(
         own_breaker: f.breaker.is_some(),
         adaptive,
         tenant: f.tenant.as_ref().map(parse_key).transpose()?,
+        prices,
+        queue_order: f.queue_order,
         policy: merge_policy(policy, &f.policy())?,
     })
+}
+
+/// Numbers each limit's unit among the upstream's `units`; a unit must be one that
+/// `priced` (the family's cost tables, or any family's for an upstream's limit) prices.
+fn resolve_units(
+    limits: &mut [Limit],
+    written: &[toml::Spanned<Limit>],
+    units: &[String],
+    priced: &[&str],
+    whose: &str,
+) -> Result<()> {
+    for (limit, w) in limits.iter_mut().zip(written) {
+        let Some(name) = limit.unit_ref().name.clone() else {
+            continue;
+        };
+        if limit.is_global() {
+            return Err(invalid(
+                w.span(),
+                format!(
+                    "a limit counting {name} is counted by each replica: scope = \"global\" \
+                     shares limits of requests only (docs/cluster.md); give each replica its \
+                     share of the {name}"
+                ),
+            ));
+        }
+        match limit {
+            Limit::Concurrency { .. } => {
+                return Err(invalid(
+                    w.span(),
+                    "a concurrency limit counts requests in flight: it takes no unit",
+                ));
+            }
+            Limit::LeakyBucket { .. } | Limit::Published { .. } => {
+                return Err(invalid(
+                    w.span(),
+                    format!(
+                        "a {} limit paces requests one by one and cannot count {name}: use a                          token_bucket or a window",
+                        if matches!(limit, Limit::LeakyBucket { .. }) {
+                            "leaky_bucket"
+                        } else {
+                            "published"
+                        }
+                    ),
+                ));
+            }
+            _ => {}
+        }
+        let index = units.iter().position(|u| *u == name);
+        match index {
+            Some(i) if priced.contains(&name.as_str()) => {
+                limit.unit_mut().index = u8::try_from(i + 1).unwrap_or(u8::MAX);
+            }
+            _ => {
+                return Err(invalid(
+                    w.span(),
+                    format!(
+                        "this limit counts {name}, but {whose} prices no {name}: add                          [upstream.family.cost.{name}] saying what a request costs"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A family's cost tables, resolved; a `max` that no limit of its unit could ever admit
+/// is refused here rather than request by request.
+fn check_prices(
+    f: &spec::FamilySpec,
+    units: &[String],
+    own: &[Limit],
+    up: &[Limit],
+) -> Result<Vec<cost::Price>> {
+    let mut prices = Vec::with_capacity(f.cost.len());
+    for (name, c) in &f.cost {
+        let at = c.span();
+        let spec = c.get_ref();
+        if !cost::is_unit_name(name) || name == "requests" {
+            return Err(invalid(
+                at,
+                format!(
+                    "[cost.{name}]: a priced unit is a name of lowercase letters, digits and                      _, other than \"requests\" (every request costs one request)"
+                ),
+            ));
+        }
+        let index = units.iter().position(|u| u == name).map_or(0, |i| i + 1);
+        let index = u8::try_from(index).unwrap_or(u8::MAX);
+        let estimate = cost::Estimate::parse(&spec.estimate)
+            .map_err(|e| invalid(at.clone(), format!("[cost.{name}] {e}")))?;
+        let actual = spec
+            .actual
+            .as_deref()
+            .map(cost::Source::parse)
+            .transpose()
+            .map_err(|e| invalid(at.clone(), format!("[cost.{name}] actual {e}")))?;
+        let ceiling = own
+            .iter()
+            .chain(up)
+            .filter(|l| l.unit() == index)
+            .filter_map(|l| l.burst())
+            .min();
+        if ceiling.is_none() {
+            return Err(invalid(
+                at,
+                format!(
+                    "[cost.{name}] prices {name}, but no limit of this family or its upstream \
+                     counts them: add unit = \"{name}\" to one"
+                ),
+            ));
+        }
+        prices.push(cost::Price {
+            unit: name.clone(),
+            index,
+            estimate,
+            actual,
+            max: spec.max.map(|m| m.get()),
+            fallback: spec.fallback,
+            default_output: spec.default_output.unwrap_or(cost::DEFAULT_OUTPUT),
+            max_queue: spec.max_queue.map(|m| m.get()),
+            ceiling: ceiling.map(u64::from),
+        });
+    }
+    Ok(prices)
 }
 
 fn check_egress(e: &spec::EgressSpec) -> Result<EgressConfig> {

@@ -6,6 +6,7 @@ use std::num::NonZeroU32;
 use serde::{Deserialize, Serialize, de};
 use toml::Spanned;
 
+use super::cost::{CostSpec, Unit};
 use super::pattern::{HostPattern, PathGlob};
 use super::units::{Bytes, Dur, Margin, PosDur};
 
@@ -235,6 +236,12 @@ pub(crate) struct FamilySpec {
     pub(crate) limits: Vec<Spanned<LimitSpec>>,
     pub(crate) adaptive: Option<Spanned<AdaptiveSpec>>,
     pub(crate) tenant: Option<Spanned<String>>,
+    /// `[upstream.family.cost.<unit>]`: what a request costs in each unit it is priced in.
+    #[serde(default)]
+    pub(crate) cost: std::collections::BTreeMap<String, Spanned<CostSpec>>,
+    /// Which waiter of the family's queue goes first: the oldest (FIFO) or the newest.
+    #[serde(default)]
+    pub(crate) queue_order: QueueOrder,
     pub(crate) max_queue: Option<NonZeroU32>,
     pub(crate) max_wait: Option<Dur>,
     pub(crate) attempt_timeout: Option<PosDur>,
@@ -297,6 +304,15 @@ pub(crate) enum Priority {
     #[default]
     Normal,
     Low,
+}
+
+/// The order a family's queue serves its waiters in (the seeds' `QueueProcessingOrder`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum QueueOrder {
+    #[default]
+    OldestFirst,
+    NewestFirst,
 }
 
 /// What an upstream's responses teach the limiter: nothing, or the budget the provider
@@ -373,6 +389,8 @@ pub enum LimitSpec {
         margin_max: Option<Margin>,
         #[serde(default)]
         scope: Scope,
+        #[serde(default, skip_serializing_if = "Unit::is_requests")]
+        unit: Unit,
     },
     SlidingWindow {
         permits: NonZeroU32,
@@ -384,6 +402,8 @@ pub enum LimitSpec {
         margin_max: Option<Margin>,
         #[serde(default)]
         scope: Scope,
+        #[serde(default, skip_serializing_if = "Unit::is_requests")]
+        unit: Unit,
     },
     FixedWindow {
         permits: NonZeroU32,
@@ -403,6 +423,8 @@ pub enum LimitSpec {
         margin_max: Option<Margin>,
         #[serde(default)]
         scope: Scope,
+        #[serde(default, skip_serializing_if = "Unit::is_requests")]
+        unit: Unit,
     },
     /// The weighted two-window counter: a request is admitted while the previous window's
     /// count, weighted by the share of it still inside the last `window`, plus the
@@ -427,6 +449,8 @@ pub enum LimitSpec {
         margin_max: Option<Margin>,
         #[serde(default)]
         scope: Scope,
+        #[serde(default, skip_serializing_if = "Unit::is_requests")]
+        unit: Unit,
     },
     /// nginx `limit_req`: `rate` per `per` (nginx's `r/s` or `r/m`), and `burst` requests
     /// of excess beyond it, counted in nginx's own units (see `limit::kinds::leaky`).
@@ -442,6 +466,8 @@ pub enum LimitSpec {
         margin_max: Option<Margin>,
         #[serde(default)]
         scope: Scope,
+        #[serde(default, skip_serializing_if = "Unit::is_requests")]
+        unit: Unit,
     },
     /// A published "`permits` per `window`" whose algorithm is unknown: requests paced
     /// evenly, so that every common algorithm at those numbers accepts them.
@@ -455,11 +481,15 @@ pub enum LimitSpec {
         margin_max: Option<Margin>,
         #[serde(default)]
         scope: Scope,
+        #[serde(default, skip_serializing_if = "Unit::is_requests")]
+        unit: Unit,
     },
     Concurrency {
         max: NonZeroU32,
         #[serde(default)]
         scope: Scope,
+        #[serde(default, skip_serializing_if = "Unit::is_requests")]
+        unit: Unit,
     },
 }
 
@@ -472,7 +502,32 @@ pub(crate) const DEFAULT_MARGIN_CAP: std::time::Duration = std::time::Duration::
 impl LimitSpec {
     /// The unit it counts, as an index into its upstream's units (0: requests).
     pub(crate) fn unit(&self) -> u8 {
-        crate::limit::costs::REQUESTS
+        self.unit_ref().index
+    }
+
+    /// The unit it counts, as written and resolved.
+    pub(crate) fn unit_ref(&self) -> &Unit {
+        match self {
+            LimitSpec::TokenBucket { unit, .. }
+            | LimitSpec::SlidingWindow { unit, .. }
+            | LimitSpec::FixedWindow { unit, .. }
+            | LimitSpec::SlidingCounter { unit, .. }
+            | LimitSpec::LeakyBucket { unit, .. }
+            | LimitSpec::Published { unit, .. }
+            | LimitSpec::Concurrency { unit, .. } => unit,
+        }
+    }
+
+    pub(crate) fn unit_mut(&mut self) -> &mut Unit {
+        match self {
+            LimitSpec::TokenBucket { unit, .. }
+            | LimitSpec::SlidingWindow { unit, .. }
+            | LimitSpec::FixedWindow { unit, .. }
+            | LimitSpec::SlidingCounter { unit, .. }
+            | LimitSpec::LeakyBucket { unit, .. }
+            | LimitSpec::Published { unit, .. }
+            | LimitSpec::Concurrency { unit, .. } => unit,
+        }
     }
 
     /// A letter for the kind, one per state machine: a reload carries a limit's state,

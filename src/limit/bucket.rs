@@ -37,6 +37,11 @@ pub(crate) struct FamilySpec {
     /// Whether its queue takes tenants in turns (`tenant`); `max_queue` then bounds each
     /// tenant's waiting requests, and [`FAIR_QUEUE_TENANTS`] times it the family's.
     pub(crate) fair: bool,
+    /// `queue_order = "newest_first"`.
+    pub(crate) newest_first: bool,
+    /// The most of a priced unit its queue holds (unit index, cost), from the cost
+    /// tables' `max_queue`.
+    pub(crate) queue_caps: Vec<(u8, u64)>,
 }
 
 /// With tenants, a family holds at most this many times `max_queue` waiting requests in
@@ -128,7 +133,7 @@ impl<W> FamilyBucket<W> {
             limits,
             spec: spec.clone(),
             paused_until: None,
-            queue: Queue::new(spec.fair),
+            queue: Queue::new(spec.fair, spec.newest_first),
             queued: Costs::default(),
         };
         f.set_pays(up);
@@ -222,7 +227,7 @@ fn take_learned(learned: &mut Option<Box<Learned>>, concurrency_only: bool, now:
 /// FIFO queue everyone queued goes first; with tenants in turns only `turn - 1` requests
 /// do, whose other costs are unknown and taken as nothing (a lower bound).
 fn ahead_of_new<W>(f: &FamilyBucket<W>, turn: u64, costs: Costs) -> Costs {
-    let before = if f.spec.fair {
+    let before = if f.spec.fair || f.spec.newest_first {
         Costs::default()
     } else {
         f.queued
@@ -308,7 +313,7 @@ impl<W> Bucket<W> {
                         (_, new) => new.map(|a| Box::new(Aimd::new(a))),
                     };
                     let mut queue = prev.queue;
-                    queue.refair(f.fair);
+                    queue.refair(f.fair, f.newest_first);
                     FamilyBucket {
                         paused_until: prev.paused_until,
                         queue,
@@ -460,7 +465,12 @@ impl<W> Bucket<W> {
         let f = &self.families[family].spec;
         let hint = |eta: Option<Instant>| retry_after(eta.map_or(Duration::ZERO, |t| t - now));
         let max = f.max_queue as usize;
-        if mine >= max || (f.fair && all >= max * FAIR_QUEUE_TENANTS) {
+        let queued = self.families[family].queued;
+        let over_cap = f
+            .queue_caps
+            .iter()
+            .any(|&(unit, cap)| queued.of(unit).saturating_add(costs.of(unit)) > cap);
+        if mine >= max || (f.fair && all >= max * FAIR_QUEUE_TENANTS) || (over_cap && all > 0) {
             return Err(Reject::QueueFull {
                 retry_after: hint(eta),
             });
@@ -674,6 +684,24 @@ impl<W> Bucket<W> {
     pub(crate) fn answered(&mut self, family: FamilyRef, id: Id, now: Instant, took: Duration) {
         for l in self.paid_by(family) {
             l.answered(id, now, took);
+        }
+    }
+
+    /// Admission `id` of `epoch`, which took `was` of unit `unit`, really cost `w` (its
+    /// response said so): every limit of that unit it paid gives back or takes the
+    /// difference.
+    #[allow(clippy::too_many_arguments, reason = "one admission and its two costs")]
+    pub(crate) fn reweigh(
+        &mut self,
+        family: FamilyRef,
+        id: Id,
+        unit: u8,
+        (was, w): (u64, u64),
+        epoch: u64,
+        now: Instant,
+    ) {
+        for l in self.paid_by(family).filter(|l| l.unit() == unit) {
+            l.reweigh(id, was, w, epoch, now);
         }
     }
 

@@ -542,6 +542,12 @@ impl Permit {
         }
     }
 
+    /// What corrects the limits this request paid once its response says what it really
+    /// cost; `None` when it paid none counted in time.
+    pub(crate) fn correction(&self) -> Option<Correction> {
+        self.ticket.clone().map(Correction)
+    }
+
     /// The response head, with `status`, arrived now: the provider had counted the
     /// request by then.
     pub fn answered(&mut self, status: u16) {
@@ -638,6 +644,31 @@ pub(crate) struct Ticket {
 impl Ticket {
     pub(super) fn sent_at(&self) -> Instant {
         self.admitted + Duration::from_nanos(self.sent_after.load(Ordering::Relaxed))
+    }
+}
+
+/// A sent request's hold on the rate limits it paid, kept past its answer: the response
+/// may report the request's true cost, in its head or at the end of its body.
+#[derive(Clone)]
+pub(crate) struct Correction(Arc<Ticket>);
+
+impl Correction {
+    /// The request really cost `actual` (unit index, cost): each limit of those units
+    /// that it paid is given back, or charged, the difference from what it took.
+    pub(crate) fn correct(&self, actual: &[(u8, u64)]) {
+        let t = &self.0;
+        let mut st = t.cell.lock();
+        // Given back before it was sent: it holds nothing to correct.
+        if t.phase.load(Ordering::Relaxed) == UNSENT {
+            return;
+        }
+        let now = Instant::now();
+        for &(unit, w) in actual {
+            let was = t.costs.of(unit);
+            st.bucket
+                .reweigh(t.family, t.id, unit, (was, w), t.epoch, now);
+        }
+        t.cell.changed(&mut st, now);
     }
 }
 

@@ -6,6 +6,7 @@ use std::ops::{Add, Sub};
 
 /// Units an upstream's limits may count: requests and up to three priced ones.
 pub(crate) const UNITS: usize = 4;
+const _: () = assert!(UNITS == crate::config::cost::MAX_PRICED + 1);
 
 /// The unit every limit counts unless it names another: index 0, costing 1 each.
 pub(crate) const REQUESTS: u8 = 0;

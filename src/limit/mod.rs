@@ -62,8 +62,8 @@ use shared::Store;
 
 pub(crate) use cell::{Cell, Feedback};
 use cell::{CellState, Waiter};
+pub(crate) use cell::{Correction, Permit, SendHook};
 pub use cell::{PARTITION_MEMORY, max_partitions, partition_bytes};
-pub(crate) use cell::{Permit, SendHook};
 use plan::HINT_EVERY;
 pub use plan::Plan;
 pub(crate) use plan::Plans;

@@ -109,6 +109,12 @@ impl Plan {
                     concurrency_only: false,
                     adaptive: adapts(f.adaptive, &f.limits),
                     fair: f.tenant.is_some(),
+                    newest_first: f.queue_order == crate::config::QueueOrder::NewestFirst,
+                    queue_caps: f
+                        .prices
+                        .iter()
+                        .filter_map(|p| Some((p.index, p.max_queue?)))
+                        .collect(),
                 })
             })
             .collect();
@@ -123,6 +129,8 @@ impl Plan {
                 concurrency_only,
                 adaptive: adapts(u.adaptive, &[]).filter(|_| !concurrency_only),
                 fair: false,
+                newest_first: false,
+                queue_caps: Vec::new(),
             }));
         }
         let handles = families

@@ -24,6 +24,9 @@ pub(crate) struct Queued<W> {
 #[derive(Debug)]
 pub(crate) enum Queue<W> {
     Fifo(VecDeque<Queued<W>>),
+    /// `queue_order = "newest_first"`: the latest arrival is served first. Kept in
+    /// arrival order, served from the back.
+    Lifo(VecDeque<Queued<W>>),
     /// Boxed: most families queue FIFO, and every partition pays for the enum's size.
     Fair(Box<Fair<W>>),
 }
@@ -38,8 +41,12 @@ pub(crate) struct Fair<W> {
 }
 
 impl<W> Queue<W> {
-    pub(crate) fn new(fair: bool) -> Queue<W> {
-        if fair {
+    /// Tenants in turns (`fair`), newest first (`newest`), or FIFO. Validation refuses
+    /// both at once.
+    pub(crate) fn new(fair: bool, newest: bool) -> Queue<W> {
+        if newest && !fair {
+            Queue::Lifo(VecDeque::new())
+        } else if fair {
             Queue::Fair(Box::new(Fair {
                 tenants: HashMap::new(),
                 turns: VecDeque::new(),
@@ -54,9 +61,13 @@ impl<W> Queue<W> {
         matches!(self, Queue::Fair(_))
     }
 
+    pub(crate) fn is_newest_first(&self) -> bool {
+        matches!(self, Queue::Lifo(_))
+    }
+
     pub(crate) fn len(&self) -> usize {
         match self {
-            Queue::Fifo(q) => q.len(),
+            Queue::Fifo(q) | Queue::Lifo(q) => q.len(),
             Queue::Fair(f) => f.len,
         }
     }
@@ -68,7 +79,7 @@ impl<W> Queue<W> {
     /// When the longest-waiting request arrived.
     pub(crate) fn oldest(&self) -> Option<Instant> {
         match self {
-            Queue::Fifo(q) => q.front().map(|w| w.since),
+            Queue::Fifo(q) | Queue::Lifo(q) => q.front().map(|w| w.since),
             Queue::Fair(f) => f
                 .tenants
                 .values()
@@ -80,7 +91,7 @@ impl<W> Queue<W> {
     /// Tenants with requests waiting, in a queue that takes them in turns.
     pub(crate) fn tenants(&self) -> Option<usize> {
         match self {
-            Queue::Fifo(_) => None,
+            Queue::Fifo(_) | Queue::Lifo(_) => None,
             Queue::Fair(f) => Some(f.turns.len()),
         }
     }
@@ -88,14 +99,14 @@ impl<W> Queue<W> {
     /// Requests of `tenant` waiting (all of them in a FIFO queue).
     pub(crate) fn len_of(&self, tenant: Option<Tenant>) -> usize {
         match self {
-            Queue::Fifo(q) => q.len(),
+            Queue::Fifo(q) | Queue::Lifo(q) => q.len(),
             Queue::Fair(f) => f.tenants.get(&tenant).map_or(0, VecDeque::len),
         }
     }
 
     pub(crate) fn push_back(&mut self, q: Queued<W>) {
         match self {
-            Queue::Fifo(fifo) => fifo.push_back(q),
+            Queue::Fifo(fifo) | Queue::Lifo(fifo) => fifo.push_back(q),
             Queue::Fair(f) => {
                 let Fair {
                     tenants,
@@ -116,6 +127,7 @@ impl<W> Queue<W> {
     pub(crate) fn front(&self) -> Option<&Queued<W>> {
         match self {
             Queue::Fifo(q) => q.front(),
+            Queue::Lifo(q) => q.back(),
             Queue::Fair(f) => f.tenants.get(f.turns.front()?)?.front(),
         }
     }
@@ -125,6 +137,7 @@ impl<W> Queue<W> {
     pub(crate) fn pop_front(&mut self) -> Option<Queued<W>> {
         match self {
             Queue::Fifo(q) => q.pop_front(),
+            Queue::Lifo(q) => q.pop_back(),
             Queue::Fair(f) => {
                 let Fair {
                     tenants,
@@ -148,7 +161,7 @@ impl<W> Queue<W> {
     /// Removes request `seq` of `tenant`, if it still waits.
     pub(crate) fn remove(&mut self, seq: u64, tenant: Option<Tenant>) -> Option<Queued<W>> {
         let (q, now_empty) = match self {
-            Queue::Fifo(q) => {
+            Queue::Fifo(q) | Queue::Lifo(q) => {
                 let i = q.binary_search_by_key(&seq, |w| w.seq).ok()?;
                 return q.remove(i);
             }
@@ -169,22 +182,22 @@ impl<W> Queue<W> {
 
     /// Everything waiting, in no particular order.
     pub(crate) fn drain(&mut self) -> Vec<Queued<W>> {
-        let fair = self.is_fair();
-        match std::mem::replace(self, Queue::new(fair)) {
-            Queue::Fifo(q) => q.into_iter().collect(),
+        let (fair, newest) = (self.is_fair(), self.is_newest_first());
+        match std::mem::replace(self, Queue::new(fair, newest)) {
+            Queue::Fifo(q) | Queue::Lifo(q) => q.into_iter().collect(),
             Queue::Fair(f) => f.tenants.into_values().flatten().collect(),
         }
     }
 
-    /// The same requests, queued FIFO or by tenant as `fair` says (a reload that added
-    /// or removed the family's tenant source); arrival order is kept within each.
-    pub(crate) fn refair(&mut self, fair: bool) {
-        if self.is_fair() == fair {
+    /// The same requests, queued as `fair` and `newest` say (a reload that changed the
+    /// family's tenant source or `queue_order`); arrival order is kept within each.
+    pub(crate) fn refair(&mut self, fair: bool, newest: bool) {
+        if std::mem::discriminant(self) == std::mem::discriminant(&Queue::<W>::new(fair, newest)) {
             return;
         }
         let mut all = self.drain();
         all.sort_by_key(|q| q.seq);
-        *self = Queue::new(fair);
+        *self = Queue::new(fair, newest);
         for q in all {
             self.push_back(q);
         }
@@ -194,6 +207,8 @@ impl<W> Queue<W> {
     pub(crate) fn turn_for_new(&self, tenant: Option<Tenant>) -> u64 {
         match self {
             Queue::Fifo(q) => q.len() as u64 + 1,
+            // First, until someone newer comes.
+            Queue::Lifo(_) => 1,
             Queue::Fair(_) => self.fair_turn(tenant, self.len_of(tenant)),
         }
     }
@@ -205,6 +220,10 @@ impl<W> Queue<W> {
                 .binary_search_by_key(&seq, |w| w.seq)
                 .ok()
                 .map(|i| i as u64 + 1),
+            Queue::Lifo(q) => q
+                .binary_search_by_key(&seq, |w| w.seq)
+                .ok()
+                .map(|i| (q.len() - i) as u64),
             Queue::Fair(f) => {
                 let k = f
                     .tenants
@@ -219,7 +238,7 @@ impl<W> Queue<W> {
     /// What waiter `seq` (of `tenant`) costs, while it waits.
     pub(crate) fn costs_of(&self, seq: u64, tenant: Option<Tenant>) -> Option<super::costs::Costs> {
         match self {
-            Queue::Fifo(q) => q
+            Queue::Fifo(q) | Queue::Lifo(q) => q
                 .binary_search_by_key(&seq, |w| w.seq)
                 .ok()
                 .map(|i| q[i].costs),
@@ -277,7 +296,7 @@ mod tests {
 
     #[test]
     fn tenants_take_turns_and_keep_their_own_order() {
-        let mut queue = Queue::new(true);
+        let mut queue = Queue::new(true, false);
         for seq in 0..5 {
             queue.push_back(q(seq, 1));
         }
@@ -308,13 +327,38 @@ mod tests {
 
     #[test]
     fn a_fifo_queue_serves_in_arrival_order_and_refair_keeps_it() {
-        let mut queue = Queue::new(false);
+        let mut queue = Queue::new(false, false);
         for (seq, t) in [(0, 1), (1, 1), (2, 2)] {
             queue.push_back(q(seq, t));
         }
         assert_eq!(queue.turn_for_new(Some(3)), 4);
-        queue.refair(true);
+        queue.refair(true, false);
         assert_eq!(serve_all(&mut queue), [(1, 0), (2, 2), (1, 1)]);
+    }
+
+    #[test]
+    fn newest_first_serves_the_latest_arrival_and_says_so() {
+        let mut queue = Queue::new(false, true);
+        for seq in 0..4 {
+            queue.push_back(q(seq, 1));
+        }
+        assert_eq!(queue.turn_for_new(None), 1);
+        assert_eq!(queue.turn_of(3, None), Some(1));
+        assert_eq!(queue.turn_of(0, None), Some(4));
+        assert!(queue.remove(2, None).is_some());
+        assert_eq!(queue.oldest(), Some(queue.remove(0, None).unwrap().since));
+        queue.push_back(q(9, 1));
+        assert_eq!(serve_all(&mut queue), [(1, 9), (1, 3), (1, 1)]);
+        let mut queue = Queue::new(false, true);
+        for seq in 0..3 {
+            queue.push_back(q(seq, 1));
+        }
+        queue.refair(false, false);
+        assert_eq!(
+            serve_all(&mut queue),
+            [(1, 0), (1, 1), (1, 2)],
+            "oldest first again"
+        );
     }
 
     proptest! {
@@ -325,7 +369,7 @@ mod tests {
         fn turns_match_a_model(
             ops in proptest::collection::vec((0u8..3, 0u64..4, any::<prop::sample::Index>()), 1..200)
         ) {
-            let mut queue = Queue::new(true);
+            let mut queue = Queue::new(true, false);
             let mut seq = 0;
             let mut waiting: Vec<(u64, u64)> = Vec::new();
             for (op, tenant, pick) in ops {

@@ -11,6 +11,7 @@ use crate::config::units::fmt_duration;
 use crate::egress::EgressError;
 use crate::limit::LimitError;
 use crate::limit::bucket::retry_after as whole_seconds;
+use crate::price::Unpriced;
 use crate::upstream::error::{AttemptError, chain};
 
 #[derive(Debug, thiserror::Error)]
@@ -46,9 +47,19 @@ pub(crate) enum ProxyError {
     /// socket memory): nothing the upstream did.
     #[error("{}", chain(&**.0))]
     LocalResources(BoxError),
+    /// What the request costs cannot be told, or can never be admitted (boxed: every
+    /// request's future holds room for a `ProxyError`).
+    #[error(transparent)]
+    Unpriced(Box<Unpriced>),
     /// The client sent its body too slowly for the upstream's timeout.
     #[error("the request body did not arrive within {}", fmt_duration(*.0))]
     ClientTimeout(Duration),
+}
+
+impl From<Unpriced> for ProxyError {
+    fn from(u: Unpriced) -> ProxyError {
+        ProxyError::Unpriced(Box::new(u))
+    }
 }
 
 impl ProxyError {
@@ -61,6 +72,10 @@ impl ProxyError {
                 ("bad_request", S::BAD_REQUEST)
             }
             ProxyError::ClientTimeout(_) => ("client_timeout", S::REQUEST_TIMEOUT),
+            ProxyError::Unpriced(u) => {
+                let (reason, status) = u.answer();
+                (reason, S::from_u16(status).unwrap_or(S::BAD_REQUEST))
+            }
             ProxyError::UnmatchedDenied => ("denied", S::FORBIDDEN),
             ProxyError::Egress(e) if e.is_refusal() => ("denied", S::FORBIDDEN),
             ProxyError::Egress(_) | ProxyError::UpstreamUnreachable(_) => {
@@ -132,7 +147,8 @@ impl ProxyError {
         if matches!(
             self,
             ProxyError::ClientBody(_) | ProxyError::ClientTimeout(_)
-        ) {
+        ) || matches!(self, ProxyError::Unpriced(u) if matches!(**u, Unpriced::BodyTooLarge { .. }))
+        {
             // The rest of the request body is in no known state: nothing more can be read
             // off this connection.
             h.insert(header::CONNECTION, HeaderValue::from_static("close"));
@@ -238,6 +254,24 @@ mod tests {
                 "partition_limit",
                 503,
                 true,
+            ),
+            (
+                Unpriced::TooLarge {
+                    unit: "tokens".into(),
+                    cost: 9,
+                    most: 8,
+                    why: "its max",
+                }
+                .into(),
+                "cost_too_large",
+                413,
+                false,
+            ),
+            (
+                Unpriced::Declared("x".into()).into(),
+                "bad_request",
+                400,
+                false,
             ),
         ];
         for (e, reason, status, retry_after) in cases {

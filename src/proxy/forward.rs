@@ -17,11 +17,15 @@ use super::access::{Record, finish};
 use super::error::ProxyError;
 use super::headers::{append_via, strip_hop_by_hop};
 use super::lifecycle::Lifecycle;
+use super::response::peek;
 use super::{pipeline, upgrade};
 use crate::app::App;
 use crate::app::Live;
 use crate::body::{Body, empty, stream};
+use crate::config::cost::Price;
 use crate::config::{Scheme, Unmatched};
+use crate::limit::costs::Costs;
+use crate::price::{self, BodyView, Declared};
 use crate::route::{Route, authority_parts, normal_host};
 use crate::upstream::pinned::PinnedConns;
 
@@ -282,12 +286,24 @@ where
             Ok(admitted) => admitted,
             Err(e) => return done(Err(e)),
         };
+        // A priced family's request learns its cost first (boxed: the rarer path, whose
+        // future would otherwise size every request's).
+        let priced = route.as_ref().and_then(|r| prices_of(&config, r));
+        let (req, costs) = match (priced, route.as_ref()) {
+            (Some(prices), Some(r)) => {
+                match Box::pin(price_request(&config, r, prices, req, target.path())).await {
+                    Ok((req, costs)) => (req, Some(Box::new(costs))),
+                    Err(e) => return done(Err(e)),
+                }
+            }
+            _ => (req, None),
+        };
         let (result, waited) = pipeline::run(
             app,
             &config,
             upstreams,
             route.as_ref(),
-            req,
+            (req, costs.as_deref().unwrap_or(&Costs::ONE)),
             max_wait,
             start,
         )
@@ -326,6 +342,55 @@ where
         }
         resp
     }
+}
+
+/// The prices of the route's family, if it has any.
+fn prices_of<'c>(config: &'c Live, r: &Route) -> Option<&'c [Price]> {
+    let f = &config.upstreams[r.upstream].families[r.family?];
+    (!f.prices.is_empty()).then_some(f.prices.as_slice())
+}
+
+/// What a priced family's request costs (see `price`): declared with `sluice-cost`,
+/// which is removed here, else estimated from its headers or body. A body is read up to
+/// `proxy.max_replay_body`, within the route's `total_timeout`, and goes on whole.
+async fn price_request(
+    config: &Live,
+    route: &Route,
+    prices: &[Price],
+    req: Request<Body>,
+    path: &str,
+) -> Result<(Request<Body>, Costs), ProxyError> {
+    let (mut parts, body) = req.into_parts();
+    let declared = Declared::read(&parts.headers)?;
+    parts.headers.remove(price::DECLARED);
+    if !price::needs_body(prices, &declared) {
+        let costs = price::price(prices, &parts.headers, &declared, &BodyView::Unread, path)?;
+        return Ok((Request::from_parts(parts, body), costs));
+    }
+    let limit = config.proxy.max_replay_body;
+    let most = usize::try_from(limit).unwrap_or(usize::MAX);
+    let timeout = route.policy(&config.config).total_timeout;
+    let (prefix, body) =
+        match tokio::time::timeout(timeout, peek(body, most.saturating_add(1))).await {
+            Err(_) => return Err(ProxyError::ClientTimeout(timeout)),
+            Ok(Err(e)) => {
+                return Err(ProxyError::ClientBody(format!(
+                    "the request body broke while sluice read it to price it: {}",
+                    crate::upstream::error::chain(&*e)
+                )));
+            }
+            Ok(Ok(read)) => read,
+        };
+    let json = (prefix.len() <= most)
+        .then(|| serde_json::from_slice::<serde_json::Value>(&prefix).ok())
+        .flatten();
+    let view = match &json {
+        _ if prefix.len() > most => BodyView::TooLarge { limit },
+        Some(v) => BodyView::Json(v),
+        None => BodyView::NotJson,
+    };
+    let costs = price::price(prices, &parts.headers, &declared, &view, path)?;
+    Ok((Request::from_parts(parts, body), costs))
 }
 
 /// `ratelimit_headers`: the sluice bucket the request paid, as `RateLimit-Policy` and
@@ -386,7 +451,8 @@ where
             .check(&config.egress_rules, target.host(), ip, target.port)
             .map_err(ProxyError::Egress)?;
     }
-    to_upstream(req, target, &config.proxy.upgrades)
+    let priced = route.is_some_and(|r| prices_of(config, r).is_some());
+    to_upstream(req, target, &config.proxy.upgrades, priced)
 }
 
 /// The request as the upstream will see it, the client's `sluice-max-wait`, and the
@@ -398,10 +464,13 @@ type Admitted = (
     Option<Box<upgrade::Switching>>,
 );
 
+/// `priced`: the route's family prices its requests, and reads `sluice-cost` itself
+/// (`price_request`); elsewhere the header is only removed.
 fn to_upstream<B>(
     req: Request<B>,
     target: &Target,
     upgrades: &[String],
+    priced: bool,
 ) -> Result<Admitted, ProxyError>
 where
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
@@ -433,7 +502,7 @@ where
     // One look at the names rather than a hashed lookup for each: a client sends `Host`
     // as the URL has it (as curl and HTTP_PROXY clients do), and rarely `Expect` or
     // `sluice-max-wait`.
-    let (mut hosts, mut host_as_url, mut expect) = (0, false, false);
+    let (mut hosts, mut host_as_url, mut expect, mut declared) = (0, false, false, false);
     let mut max_wait: Option<std::time::Duration> = None;
     for (name, value) in &parts.headers {
         if name == header::HOST {
@@ -445,7 +514,12 @@ where
             // Sent twice, the shorter wait holds.
             let wait = parse_max_wait(value)?;
             max_wait = Some(max_wait.map_or(wait, |w| w.min(wait)));
+        } else if name.as_str() == price::DECLARED {
+            declared = true;
         }
+    }
+    if declared && !priced {
+        parts.headers.remove(price::DECLARED);
     }
     if expect {
         // hyper has already answered `100 Continue` to the client when we started reading

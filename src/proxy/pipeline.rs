@@ -17,12 +17,13 @@ use http::{HeaderMap, Method, Request, Response, Uri, Version};
 use tokio::time::Instant;
 
 use super::error::ProxyError;
-use super::response::{ResponseBody, peek};
+use super::response::{Metered, ResponseBody, peek};
 use crate::app::App;
 use crate::app::Live;
 use crate::body::Body;
 use crate::config::{Action, CooldownScope, Learn, Policy};
-use crate::limit::Permit;
+use crate::limit::costs::Costs;
+use crate::limit::{Correction, Permit};
 use crate::policy::announced::announced;
 use crate::policy::breaker::Admit;
 use crate::policy::{Circuit, backoff, classify, hints, is_idempotent, wants_retry};
@@ -34,7 +35,8 @@ use crate::upstream::replay::{ClientFault, Replay};
 use crate::upstream::timer::ConnTimer;
 use crate::upstream::{self, Via};
 
-/// Sends `req` (already stripped and addressed to the upstream) under the route's policy.
+/// Sends `req` (already stripped and addressed to the upstream), which costs `costs`,
+/// under the route's policy.
 /// `max_wait`: the client's `sluice-max-wait`, the most its attempts may wait for
 /// admission in all. `start`: when the request arrived, which the total timeout counts
 /// from. Returns, with the outcome, how long they waited when the route pays a limit.
@@ -47,7 +49,7 @@ pub(crate) fn run<'a>(
     config: &'a Live,
     upstreams: Option<&'a PinnedConns>,
     route: Option<&'a Route>,
-    req: Request<Body>,
+    (req, costs): (Request<Body>, &'a Costs),
     max_wait: Option<Duration>,
     start: Instant,
 ) -> impl Future<Output = (Result<Response<Body>, ProxyError>, Option<Duration>)> + 'a {
@@ -114,6 +116,7 @@ pub(crate) fn run<'a>(
         let queued = Queued {
             nanos: AtomicU64::new(0),
             most: max_wait,
+            costs,
         };
         let result = tokio::time::timeout_at(
             deadline,
@@ -152,12 +155,14 @@ fn is_grpc(headers: &HeaderMap) -> bool {
 
 /// How long a request's attempts have waited for admission, and the most they may
 /// (`sluice-max-wait`). Read after a timeout too: a wait cut short adds what it lasted.
-struct Queued {
+struct Queued<'a> {
     nanos: AtomicU64,
     most: Option<Duration>,
+    /// What each attempt pays the limits.
+    costs: &'a Costs,
 }
 
-impl Queued {
+impl Queued<'_> {
     fn total(&self) -> Duration {
         Duration::from_nanos(self.nanos.load(Ordering::Relaxed))
     }
@@ -173,7 +178,7 @@ impl Queued {
 /// Adds the time from its creation to its end, or to its drop when the wait is cut
 /// short, to a request's [`Queued`] total.
 struct Waiting<'a> {
-    queued: &'a Queued,
+    queued: &'a Queued<'a>,
     since: Instant,
     ended: bool,
 }
@@ -263,7 +268,7 @@ async fn retry_loop(
     body: &Replay,
     start: Instant,
     deadline: Instant,
-    queued: &Queued,
+    queued: &Queued<'_>,
 ) -> Result<Response<Body>, ProxyError> {
     tries.shared().budget().record_request(start);
     let mut prev_delay = tries.policy.retry.backoff.base;
@@ -287,10 +292,16 @@ async fn retry_loop(
             let permit = tries
                 .app
                 .limiter
-                .acquire_by(tries.plan(), tries.route, queued.deadline(now))
+                .acquire_priced(
+                    tries.plan(),
+                    tries.route,
+                    queued.costs,
+                    queued.deadline(now),
+                )
                 .await?;
             (permit, waiting.end())
         };
+        tries.paid(queued.costs);
         let feedback = permit.as_ref().and_then(Permit::feedback);
         // The attempt no other can follow (the body cannot be replayed, or it is the last
         // one allowed) takes the head; the others send a copy and keep it for the next.
@@ -400,6 +411,25 @@ impl<'a> Tries<'a> {
 
     fn labels(&self) -> (&'a str, &'a str) {
         crate::route::labels(&self.config.config, Some(self.route))
+    }
+
+    /// An attempt was admitted: a priced request counts what it paid in each unit.
+    fn paid(&self, costs: &Costs) {
+        let Some(f) = self.route.family else {
+            return;
+        };
+        let prices = &self.upstream().families[f].prices;
+        if prices.is_empty() {
+            return;
+        }
+        let (up, fam) = self.labels();
+        for p in prices {
+            self.app
+                .metrics
+                .cost
+                .with_label_values(&[up, fam, &p.unit, "estimated"])
+                .inc_by(costs.of(p.index));
+        }
     }
 
     /// A response, classified as `action`: the limiter learns whether the rate was
@@ -717,6 +747,11 @@ fn attempt<'a>(
         // back (the provider never saw it).
         let mut permit = out.permit.take();
         let resp = sent.ok_or(AttemptError::Timeout(timeout))??;
+        // Taken before the answer settles the permit's ticket.
+        let correction = route
+            .filter(|r| reads_actual(config, r))
+            .and(permit.as_ref())
+            .and_then(Permit::correction);
         if let Some(p) = permit.as_mut() {
             p.answered(resp.status().as_u16());
             if let Some(r) = route
@@ -726,11 +761,71 @@ fn attempt<'a>(
                 p.learn(a);
             }
         }
+        let metered = match (route, correction) {
+            (Some(r), Some(c)) => metered(app, config, r, c, resp.headers()),
+            _ => None,
+        };
         let m = config.route_metrics.get(route);
         m.upstream_duration(start.elapsed().as_secs_f64());
         m.upstream_responses.inc(resp.status().as_str());
-        Ok(resp.map(|b| ResponseBody::wrap(b, permit, timeout)))
+        Ok(resp.map(|b| ResponseBody::wrap(b, permit, timeout, metered)))
     }
+}
+
+/// Whether the route's family reads what its requests really cost from responses.
+fn reads_actual(config: &Live, route: &Route) -> bool {
+    route.family.is_some_and(|f| {
+        config.upstreams[route.upstream].families[f]
+            .prices
+            .iter()
+            .any(|p| p.actual.is_some())
+    })
+}
+
+/// For a family whose prices read `actual`: corrects the limits the request paid by
+/// what the response head reports, and returns what reads the rest from its body.
+fn metered(
+    app: &App,
+    config: &Live,
+    route: &Route,
+    correction: Correction,
+    headers: &HeaderMap,
+) -> Option<Box<Metered>> {
+    let family = &config.upstreams[route.upstream].families[route.family?];
+    let (up, fam) = crate::route::labels(&config.config, Some(route));
+    let counter = |index: u8| {
+        let unit = family.prices.iter().find(|p| p.index == index)?;
+        Some(
+            app.metrics
+                .cost
+                .with_label_values(&[up, fam, &unit.unit, "actual"]),
+        )
+    };
+    let reported = crate::price::usage::from_headers(&family.prices, headers);
+    if !reported.is_empty() {
+        for &(index, n) in &reported {
+            if let Some(c) = counter(index) {
+                c.inc_by(n);
+            }
+        }
+        correction.correct(&reported);
+    }
+    let sse = headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+    let cap = usize::try_from(config.proxy.max_replay_body).unwrap_or(usize::MAX);
+    let meter = crate::price::usage::Meter::new(&family.prices, sse, cap)?;
+    let counters = family
+        .prices
+        .iter()
+        .filter_map(|p| Some((p.index, counter(p.index)?)))
+        .collect();
+    Some(Box::new(Metered {
+        meter,
+        correction,
+        counters,
+    }))
 }
 
 /// A permit whose attempt is out. Dropped with it unsettled (the client reset its stream

@@ -1,7 +1,8 @@
 //! Response body plumbing for the pipeline (the request bodies are `outbound`'s and
 //! `replay`'s): peeking at a response body for classification without losing a byte, and
 //! the response body that carries its concurrency permit and its upstream connection's
-//! lease and enforces the idle timeout between chunks.
+//! lease, reads what a priced request really cost as it passes, and enforces the idle
+//! timeout between chunks.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -14,7 +15,9 @@ use http_body_util::BodyExt;
 use tokio::time::{Instant, Sleep};
 
 use crate::body::{Body, BoxError};
-use crate::limit::Permit;
+use crate::limit::{Correction, Permit};
+use crate::price::usage::Meter;
+use prometheus::IntCounter;
 
 /// Reads up to `limit` bytes of `body` for a look at it, and returns them with a body
 /// that still yields every frame, those already read first.
@@ -91,6 +94,33 @@ pub(crate) struct ResponseBody<B> {
     /// Armed the first time the upstream makes us wait, so a body that arrives with its
     /// headers (most API responses) never touches the timer wheel.
     timer: Option<Pin<Box<Sleep>>>,
+    /// Reads what the request really cost as the body passes, for a priced family.
+    metered: Option<Box<Metered>>,
+}
+
+/// A response body's reader of the request's actual cost, and what it corrects: when
+/// dropped (the body ended, failed or was abandoned) the limits the request paid are
+/// corrected by what the body reported, if anything.
+pub(crate) struct Metered {
+    pub(crate) meter: Meter,
+    pub(crate) correction: Correction,
+    /// `sluice_cost_total{stage="actual"}` by unit index.
+    pub(crate) counters: Vec<(u8, IntCounter)>,
+}
+
+impl Drop for Metered {
+    fn drop(&mut self) {
+        let actual = self.meter.finish();
+        if actual.is_empty() {
+            return;
+        }
+        for (index, n) in &actual {
+            if let Some((_, c)) = self.counters.iter().find(|(i, _)| i == index) {
+                c.inc_by(*n);
+            }
+        }
+        self.correction.correct(&actual);
+    }
 }
 
 impl<B> ResponseBody<B>
@@ -98,20 +128,27 @@ where
     B: HttpBody<Data = Bytes> + Unpin + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    pub(crate) fn wrap(inner: B, permit: Option<Permit>, idle: Duration) -> Body {
+    pub(crate) fn wrap(
+        inner: B,
+        permit: Option<Permit>,
+        idle: Duration,
+        metered: Option<Box<Metered>>,
+    ) -> Body {
         let permit = permit.filter(Permit::holds_concurrency);
         ResponseBody {
             inner,
             permit,
             idle,
             timer: None,
+            metered,
         }
         .boxed_unsync()
     }
 
-    /// The whole body went through: the permit is free.
+    /// The whole body went through: the permit is free, and the cost it reported counts.
     fn finished(&mut self) {
         self.permit = None;
+        self.metered = None;
     }
 }
 
@@ -130,6 +167,9 @@ where
         let this = &mut *self;
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(m), Some(data)) = (this.metered.as_mut(), frame.data_ref()) {
+                    m.meter.feed(data);
+                }
                 if let Some(t) = this.timer.as_mut() {
                     t.as_mut().reset(Instant::now() + this.idle);
                 }
@@ -210,6 +250,7 @@ mod tests {
             stream(http_body_util::StreamBody::new(s)),
             None,
             Duration::from_secs(2),
+            None,
         );
         tx.send(Ok(Frame::data(Bytes::from_static(b"x"))))
             .await

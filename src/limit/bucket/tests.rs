@@ -23,6 +23,7 @@ fn sliding(p: u32, w: u64) -> Limit {
         permits: nz(p),
         window: ms(w),
         scope: Scope::Local,
+        unit: Default::default(),
     }
 }
 fn fixed(p: u32, w: u64) -> Limit {
@@ -34,6 +35,7 @@ fn fixed(p: u32, w: u64) -> Limit {
         permits: nz(p),
         window: ms(w),
         scope: Scope::Local,
+        unit: Default::default(),
     }
 }
 fn token(rate: u32, per: u64, burst: u32) -> Limit {
@@ -44,12 +46,14 @@ fn token(rate: u32, per: u64, burst: u32) -> Limit {
         per: ms(per),
         burst: nz(burst),
         scope: Scope::Local,
+        unit: Default::default(),
     }
 }
 fn conc(max: u32) -> Limit {
     Limit::Concurrency {
         max: nz(max),
         scope: Scope::Local,
+        unit: Default::default(),
     }
 }
 fn fam(name: &str, priority: Priority, limits: Vec<Limit>) -> FamilySpec {
@@ -62,6 +66,8 @@ fn fam(name: &str, priority: Priority, limits: Vec<Limit>) -> FamilySpec {
         concurrency_only: false,
         adaptive: None,
         fair: false,
+        newest_first: false,
+        queue_caps: Vec::new(),
     }
 }
 fn spec(upstream: Vec<Limit>, families: Vec<FamilySpec>) -> PartitionSpec {
@@ -80,7 +86,7 @@ fn dispatch<W>(b: &mut Bucket<W>, now: Instant, out: &mut Vec<Admitted<W>>) {
     b.dispatch(now, out);
     for a in &out[from..] {
         let f = b.family_ref(a.family);
-        b.sent(f, a.seq, &Costs::ONE, Some(b.epoch()), now);
+        b.sent(f, a.seq, &a.costs, Some(b.epoch()), now);
         b.answered(f, a.seq, now, Duration::ZERO);
     }
 }
@@ -773,4 +779,100 @@ proptest! {
             prop_assert_eq!(state(&queued_b), state(&direct_b));
         }
     }
+}
+
+/// A limit of unit 1 (a priced unit such as tokens).
+fn in_units(mut l: Limit) -> Limit {
+    l.unit_mut().index = 1;
+    l
+}
+
+#[test]
+fn newest_first_serves_the_latest_arrival() {
+    let t0 = Instant::now();
+    let mut f = fam("f", Priority::Normal, vec![sliding(1, 1000)]);
+    f.newest_first = true;
+    let mut b = Bucket::new(&spec(vec![], vec![f]), t0);
+    for id in 0..4 {
+        b.push(0, None, Costs::ONE, id, t0);
+    }
+    assert_eq!(run(&mut b, t0), [3]);
+    b.push(0, None, Costs::ONE, 9, t0 + ms(10));
+    assert_eq!(run(&mut b, t0 + ms(1000)), [9]);
+    assert_eq!(run(&mut b, t0 + ms(2000)), [2]);
+}
+
+#[test]
+fn a_costly_head_waits_for_its_room_and_no_one_overtakes_it() {
+    let t0 = Instant::now();
+    let tokens = in_units(token(10, 1000, 100));
+    let mut b = Bucket::new(
+        &spec(vec![], vec![fam("f", Priority::Normal, vec![tokens])]),
+        t0,
+    );
+    b.push(0, None, Costs::ONE.with(1, 95), 0, t0);
+    b.push(0, None, Costs::ONE.with(1, 50), 1, t0);
+    b.push(0, None, Costs::ONE.with(1, 1), 2, t0);
+    assert_eq!(run(&mut b, t0), [0]);
+    // 5 tokens left: the head (50) waits, and the 1-token request behind it with it.
+    assert_eq!(run(&mut b, t0 + ms(100)), Vec::<u32>::new());
+    assert_eq!(run(&mut b, t0 + ms(4499)), Vec::<u32>::new());
+    assert_eq!(run(&mut b, t0 + ms(4500)), [1]);
+    assert_eq!(run(&mut b, t0 + ms(4600)), [2]);
+}
+
+#[test]
+fn a_queue_capped_in_a_unit_refuses_what_would_pass_it() {
+    let t0 = Instant::now();
+    let tokens = in_units(token(10, 1000, 100));
+    let mut f = fam("f", Priority::Normal, vec![tokens]);
+    f.queue_caps = vec![(1, 100)];
+    let mut b: Bucket<u32> = Bucket::new(&spec(vec![], vec![f]), t0);
+    let max_wait = Duration::from_secs(3600);
+    let c = |n| Costs::ONE.with(1, n);
+    assert!(b.admit_now(0, &c(100), t0).is_some());
+    assert!(
+        b.check_within(0, None, c(90), t0, max_wait).is_ok(),
+        "an empty queue takes any"
+    );
+    b.push(0, None, c(90), 0, t0);
+    assert!(b.check_within(0, None, c(10), t0, max_wait).is_ok());
+    assert!(matches!(
+        b.check_within(0, None, c(11), t0, max_wait),
+        Err(Reject::QueueFull { .. })
+    ));
+}
+
+#[test]
+fn a_correction_gives_back_or_takes_what_the_response_reported() {
+    let t0 = Instant::now();
+    let tokens = in_units(token(10, 1000, 100));
+    let mut b: Bucket<u32> = Bucket::new(
+        &spec(
+            vec![],
+            vec![fam("f", Priority::Normal, vec![tokens, sliding(5, 1000)])],
+        ),
+        t0,
+    );
+    let c = Costs::ONE.with(1, 80);
+    let id = b.admit_now(0, &c, t0).unwrap();
+    let f = b.family_ref(0);
+    b.sent(f, id, &c, Some(b.epoch()), t0);
+    b.answered(f, id, t0, Duration::ZERO);
+    // 20 tokens left: a 30-token request waits.
+    assert!(b.admit_now(0, &Costs::ONE.with(1, 30), t0).is_none());
+    // It really cost 10: 90 are free again, and the request limit is untouched.
+    b.reweigh(f, id, 1, (80, 10), b.epoch(), t0);
+    let id2 = b.admit_now(0, &Costs::ONE.with(1, 90), t0).unwrap();
+    b.sent(f, id2, &Costs::ONE.with(1, 90), Some(b.epoch()), t0);
+    // Charged more than estimated: the bucket goes into debt and waits it off.
+    b.reweigh(f, id2, 1, (90, 150), b.epoch(), t0);
+    assert!(
+        b.admit_now(0, &Costs::ONE.with(1, 1), t0 + ms(5900))
+            .is_none()
+    );
+    assert!(
+        b.admit_now(0, &Costs::ONE.with(1, 1), t0 + ms(6100))
+            .is_some()
+    );
 }

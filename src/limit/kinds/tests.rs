@@ -28,6 +28,7 @@ fn token_spec(rate: u32, per: Duration, burst: u32, m: u64) -> Limit {
         margin: margin(m),
         margin_max: None,
         scope: Default::default(),
+        unit: Default::default(),
     }
 }
 
@@ -38,6 +39,7 @@ fn sliding_spec(permits: u32, window: u64, m: u64) -> Limit {
         margin: margin(m),
         margin_max: None,
         scope: Default::default(),
+        unit: Default::default(),
     }
 }
 
@@ -50,6 +52,7 @@ fn fixed_spec(permits: u32, window: u64, m: u64) -> Limit {
         margin: margin(m),
         margin_max: None,
         scope: Default::default(),
+        unit: Default::default(),
     }
 }
 
@@ -57,6 +60,7 @@ fn conc_spec(max: u32) -> Limit {
     Limit::Concurrency {
         max: nz(max),
         scope: Default::default(),
+        unit: Default::default(),
     }
 }
 
@@ -663,6 +667,7 @@ fn margins_resolve_per_kind() {
         margin: None,
         margin_max: None,
         scope: Default::default(),
+        unit: Default::default(),
     };
     assert_eq!(LimitState::new(&default, t0).margin(), Some(ms(200)));
     let minute = Limit::FixedWindow {
@@ -673,6 +678,7 @@ fn margins_resolve_per_kind() {
         margin: None,
         margin_max: None,
         scope: Default::default(),
+        unit: Default::default(),
     };
     assert_eq!(
         LimitState::new(&minute, t0).margin(),
@@ -686,6 +692,7 @@ fn margins_resolve_per_kind() {
         margin: Some(Margin::Fraction(100_000)),
         margin_max: None,
         scope: Default::default(),
+        unit: Default::default(),
     };
     assert_eq!(
         LimitState::new(&token, t0).margin(),
