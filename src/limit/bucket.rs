@@ -14,7 +14,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::aimd::{Adapts, Aimd};
-use super::costs::{Costs, REQUESTS};
+use super::costs::{Costs, REQUESTS, UNITS};
 use super::kinds::{Id, LimitState};
 use super::learned::Learned;
 pub(crate) use super::queue::{Queue, Queued, Tenant};
@@ -183,6 +183,9 @@ pub(crate) struct Bucket<W> {
     /// The pace the provider's announced budget sets, paid like an upstream rate limit
     /// (`learn = "headers"`).
     pub(crate) learned: Option<Box<Learned>>,
+    /// The paces of budgets announced in priced units (`tokens`, `points`), by unit
+    /// index less one.
+    pub(crate) learned_units: Option<Box<[Option<Learned>; UNITS - 1]>>,
     /// The spec's families in its order, then retired ones (removed by a reload) that
     /// still have requests queued.
     pub(crate) families: Vec<FamilyBucket<W>>,
@@ -210,16 +213,43 @@ fn paid(
         .filter(move |l| !concurrency_only || l.is_concurrency())
 }
 
-/// Whether the learned pace lets an admission through now (tunnels do not pay it).
-/// Admissions given back later (never sent, never received) are not returned to it:
-/// the provider's count is unknown, so erring slow is the safe side.
-fn learned_admits(learned: Option<&Learned>, concurrency_only: bool, now: Instant) -> bool {
-    concurrency_only || learned.is_none_or(|l| l.can_take(now))
+/// The learned paces: of requests, and of the budgets in priced units.
+type LearnedUnits = Option<Box<[Option<Learned>; UNITS - 1]>>;
+
+/// Whether the learned paces let an admission costing `costs` through now (tunnels do
+/// not pay them). Admissions given back later (never sent, never received) are not
+/// returned to them: the provider's count is unknown, so erring slow is the safe side.
+fn learned_admits(
+    (learned, units): (Option<&Learned>, &LearnedUnits),
+    concurrency_only: bool,
+    costs: &Costs,
+    now: Instant,
+) -> bool {
+    concurrency_only
+        || (learned.is_none_or(|l| l.can_take(now))
+            && units.as_deref().is_none_or(|u| {
+                u.iter()
+                    .zip(1u8..)
+                    .all(|(l, i)| l.as_ref().is_none_or(|l| l.can_take_n(costs.of(i), now)))
+            }))
 }
 
-fn take_learned(learned: &mut Option<Box<Learned>>, concurrency_only: bool, now: Instant) {
-    if let Some(l) = learned.as_mut().filter(|_| !concurrency_only) {
+fn take_learned(
+    (learned, units): (&mut Option<Box<Learned>>, &mut LearnedUnits),
+    concurrency_only: bool,
+    costs: &Costs,
+    now: Instant,
+) {
+    if concurrency_only {
+        return;
+    }
+    if let Some(l) = learned.as_mut() {
         l.take(now);
+    }
+    for (l, i) in units.iter_mut().flat_map(|u| u.iter_mut()).zip(1u8..) {
+        if let Some(l) = l {
+            l.take_n(costs.of(i), now);
+        }
     }
 }
 
@@ -267,6 +297,7 @@ impl<W> Bucket<W> {
             upstream,
             paused_until: None,
             learned: None,
+            learned_units: None,
             next_id: families.len() as u32,
             families,
             next_seq: 0,
@@ -430,8 +461,14 @@ impl<W> Bucket<W> {
                 (at, binding) = (ready, None);
             }
         }
-        if let Some(l) = self.learned.as_ref().filter(|_| !only) {
-            let ready = l.ready_at(n, now);
+        let units = self.learned_units.iter().flat_map(|u| u.iter()).zip(1u8..);
+        let paces = self
+            .learned
+            .as_deref()
+            .map(|l| l.ready_at(n, now))
+            .into_iter()
+            .chain(units.filter_map(|(l, i)| Some(l.as_ref()?.ready_for(ahead.of(i), now))));
+        for ready in paces.filter(|_| !only) {
             if ready > at {
                 // The provider's own pace: not one of ours whose edge could be late.
                 (at, binding) = (ready, None);
@@ -564,7 +601,12 @@ impl<W> Bucket<W> {
         }
         let only = f.spec.concurrency_only;
         if !paid(&mut self.upstream, only).all(|l| l.can_take_n(costs.of(l.unit()), now))
-            || !learned_admits(self.learned.as_deref(), only, now)
+            || !learned_admits(
+                (self.learned.as_deref(), &self.learned_units),
+                only,
+                costs,
+                now,
+            )
         {
             return None;
         }
@@ -572,7 +614,12 @@ impl<W> Bucket<W> {
         for l in paid(&mut self.upstream, only) {
             l.take_n(costs.of(l.unit()), now);
         }
-        take_learned(&mut self.learned, only, now);
+        take_learned(
+            (&mut self.learned, &mut self.learned_units),
+            only,
+            costs,
+            now,
+        );
         let seq = self.next_seq;
         self.next_seq += 1;
         Some(seq)
@@ -604,7 +651,12 @@ impl<W> Bucket<W> {
                 return;
             };
             if !paid(&mut self.upstream, only).all(|l| l.can_take_n(costs.of(l.unit()), now))
-                || !learned_admits(self.learned.as_deref(), only, now)
+                || !learned_admits(
+                    (self.learned.as_deref(), &self.learned_units),
+                    only,
+                    &costs,
+                    now,
+                )
             {
                 return;
             }
@@ -612,7 +664,12 @@ impl<W> Bucket<W> {
             for l in paid(&mut self.upstream, only) {
                 l.take_n(costs.of(l.unit()), now);
             }
-            take_learned(&mut self.learned, only, now);
+            take_learned(
+                (&mut self.learned, &mut self.learned_units),
+                only,
+                &costs,
+                now,
+            );
             let Some(q) = f.queue.pop_front() else { return };
             f.queued = f.queued - q.costs;
             self.waiting -= 1;
@@ -756,15 +813,50 @@ impl<W> Bucket<W> {
     /// what the upstream's rate limits would still admit, it sets the pace until the
     /// provider's reset; at or above it, any pace learned before is lifted.
     pub(crate) fn learn(&mut self, a: Announced, now: Instant) -> bool {
-        let believed = self
+        self.learn_in(a, REQUESTS, now)
+    }
+
+    /// As `learn`, for a budget in unit `unit` (an index among the upstream's units): it
+    /// paces the admissions by what they cost in that unit, below what the limits of the
+    /// unit (the upstream's, else any family's) would still admit.
+    pub(crate) fn learn_in(&mut self, a: Announced, unit: u8, now: Instant) -> bool {
+        if unit == REQUESTS {
+            let believed = self
+                .upstream
+                .iter_mut()
+                .filter(|l| !l.is_concurrency() && l.unit() == REQUESTS)
+                .map(|l| l.available(now))
+                .min()
+                .unwrap_or(u64::MAX);
+            self.learned = Learned::from(a, believed, now, self.learned.as_deref()).map(Box::new);
+            return self.align(a, now);
+        }
+        let of_unit = |l: &&mut LimitState| l.unit() == unit;
+        let upstream = self
             .upstream
             .iter_mut()
-            .filter(|l| !l.is_concurrency())
+            .filter(of_unit)
             .map(|l| l.available(now))
-            .min()
+            .min();
+        let believed = upstream
+            .or_else(|| {
+                self.families
+                    .iter_mut()
+                    .flat_map(|f| f.limits.iter_mut())
+                    .filter(of_unit)
+                    .map(|l| l.available(now))
+                    .min()
+            })
             .unwrap_or(u64::MAX);
-        self.learned = Learned::from(a, believed, now, self.learned.as_deref()).map(Box::new);
-        self.align(a, now)
+        let Some(slot) = usize::from(unit).checked_sub(1).filter(|i| *i < UNITS - 1) else {
+            return false;
+        };
+        let units = self.learned_units.get_or_insert_with(Default::default);
+        units[slot] = Learned::from(a, believed, now, units[slot].as_ref());
+        if units.iter().all(Option::is_none) {
+            self.learned_units = None;
+        }
+        false
     }
 
     /// A reset the provider announces is where its window ends: the one limit on the
@@ -827,6 +919,11 @@ impl<W> Bucket<W> {
         self.waiting == 0
             && !paused(self.paused_until, now)
             && !self.learned.as_ref().is_some_and(|l| l.active(now))
+            && !self
+                .learned_units
+                .iter()
+                .flat_map(|u| u.iter().flatten())
+                .any(|l| l.active(now))
             && self.upstream.iter_mut().all(|l| l.is_pristine(now))
             && self.families.iter_mut().all(|f| {
                 !paused(f.paused_until, now)

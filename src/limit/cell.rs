@@ -507,7 +507,21 @@ impl Permit {
 
     /// The response announced the provider's budget for this partition
     /// (`learn = "headers"`): it may set or lift the partition's learned pace.
+    #[cfg(test)]
     pub(crate) fn learn(&self, a: crate::policy::announced::Announced) {
+        self.learn_in(a, super::costs::REQUESTS);
+    }
+
+    /// As `learn`, for a budget the provider announces in the upstream's unit `unit`
+    /// (tokens, points): it paces what admissions cost in that unit.
+    pub(crate) fn learn_in(&self, a: crate::policy::announced::Announced, unit: u8) {
+        if unit != super::costs::REQUESTS {
+            let mut st = self.cell.lock();
+            let now = Instant::now();
+            st.bucket.learn_in(a, unit, now);
+            self.cell.changed(&mut st, now);
+            return;
+        }
         let mut st = self.cell.lock();
         let now = Instant::now();
         let before = st.bucket.learned.as_ref().is_some_and(|l| l.active(now));
@@ -668,6 +682,18 @@ impl Correction {
             st.bucket
                 .reweigh(t.family, t.id, unit, (was, w), t.epoch, now);
         }
+        t.cell.changed(&mut st, now);
+    }
+}
+
+impl Correction {
+    /// A budget the provider announced in a response body, in unit `unit` (see
+    /// `Permit::learn_in`).
+    pub(crate) fn learn_in(&self, a: crate::policy::announced::Announced, unit: u8) {
+        let t = &self.0;
+        let mut st = t.cell.lock();
+        let now = Instant::now();
+        st.bucket.learn_in(a, unit, now);
         t.cell.changed(&mut st, now);
     }
 }

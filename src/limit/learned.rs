@@ -60,13 +60,38 @@ impl Learned {
     }
 
     pub(crate) fn can_take(&self, now: Instant) -> bool {
-        !self.active(now) || (self.left > 0 && now >= self.next)
+        self.can_take_n(1, now)
+    }
+
+    /// Whether an admission costing `w` of the budget's unit may pass now; one that costs
+    /// nothing of it always may.
+    pub(crate) fn can_take_n(&self, w: u64, now: Instant) -> bool {
+        w == 0 || !self.active(now) || (self.left >= w && now >= self.next)
     }
 
     pub(crate) fn take(&mut self, now: Instant) {
-        if self.active(now) {
-            self.left = self.left.saturating_sub(1);
-            self.next = self.next.max(now) + self.interval;
+        self.take_n(1, now);
+    }
+
+    /// An admission costing `w`: what remains shrinks by it, and the next waits `w`
+    /// intervals (the budget spread evenly over the time to the reset).
+    pub(crate) fn take_n(&mut self, w: u64, now: Instant) {
+        if w > 0 && self.active(now) {
+            self.left = self.left.saturating_sub(w);
+            let w = u32::try_from(w).unwrap_or(u32::MAX);
+            self.next = self.next.max(now) + self.interval.saturating_mul(w);
+        }
+    }
+
+    /// For a budget in a priced unit: the earliest instant admissions costing `total` in
+    /// all could have passed, a lower bound (the last of them may go at the next slot).
+    pub(crate) fn ready_for(&self, total: u64, now: Instant) -> Instant {
+        if !self.active(now) || total == 0 {
+            now
+        } else if total > self.left {
+            self.reset
+        } else {
+            self.next.max(now)
         }
     }
 
@@ -99,7 +124,27 @@ mod tests {
             remaining,
             reset: Duration::from_secs(secs),
             source: "ratelimit",
+            unit: "requests",
         }
+    }
+
+    #[test]
+    fn a_budget_of_tokens_spreads_over_the_time_to_the_reset() {
+        let t0 = Instant::now();
+        // 1,000 tokens left over 10 s, while sluice believed 5,000: 10 ms a token.
+        let mut l = Learned::from(announced(1000, 10), 5000, t0, None).unwrap();
+        assert!(l.can_take_n(300, t0) && !l.can_take_n(1001, t0));
+        l.take_n(300, t0);
+        assert!(!l.can_take_n(1, t0 + Duration::from_millis(2999)));
+        assert!(
+            l.can_take_n(0, t0),
+            "a request that costs none of it passes"
+        );
+        assert!(l.can_take_n(700, t0 + Duration::from_secs(3)));
+        assert!(!l.can_take_n(701, t0 + Duration::from_secs(3)));
+        assert_eq!(l.ready_for(0, t0), t0);
+        assert_eq!(l.ready_for(700, t0), t0 + Duration::from_secs(3));
+        assert_eq!(l.ready_for(701, t0), t0 + Duration::from_secs(10));
     }
 
     #[test]

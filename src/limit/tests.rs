@@ -317,6 +317,7 @@ async fn an_announced_budget_below_ours_paces_the_queue_until_the_reset() {
         remaining,
         reset: Duration::from_secs(secs),
         source: "ratelimit",
+        unit: "requests",
     };
     // 99 left by our count and 200 by the provider's: nothing to learn.
     first.learn(said(200, 60));
@@ -1064,4 +1065,45 @@ impl Judge {
             }
         }
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_announced_budget_of_tokens_paces_what_requests_cost_in_tokens() {
+    use crate::policy::announced::Announced;
+    let (l, _) = limiter(
+        "limits = [{ kind = \"sliding_window\", permits = 100000, window = \"1m\", unit = \"tokens\" }]\n\
+         [[upstream.family]]\nname = \"chat\"\n[upstream.family.cost.tokens]\nestimate = 1000\n",
+    );
+    let plan = l.plans()[0].clone();
+    let r = route(Some(0));
+    let cost = costs::Costs::ONE.with(1, 1000);
+    let mut first = l
+        .acquire_priced(&plan, &r, &cost, None)
+        .await
+        .unwrap()
+        .unwrap();
+    sent_and_answered(&mut first);
+    // 2,000 tokens left by the provider's count over 4 s, 98,999 by ours: 2 ms a token,
+    // so a 1,000-token request every 2 s, then its new window.
+    first.learn_in(
+        Announced {
+            remaining: 2000,
+            reset: Duration::from_secs(4),
+            source: "x-ratelimit-remaining-tokens",
+            unit: "tokens",
+        },
+        1,
+    );
+    let t0 = Instant::now();
+    let mut at = Vec::new();
+    for _ in 0..4 {
+        let mut p = l
+            .acquire_priced(&plan, &r, &cost, None)
+            .await
+            .unwrap()
+            .unwrap();
+        sent_and_answered(&mut p);
+        at.push((Instant::now() - t0).as_secs_f64());
+    }
+    assert_eq!(at, [0.0, 2.0, 4.0, 4.0]);
 }

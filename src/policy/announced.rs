@@ -9,8 +9,17 @@
 //! - `X-RateLimit-Remaining` / `X-RateLimit-Reset` as many APIs send them, the reset in
 //!   seconds or as a Unix timestamp (seconds or milliseconds, told apart by size).
 //!
-//! With several quotas the one with the fewest requests left wins. A field that cannot
-//! be read counts as absent: a provider's typo must not stop traffic.
+//! - OpenAI's and Azure OpenAI's `x-ratelimit-{remaining,reset}-{requests,tokens}`, the
+//!   resets as Go writes durations (`6m0s`, `12ms`, `1.5s`);
+//! - Anthropic's `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-
+//!   {remaining,reset}`, the resets as RFC 3339 instants;
+//! - GitHub's `x-ratelimit-resource`: the GraphQL resource counts points, not requests
+//!   (`x-ratelimit-used` stands in for a missing remaining, with `x-ratelimit-limit`).
+//!
+//! Each budget names its unit: `requests`, or the unit sluice's config must give the
+//! limits it paces (`tokens`, `input_tokens`, `output_tokens`, `points`). Within a unit
+//! the quota with the fewest left wins. A field that cannot be read counts as absent: a
+//! provider's typo must not stop traffic.
 
 use std::time::{Duration, SystemTime};
 
@@ -32,15 +41,155 @@ pub(crate) struct Announced {
     pub(crate) reset: Duration,
     /// Which field said so, for `/buckets` and logs.
     pub(crate) source: &'static str,
+    /// What it counts: `requests`, or a priced unit's name.
+    pub(crate) unit: &'static str,
 }
 
-/// Reads the budget a response announces, if it announces one. `now` is the local wall
-/// clock, for resets written as timestamps in a response without `Date`.
+/// The unit of the budgets most APIs announce.
+pub(crate) const REQUESTS: &str = "requests";
+
+#[cfg(test)]
+/// Reads the budget of requests a response announces, if it announces one. `now` is the
+/// local wall clock, for resets written as timestamps in a response without `Date`.
 pub(crate) fn announced(h: &HeaderMap, now: SystemTime) -> Option<Announced> {
-    read(h, now).map(|a| Announced {
-        reset: a.reset.min(MAX_RESET),
-        ..a
-    })
+    every(h, now).into_iter().find(|a| a.unit == REQUESTS)
+}
+
+/// Every budget a response announces, one per unit (the tightest quota of each).
+pub(crate) fn every(h: &HeaderMap, now: SystemTime) -> Vec<Announced> {
+    let mut out: Vec<Announced> = Vec::new();
+    let mut add = |a: Announced| {
+        let a = Announced {
+            reset: a.reset.min(MAX_RESET),
+            ..a
+        };
+        match out.iter_mut().find(|b| b.unit == a.unit) {
+            Some(b) if a.remaining < b.remaining => *b = a,
+            Some(_) => {}
+            None => out.push(a),
+        }
+    };
+    dialects(h, now, &mut add);
+    if let Some(a) = read(h, now) {
+        add(a);
+    }
+    out
+}
+
+/// The vendors' own fields.
+fn dialects(h: &HeaderMap, now: SystemTime, add: &mut impl FnMut(Announced)) {
+    for (unit, remaining, reset, source) in [
+        (
+            REQUESTS,
+            "x-ratelimit-remaining-requests",
+            "x-ratelimit-reset-requests",
+            "x-ratelimit-remaining-requests",
+        ),
+        (
+            "tokens",
+            "x-ratelimit-remaining-tokens",
+            "x-ratelimit-reset-tokens",
+            "x-ratelimit-remaining-tokens",
+        ),
+    ] {
+        let budget = header(h, remaining)
+            .and_then(|r| r.parse::<u64>().ok())
+            .zip(header(h, reset).and_then(go_duration));
+        if let Some((remaining, reset)) = budget {
+            add(Announced {
+                remaining,
+                reset,
+                source,
+                unit,
+            });
+        }
+    }
+    for (unit, prefix, source) in [
+        (
+            REQUESTS,
+            "anthropic-ratelimit-requests",
+            "anthropic-ratelimit-requests",
+        ),
+        (
+            "tokens",
+            "anthropic-ratelimit-tokens",
+            "anthropic-ratelimit-tokens",
+        ),
+        (
+            "input_tokens",
+            "anthropic-ratelimit-input-tokens",
+            "anthropic-ratelimit-input-tokens",
+        ),
+        (
+            "output_tokens",
+            "anthropic-ratelimit-output-tokens",
+            "anthropic-ratelimit-output-tokens",
+        ),
+    ] {
+        let remaining = header(h, &format!("{prefix}-remaining")).and_then(|r| r.parse().ok());
+        let reset = header(h, &format!("{prefix}-reset"))
+            .and_then(|r| humantime::parse_rfc3339_weak(r).ok())
+            .map(|at| at.duration_since(now).unwrap_or(Duration::ZERO));
+        if let (Some(remaining), Some(reset)) = (remaining, reset) {
+            add(Announced {
+                remaining,
+                reset,
+                source,
+                unit,
+            });
+        }
+    }
+    // GitHub's GraphQL budget is in points; its other resources count requests, which
+    // the generic `X-RateLimit-*` reading below takes.
+    if header(h, "x-ratelimit-resource") == Some("graphql") {
+        let remaining = header(h, "x-ratelimit-remaining")
+            .and_then(|r| r.parse::<u64>().ok())
+            .or_else(|| {
+                let limit: u64 = header(h, "x-ratelimit-limit")?.parse().ok()?;
+                let used: u64 = header(h, "x-ratelimit-used")?.parse().ok()?;
+                Some(limit.saturating_sub(used))
+            });
+        let reset = header(h, "x-ratelimit-reset").and_then(|v| epoch_or_delta(h, v, now));
+        if let (Some(remaining), Some(reset)) = (remaining, reset) {
+            add(Announced {
+                remaining,
+                reset,
+                source: "x-ratelimit-resource",
+                unit: "points",
+            });
+        }
+    }
+}
+
+/// A duration as Go writes one: `1h2m3.5s`, `6m0s`, `12ms`, `250us`, `0s`.
+pub(crate) fn go_duration(v: &str) -> Option<Duration> {
+    let mut rest = v.trim();
+    if rest.is_empty() {
+        return None;
+    }
+    let mut total = 0f64;
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        let n: f64 = rest[..digits].parse().ok()?;
+        rest = &rest[digits..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let seconds = match &rest[..unit_len] {
+            "h" => 3600.0,
+            "m" => 60.0,
+            "s" => 1.0,
+            "ms" => 1e-3,
+            "us" | "µs" => 1e-6,
+            "ns" => 1e-9,
+            _ => return None,
+        };
+        rest = &rest[unit_len..];
+        total += n * seconds;
+    }
+    (total.is_finite() && total >= 0.0).then(|| Duration::from_secs_f64(total.min(1e9)))
 }
 
 fn read(h: &HeaderMap, now: SystemTime) -> Option<Announced> {
@@ -59,6 +208,7 @@ fn read(h: &HeaderMap, now: SystemTime) -> Option<Announced> {
             remaining: r,
             reset: t,
             source,
+            unit: REQUESTS,
         })
     };
     pair(
@@ -134,6 +284,7 @@ fn structured(v: &str) -> Option<Announced> {
                 remaining,
                 reset: Duration::from_secs(t),
                 source: "ratelimit",
+                unit: REQUESTS,
             });
         }
     }
@@ -157,6 +308,7 @@ fn dictionary(v: &str) -> Option<Announced> {
         remaining: r?,
         reset: Duration::from_secs(t?),
         source: "ratelimit",
+        unit: REQUESTS,
     })
 }
 
@@ -223,6 +375,76 @@ mod tests {
             read(&[("ratelimit", "\"d\";r=1;t=18446744073709551615")]),
             Some((1, MAX_RESET.as_secs(), "ratelimit"))
         );
+    }
+
+    fn units(pairs: &[(&'static str, &str)]) -> Vec<(&'static str, u64, u64)> {
+        let mut v: Vec<_> = every(&headers(pairs), UNIX_EPOCH + Duration::from_secs(T))
+            .into_iter()
+            .map(|a| (a.unit, a.remaining, a.reset.as_millis() as u64))
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn the_vendors_dialects_each_in_its_unit() {
+        // OpenAI and Azure OpenAI.
+        assert_eq!(
+            units(&[
+                ("x-ratelimit-limit-requests", "500"),
+                ("x-ratelimit-remaining-requests", "499"),
+                ("x-ratelimit-reset-requests", "120ms"),
+                ("x-ratelimit-limit-tokens", "30000"),
+                ("x-ratelimit-remaining-tokens", "29000"),
+                ("x-ratelimit-reset-tokens", "6m0s"),
+            ]),
+            [("requests", 499, 120), ("tokens", 29000, 360_000)]
+        );
+        // Anthropic, resets as RFC 3339 instants.
+        let at = |secs: u64| {
+            humantime::format_rfc3339(UNIX_EPOCH + Duration::from_secs(T + secs)).to_string()
+        };
+        assert_eq!(
+            units(&[
+                ("anthropic-ratelimit-requests-remaining", "49"),
+                ("anthropic-ratelimit-requests-reset", &at(2)),
+                ("anthropic-ratelimit-input-tokens-remaining", "20000"),
+                ("anthropic-ratelimit-input-tokens-reset", &at(30)),
+                ("anthropic-ratelimit-output-tokens-remaining", "700"),
+                ("anthropic-ratelimit-output-tokens-reset", &at(45)),
+            ]),
+            [
+                ("input_tokens", 20000, 30_000),
+                ("output_tokens", 700, 45_000),
+                ("requests", 49, 2_000)
+            ]
+        );
+        // GitHub GraphQL: points; its REST resources: requests.
+        let reset = (T + 600).to_string();
+        assert_eq!(
+            units(&[
+                ("x-ratelimit-resource", "graphql"),
+                ("x-ratelimit-limit", "5000"),
+                ("x-ratelimit-used", "120"),
+                ("x-ratelimit-reset", &reset),
+            ]),
+            [("points", 4880, 600_000)]
+        );
+        assert_eq!(
+            units(&[
+                ("x-ratelimit-resource", "core"),
+                ("x-ratelimit-remaining", "4999"),
+                ("x-ratelimit-reset", &reset),
+            ]),
+            [("requests", 4999, 600_000)]
+        );
+        assert_eq!(
+            go_duration("1h2m3.5s"),
+            Some(Duration::from_millis(3_723_500))
+        );
+        assert_eq!(go_duration("0s"), Some(Duration::ZERO));
+        assert_eq!(go_duration("12"), None);
+        assert_eq!(go_duration("5 minutes"), None);
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! When the upstream says how long to wait: `Retry-After` (delta-seconds or HTTP-date, a
+//! When the upstream says how long to wait: `retry-after-ms` (OpenAI's milliseconds),
+//! `Retry-After` (delta-seconds or HTTP-date, a
 //! date read against the response's own `Date` when it has one), `RateLimit-Reset` and
 //! `X-RateLimit-Reset` (delta seconds, or an epoch timestamp, told apart by size).
 //! Unparseable values are ignored, as if absent.
@@ -46,6 +47,16 @@ pub(crate) fn epoch_or_delta(h: &HeaderMap, v: &str, now: SystemTime) -> Option<
 /// Reads the first usable hint, in order of authority. `now` is the local wall clock,
 /// used when the response has no `Date`.
 pub fn server_hint(h: &HeaderMap, now: SystemTime) -> Option<Hint> {
+    // OpenAI's and Azure OpenAI's, finer than the whole seconds of `Retry-After`.
+    if let Some(ms) = header(h, "retry-after-ms").and_then(|v| v.parse::<f64>().ok())
+        && ms.is_finite()
+        && ms >= 0.0
+    {
+        return Some(Hint {
+            wait: Duration::from_secs_f64((ms / 1000.0).min(1e9)),
+            source: "retry-after-ms",
+        });
+    }
     if let Some(v) = header(h, "retry-after") {
         let wait = match v.parse::<u64>() {
             Ok(secs) => Some(Duration::from_secs(secs)),

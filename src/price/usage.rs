@@ -34,6 +34,25 @@ pub(crate) struct Meter {
     cap: usize,
     /// The JSON body, or the SSE line being read, outgrew `cap`.
     over: bool,
+    /// Shopify's `extensions.cost.throttleStatus`, when asked for: currently available,
+    /// maximum available, restore rate.
+    throttle: Option<[Option<u64>; 3]>,
+}
+
+/// Where a Shopify GraphQL response says what its bucket of points holds.
+const THROTTLE: [&str; 3] = [
+    "/extensions/cost/throttleStatus/currentlyAvailable",
+    "/extensions/cost/throttleStatus/maximumAvailable",
+    "/extensions/cost/throttleStatus/restoreRate",
+];
+
+/// A Shopify bucket's state as a response reported it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Throttle {
+    pub(crate) available: u64,
+    pub(crate) maximum: u64,
+    /// Points restored each second.
+    pub(crate) restore: u64,
 }
 
 struct Reader {
@@ -46,7 +65,19 @@ struct Reader {
 impl Meter {
     /// A meter for the prices that read a JSON body, on a body that is an event stream
     /// (`sse`) or one JSON document; `None` when no price reads the body.
+    #[cfg(test)]
     pub(crate) fn new(prices: &[Price], sse: bool, cap: usize) -> Option<Meter> {
+        Meter::reading(prices, sse, cap, false)
+    }
+
+    /// As `new`, also reading Shopify's `throttleStatus` when `throttle` (then a meter is
+    /// made even if no price reads the body).
+    pub(crate) fn reading(
+        prices: &[Price],
+        sse: bool,
+        cap: usize,
+        throttle: bool,
+    ) -> Option<Meter> {
         let readers: Vec<Reader> = prices
             .iter()
             .filter_map(|p| match &p.actual {
@@ -58,12 +89,14 @@ impl Meter {
                 _ => None,
             })
             .collect();
-        (!readers.is_empty()).then_some(Meter {
+        let throttle = (throttle && !sse).then_some([None; 3]);
+        (!readers.is_empty() || throttle.is_some()).then_some(Meter {
             readers,
             sse,
             buf: Vec::new(),
             cap,
             over: false,
+            throttle,
         })
     }
 
@@ -112,6 +145,13 @@ impl Meter {
     }
 
     fn read(&mut self, v: &serde_json::Value) {
+        if let Some(t) = &mut self.throttle {
+            for (p, seen) in THROTTLE.iter().zip(t.iter_mut()) {
+                if let Some(n) = v.pointer(p).and_then(super::read::value_number) {
+                    *seen = Some(n);
+                }
+            }
+        }
         for r in &mut self.readers {
             for (p, seen) in r.pointers.iter().zip(&mut r.seen) {
                 if let Some(n) = v.pointer(p).and_then(super::read::value_number) {
@@ -119,6 +159,18 @@ impl Meter {
                 }
             }
         }
+    }
+
+    /// What the body said of Shopify's bucket (after `finish`).
+    pub(crate) fn throttle(&self) -> Option<Throttle> {
+        let [Some(available), Some(maximum), Some(restore)] = self.throttle? else {
+            return None;
+        };
+        Some(Throttle {
+            available,
+            maximum,
+            restore,
+        })
     }
 
     /// The body ended (or was cut off): the actual cost per unit index, for the units
@@ -207,6 +259,27 @@ mod tests {
             vec![],
             "a stream that never reports keeps the estimate"
         );
+    }
+
+    #[test]
+    fn shopify_says_what_its_bucket_holds() {
+        let body = br#"{"data":{},"extensions":{"cost":{"requestedQueryCost":101,"actualQueryCost":46,
+            "throttleStatus":{"maximumAvailable":1000.0,"currentlyAvailable":954,"restoreRate":50.0}}}}"#;
+        let prices = [price(1, "json:/extensions/cost/actualQueryCost")];
+        let mut m = Meter::reading(&prices, false, 1 << 16, true).unwrap();
+        m.feed(body);
+        assert_eq!(m.finish(), vec![(1, 46)]);
+        assert_eq!(
+            m.throttle(),
+            Some(Throttle {
+                available: 954,
+                maximum: 1000,
+                restore: 50
+            })
+        );
+        let mut m = Meter::reading(&[], false, 1 << 16, true).unwrap();
+        m.feed(b"{}");
+        assert_eq!((m.finish(), m.throttle()), (vec![], None));
     }
 
     #[test]

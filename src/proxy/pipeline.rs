@@ -24,7 +24,7 @@ use crate::body::Body;
 use crate::config::{Action, CooldownScope, Learn, Policy};
 use crate::limit::costs::Costs;
 use crate::limit::{Correction, Permit};
-use crate::policy::announced::announced;
+use crate::policy::announced;
 use crate::policy::breaker::Admit;
 use crate::policy::{Circuit, backoff, classify, hints, is_idempotent, wants_retry};
 use crate::route::Route;
@@ -749,16 +749,15 @@ fn attempt<'a>(
         let resp = sent.ok_or(AttemptError::Timeout(timeout))??;
         // Taken before the answer settles the permit's ticket.
         let correction = route
-            .filter(|r| reads_actual(config, r))
+            .filter(|r| reads_actual(config, r) || learns_points(config, r))
             .and(permit.as_ref())
             .and_then(Permit::correction);
         if let Some(p) = permit.as_mut() {
             p.answered(resp.status().as_u16());
             if let Some(r) = route
                 && config.upstreams[r.upstream].learn == Learn::Headers
-                && let Some(a) = announced(resp.headers(), SystemTime::now())
             {
-                p.learn(a);
+                learn(&config.upstreams[r.upstream], p, resp.headers());
             }
         }
         let metered = match (route, correction) {
@@ -770,6 +769,40 @@ fn attempt<'a>(
         m.upstream_responses.inc(resp.status().as_str());
         Ok(resp.map(|b| ResponseBody::wrap(b, permit, timeout, metered)))
     }
+}
+
+/// Every budget the response announces paces the limits of its own unit: requests, or
+/// the upstream's priced unit of the same name (`tokens`, `points`); others are ignored.
+fn learn(upstream: &crate::config::Upstream, permit: &Permit, headers: &HeaderMap) {
+    for a in announced::every(headers, SystemTime::now()) {
+        let unit = if a.unit == announced::REQUESTS {
+            Some(0)
+        } else {
+            upstream
+                .units
+                .iter()
+                .position(|u| u == a.unit)
+                .map(|i| i + 1)
+        };
+        if let Some(unit) = unit.and_then(|u| u8::try_from(u).ok()) {
+            permit.learn_in(a, unit);
+        }
+    }
+}
+
+/// The unit index of `points` for an upstream that learns from responses: Shopify's
+/// GraphQL bodies say what its bucket of points holds.
+fn points_unit(config: &Live, route: &Route) -> Option<u8> {
+    let u = &config.upstreams[route.upstream];
+    if u.learn != Learn::Headers {
+        return None;
+    }
+    let i = u.units.iter().position(|n| n == "points")?;
+    u8::try_from(i + 1).ok()
+}
+
+fn learns_points(config: &Live, route: &Route) -> bool {
+    points_unit(config, route).is_some()
 }
 
 /// Whether the route's family reads what its requests really cost from responses.
@@ -815,7 +848,8 @@ fn metered(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
     let cap = usize::try_from(config.proxy.max_replay_body).unwrap_or(usize::MAX);
-    let meter = crate::price::usage::Meter::new(&family.prices, sse, cap)?;
+    let points = points_unit(config, route);
+    let meter = crate::price::usage::Meter::reading(&family.prices, sse, cap, points.is_some())?;
     let counters = family
         .prices
         .iter()
@@ -825,6 +859,7 @@ fn metered(
         meter,
         correction,
         counters,
+        points,
     }))
 }
 

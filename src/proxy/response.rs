@@ -16,7 +16,7 @@ use tokio::time::{Instant, Sleep};
 
 use crate::body::{Body, BoxError};
 use crate::limit::{Correction, Permit};
-use crate::price::usage::Meter;
+use crate::price::usage::{Meter, Throttle};
 use prometheus::IntCounter;
 
 /// Reads up to `limit` bytes of `body` for a look at it, and returns them with a body
@@ -106,11 +106,16 @@ pub(crate) struct Metered {
     pub(crate) correction: Correction,
     /// `sluice_cost_total{stage="actual"}` by unit index.
     pub(crate) counters: Vec<(u8, IntCounter)>,
+    /// The unit index of `points`, when Shopify's `throttleStatus` paces it (`learn`).
+    pub(crate) points: Option<u8>,
 }
 
 impl Drop for Metered {
     fn drop(&mut self) {
         let actual = self.meter.finish();
+        if let (Some(unit), Some(t)) = (self.points, self.meter.throttle()) {
+            self.correction.learn_in(shopify(t), unit);
+        }
         if actual.is_empty() {
             return;
         }
@@ -120,6 +125,20 @@ impl Drop for Metered {
             }
         }
         self.correction.correct(&actual);
+    }
+}
+
+/// Shopify's bucket as a budget: what it holds now plus what it restores in the next
+/// second, for the next second; the next response says again.
+fn shopify(t: Throttle) -> crate::policy::announced::Announced {
+    crate::policy::announced::Announced {
+        remaining: t
+            .available
+            .saturating_add(t.restore)
+            .min(t.maximum.max(t.available)),
+        reset: Duration::from_secs(1),
+        source: "extensions.cost.throttleStatus",
+        unit: "points",
     }
 }
 
