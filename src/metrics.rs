@@ -22,6 +22,8 @@ pub struct Metrics {
     pub(crate) queue_wait: HistogramVec,
     /// `{upstream, family}`: requests waiting now, over all partitions.
     pub(crate) queue_depth: IntGaugeVec,
+    /// `{upstream, family, unit}`: what the waiting requests of a priced family cost.
+    pub(crate) queue_cost: IntGaugeVec,
     /// `{upstream, family, reason}`: requests refused by the limiter's bounds.
     pub(crate) rejections: IntCounterVec,
     /// `{upstream, family, action}`: upstream 429s by what was done about them.
@@ -276,6 +278,10 @@ const HELP: &[(&str, &str)] = &[
     ),
     ("sluice_queue_depth", "Requests waiting for admission"),
     (
+        "sluice_queue_cost",
+        "What the requests waiting for admission cost, in each unit their family prices",
+    ),
+    (
         "sluice_rejections_total",
         "Requests refused by the limiter's queue bounds",
     ),
@@ -484,6 +490,7 @@ impl Metrics {
                 &["upstream", "family"],
             )?,
             queue_depth: m.int_gauges("sluice_queue_depth", &["upstream", "family"])?,
+            queue_cost: m.int_gauges("sluice_queue_cost", &["upstream", "family", "unit"])?,
             rejections: m
                 .int_counters("sluice_rejections_total", &["upstream", "family", "reason"])?,
             partitions: m.int_gauge("sluice_partitions")?,

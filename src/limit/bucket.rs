@@ -42,6 +42,8 @@ pub(crate) struct FamilySpec {
     /// The most of a priced unit its queue holds (unit index, cost), from the cost
     /// tables' `max_queue`.
     pub(crate) queue_caps: Vec<(u8, u64)>,
+    /// The units it prices, by index, for the admin views.
+    pub(crate) units: Vec<(u8, Arc<str>)>,
 }
 
 /// With tenants, a family holds at most this many times `max_queue` waiting requests in
@@ -94,7 +96,7 @@ pub(crate) struct FamilyBucket<W> {
     pub(crate) paused_until: Option<Instant>,
     pub(crate) queue: Queue<W>,
     /// What its queue's waiters cost together: a new arrival waits behind all of it.
-    queued: Costs,
+    pub(crate) queued: Costs,
     holds_concurrency: bool,
     /// Whether an admission pays a limit counted in time (so its send matters).
     pays_rate: bool,
@@ -562,10 +564,10 @@ impl<W> Bucket<W> {
     }
 
     /// Empties every queue (shutdown), returning each waiter with its family.
-    pub(crate) fn take_all_waiters(&mut self) -> Vec<(usize, W)> {
+    pub(crate) fn take_all_waiters(&mut self) -> Vec<(usize, Costs, W)> {
         let mut out = Vec::with_capacity(self.waiting);
         for (i, f) in self.families.iter_mut().enumerate() {
-            out.extend(f.queue.drain().into_iter().map(|q| (i, q.waiter)));
+            out.extend(f.queue.drain().into_iter().map(|q| (i, q.costs, q.waiter)));
             f.queued = Costs::default();
         }
         self.waiting = 0;

@@ -147,7 +147,7 @@ impl Cell {
             let epoch = st.bucket.epoch();
             for a in admitted.drain(..) {
                 let m = st.metrics(a.family);
-                m.depth.dec();
+                m.queued(&a.costs, false);
                 m.wait.observe((a.at - a.since).as_secs_f64());
                 let grant = self.grant(st, a.family, (a.seq, a.costs), a.at, a.edge, epoch);
                 let family = st.bucket.family_ref(a.family);

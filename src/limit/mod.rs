@@ -378,7 +378,7 @@ impl Limiter {
             }
             let (tx, rx) = oneshot::channel();
             let seq = st.bucket.push(slot, tenant, *costs, Waiter { tx }, now);
-            st.metrics(slot).depth.inc();
+            st.metrics(slot).queued(costs, true);
             let family = st.bucket.family_ref(slot);
             cell.dispatch(&mut st, now);
             cell.wake_driver(&mut st);
@@ -432,8 +432,8 @@ impl Limiter {
         for cell in self.registry.cells() {
             let mut st = cell.lock();
             let waiters = st.bucket.take_all_waiters();
-            for (slot, waiter) in waiters {
-                st.metrics(slot).depth.dec();
+            for (slot, costs, waiter) in waiters {
+                st.metrics(slot).queued(&costs, false);
                 // Dropping the sender wakes the waiter with nothing: it answers 503.
                 drop(waiter);
             }
@@ -502,7 +502,16 @@ impl Limiter {
                 .ready_at(r + 1, now)
                 .map_or(0.0, |at| at.saturating_duration_since(now).as_secs_f64())
                 .ceil() as u64;
-            policy.push(format!("\"{name}\";q={q};w={}", w.ceil().max(1.0) as u64));
+            // The draft's quota unit: requests unless the limit counts a priced unit.
+            let unit = spec
+                .unit_ref()
+                .name
+                .as_ref()
+                .map_or_else(String::new, |u| format!(";qu=\"{u}\""));
+            policy.push(format!(
+                "\"{name}\";q={q};w={}{unit}",
+                w.ceil().max(1.0) as u64
+            ));
             current.push(format!("\"{name}\";r={r};t={t}"));
         };
         let up_specs = b.upstream_spec.clone();
@@ -549,8 +558,8 @@ impl Drop for Queued<'_> {
             return;
         }
         let mut st = self.cell.lock();
-        if let Some((slot, _)) = st.bucket.cancel(self.family, self.seq, self.tenant) {
-            st.metrics(slot).depth.dec();
+        if let Some((slot, q)) = st.bucket.cancel(self.family, self.seq, self.tenant) {
+            st.metrics(slot).queued(&q.costs, false);
             // A head that leaves may unblock the next one in its family.
             self.cell.dispatch(&mut st, Instant::now());
             self.cell.wake_driver(&mut st);

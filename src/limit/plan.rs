@@ -29,6 +29,8 @@ pub(super) struct FamilyMetrics {
     pub(super) partition_limit: IntCounter,
     pub(super) edge_429: IntCounter,
     pub(super) cluster_wait: Histogram,
+    /// `sluice_queue_cost` by unit index, for the units the family prices.
+    pub(super) queue_cost: Vec<(u8, IntGauge)>,
     /// When the last edge-429 hint was logged, so that it is logged once a minute.
     pub(super) last_hint: Mutex<Option<Instant>>,
 }
@@ -115,6 +117,11 @@ impl Plan {
                         .iter()
                         .filter_map(|p| Some((p.index, p.max_queue?)))
                         .collect(),
+                    units: f
+                        .prices
+                        .iter()
+                        .map(|p| (p.index, Arc::from(p.unit.as_str())))
+                        .collect(),
                 })
             })
             .collect();
@@ -131,11 +138,12 @@ impl Plan {
                 fair: false,
                 newest_first: false,
                 queue_caps: Vec::new(),
+                units: Vec::new(),
             }));
         }
         let handles = families
             .iter()
-            .map(|f| Arc::new(FamilyMetrics::new(metrics, &u.name, &f.name)))
+            .map(|f| Arc::new(FamilyMetrics::new(metrics, &u.name, &f.name, &f.units)))
             .collect();
         let adapts = families.iter().any(|f| f.adaptive.is_some());
         static GENERATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -173,7 +181,25 @@ impl Plan {
 }
 
 impl FamilyMetrics {
-    pub(super) fn new(metrics: &Metrics, upstream: &str, family: &str) -> FamilyMetrics {
+    /// Requests costing `costs` joined (`joined`) or left the queue.
+    pub(super) fn queued(&self, costs: &crate::limit::costs::Costs, joined: bool) {
+        if joined {
+            self.depth.inc();
+        } else {
+            self.depth.dec();
+        }
+        for (i, g) in &self.queue_cost {
+            let n = i64::try_from(costs.of(*i)).unwrap_or(i64::MAX);
+            g.add(if joined { n } else { -n });
+        }
+    }
+
+    pub(super) fn new(
+        metrics: &Metrics,
+        upstream: &str,
+        family: &str,
+        units: &[(u8, Arc<str>)],
+    ) -> FamilyMetrics {
         // Tunnels match no family: they count under family="-".
         let family = if family == TUNNEL { "-" } else { family };
         let l = [upstream, family];
@@ -195,6 +221,15 @@ impl FamilyMetrics {
             ]),
             edge_429: metrics.edge_429.with_label_values(&l),
             cluster_wait: metrics.cluster_wait.with_label_values(&l),
+            queue_cost: units
+                .iter()
+                .map(|(i, u)| {
+                    (
+                        *i,
+                        metrics.queue_cost.with_label_values(&[upstream, family, u]),
+                    )
+                })
+                .collect(),
             last_hint: Mutex::new(None),
         }
     }

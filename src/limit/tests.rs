@@ -1107,3 +1107,55 @@ async fn an_announced_budget_of_tokens_paces_what_requests_cost_in_tokens() {
     }
     assert_eq!(at, [0.0, 2.0, 4.0, 4.0]);
 }
+
+#[tokio::test(start_paused = true)]
+async fn views_say_what_waits_in_each_unit() {
+    let text = "[[upstream]]\nname = \"u\"\nhosts = [\"u.example\"]\n\
+        [[upstream.family]]\nname = \"chat\"\n\
+        limits = [{ kind = \"token_bucket\", rate = 100, per = \"1s\", burst = 100, unit = \"tokens\" }]\n\
+        [upstream.family.cost.tokens]\nestimate = 60\n";
+    let config = Config::parse(text, "t.toml").unwrap();
+    let metrics = Metrics::new(Registry::new()).unwrap();
+    let l = Arc::new(Limiter::new(&config, &metrics));
+    let plan = l.plans()[0].clone();
+    let r = route(Some(0));
+    let cost = costs::Costs::ONE.with(1, 60);
+    let mut first = l
+        .acquire_priced(&plan, &r, &cost, None)
+        .await
+        .unwrap()
+        .unwrap();
+    sent_and_answered(&mut first);
+    let waiting = {
+        let (l, plan) = (l.clone(), plan.clone());
+        tokio::spawn(async move {
+            let cost = costs::Costs::ONE.with(1, 60);
+            l.acquire_priced(&plan, &route(Some(0)), &cost, None).await
+        })
+    };
+    tokio::task::yield_now().await;
+    let (buckets, _) = l.snapshot();
+    let family = buckets
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["family"] == "chat")
+        .unwrap()
+        .clone();
+    assert_eq!(family["queued_cost"], json!({"tokens": 60}), "{family}");
+    assert_eq!(family["limits"][0]["unit"], "tokens");
+    let text = metrics.render();
+    assert!(
+        text.contains("sluice_queue_cost{family=\"chat\",unit=\"tokens\",upstream=\"u\"} 60"),
+        "{text}"
+    );
+    let (policy, _) = l.ratelimit_fields(&plan, &r).unwrap();
+    assert_eq!(policy, "\"u/chat\";q=100;w=1;qu=\"tokens\"");
+    let mut second = waiting.await.unwrap().unwrap().unwrap();
+    sent_and_answered(&mut second);
+    let text = metrics.render();
+    assert!(
+        text.contains("sluice_queue_cost{family=\"chat\",unit=\"tokens\",upstream=\"u\"} 0"),
+        "{text}"
+    );
+}

@@ -127,6 +127,29 @@ fn cell_entries(
             }),
         );
     }
+    let paces: Vec<serde_json::Value> = b
+        .learned_units
+        .iter()
+        .flat_map(|u| u.iter())
+        .zip(1u8..)
+        .filter_map(|(l, i)| {
+            let l = l.as_ref().filter(|l| l.active(now))?;
+            Some(json!({
+                "unit": l.announced.unit,
+                "unit_index": i,
+                "source": l.announced.source,
+                "announced_remaining": l.announced.remaining,
+                "left": l.left,
+                "resets_in_seconds": (l.reset - now).as_secs_f64(),
+                "pace_per_second": l.rate(),
+            }))
+        })
+        .collect();
+    if !paces.is_empty()
+        && let Some(o) = entry.as_object_mut()
+    {
+        o.insert("learned_units".into(), paces.into());
+    }
     if let Some(o) = entry.as_object_mut() {
         shared_json(cell, &st.plan, store, o);
     }
@@ -154,6 +177,17 @@ fn cell_entries(
         {
             // Removed by a reload; its queued requests finish under these limits.
             o.insert("retired".into(), true.into());
+        }
+        if !f.units.is_empty()
+            && let Some(o) = v.as_object_mut()
+        {
+            // What the waiting requests cost, in each unit the family prices.
+            let cost: serde_json::Map<String, serde_json::Value> = f
+                .units
+                .iter()
+                .map(|(i, u)| (u.to_string(), fb.queued.of(*i).into()))
+                .collect();
+            o.insert("queued_cost".into(), cost.into());
         }
         if let Some(n) = fb.queue.tenants()
             && let Some(o) = v.as_object_mut()

@@ -68,6 +68,7 @@ fn fam(name: &str, priority: Priority, limits: Vec<Limit>) -> FamilySpec {
         fair: false,
         newest_first: false,
         queue_caps: Vec::new(),
+        units: Vec::new(),
     }
 }
 fn spec(upstream: Vec<Limit>, families: Vec<FamilySpec>) -> PartitionSpec {
