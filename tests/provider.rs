@@ -277,6 +277,8 @@ struct Req {
     answer_ms: Option<u64>,
     /// The units it costs (1: a limit of requests), at most what the limit can admit.
     cost: u64,
+    /// What its answer says it really cost, as a share of `cost` (1: as estimated).
+    actual: f64,
 }
 
 fn shape() -> impl Strategy<Value = Shape> {
@@ -338,6 +340,7 @@ fn req() -> impl Strategy<Value = Req> {
             delay,
             answer_ms,
             cost: 1,
+            actual: 1.0,
         })
 }
 
@@ -380,11 +383,18 @@ enum Ev {
     Wake,
 }
 
-/// What one run produced: each sent request's arrival at the provider, and when the
-/// last one was admitted.
+/// What one run produced: each sent request's arrival at the provider, each answer that
+/// corrected its cost, and how many were admitted; the limit, once every event is past.
 struct Run {
     arrivals: Vec<(u64, usize)>,
+    /// When, and at which step of the run (arrivals and answers at one instant happen
+    /// in step order), each answer corrected its request's cost.
+    answers: Vec<(u64, u64, usize)>,
+    /// The step each request was sent at.
+    sent_at: std::collections::HashMap<usize, u64>,
     admitted: usize,
+    limit: LimitState,
+    end: Instant,
 }
 
 /// Drives one limit through `reqs` in event time (microseconds), admitting FIFO whenever
@@ -394,6 +404,7 @@ fn simulate(shape: &Shape, reqs: &[Req]) -> Result<Run, TestCaseError> {
     let at = |us: u64| t0 + Duration::from_micros(us);
     let mut l = LimitState::on_clock(&shape.limit(), t0, 0, shape.unix0());
     let cost = |i: usize| reqs[i].cost.min(shape.capacity());
+    let actual = |i: usize| (cost(i) as f64 * reqs[i].actual).round() as u64;
     if let Some((edge, slack)) = shape.announced(t0) {
         l.realign(edge, slack);
     }
@@ -411,13 +422,20 @@ fn simulate(shape: &Shape, reqs: &[Req]) -> Result<Run, TestCaseError> {
     }
     let mut queue = VecDeque::new();
     let mut arrivals = Vec::new();
+    let mut answers = Vec::new();
+    let mut sent_at = std::collections::HashMap::new();
     let mut admitted = 0;
+    let mut last = 0;
+    let mut step = 0u64;
     let mut next_wake = None;
     while let Some(Reverse((t, _, ev))) = events.pop() {
         let now = at(t);
+        last = t;
+        step += 1;
         match ev {
             Ev::Join(i) => queue.push_back(i),
             Ev::Send(i) => {
+                sent_at.insert(i, step);
                 l.sent_n(i as u64, cost(i), Some(0), now);
                 let arrival = t + (reqs[i].delay * margin_us as f64) as u64;
                 arrivals.push((arrival, i));
@@ -428,12 +446,20 @@ fn simulate(shape: &Shape, reqs: &[Req]) -> Result<Run, TestCaseError> {
             Ev::GiveUp(i) => {
                 l.unsent_n(cost(i), 0);
                 if let Fate::SentAfterGivingUp = reqs[i].fate {
+                    sent_at.insert(i, step);
                     l.sent_n(i as u64, cost(i), None, now);
                     let arrival = t + (reqs[i].delay * margin_us as f64) as u64;
                     arrivals.push((arrival, i));
                 }
             }
-            Ev::Answer(i) => l.answered(i as u64, now, Duration::ZERO),
+            Ev::Answer(i) => {
+                l.answered(i as u64, now, Duration::ZERO);
+                let is = actual(i);
+                if is != cost(i) {
+                    l.reweigh(i as u64, cost(i), is, 0, now);
+                    answers.push((t, step, i));
+                }
+            }
             Ev::Wake => {}
         }
         while let Some(&head) = queue.front()
@@ -462,7 +488,14 @@ fn simulate(shape: &Shape, reqs: &[Req]) -> Result<Run, TestCaseError> {
     }
     prop_assert!(queue.is_empty(), "{} requests never admitted", queue.len());
     arrivals.sort();
-    Ok(Run { arrivals, admitted })
+    Ok(Run {
+        arrivals,
+        answers,
+        sent_at,
+        admitted,
+        limit: l,
+        end: at(last),
+    })
 }
 
 proptest! {
@@ -519,6 +552,64 @@ proptest! {
                 "the provider refused request {} costing {} arriving at {} us", i, cost, us
             );
         }
+    }
+}
+
+/// A request costing 1 to 5 units whose answer says it cost a share of that: from
+/// nothing to all of it (the estimate is an upper bound, as `max_tokens` is).
+fn corrected_req() -> impl Strategy<Value = Req> {
+    (weighted_req(), 0.0..=1.0f64).prop_map(|(r, actual)| Req { actual, ..r })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Requests corrected after their answers to what they really cost, against a
+    /// provider that reconciles the same way (a moving window's entry shrinks, a GCRA
+    /// gives back): the provider refuses none, and once everything is past the limit is
+    /// whole again (no correction leaks or mints a permit).
+    #[test]
+    fn corrections_never_overrun_a_reconciling_provider_nor_leak(
+        shape in weighted_shape().prop_filter("a provider that reconciles", |s| {
+            matches!(s.kind, Kind::Sliding | Kind::Token { .. })
+        }),
+        reqs in prop::collection::vec(corrected_req(), 1..60),
+    ) {
+        let mut run = simulate(&shape, &reqs)?;
+        prop_assert_eq!(run.admitted, reqs.len());
+        let t0 = Instant::now();
+        let at = |us: u64| t0 + Duration::from_micros(us);
+        let end = run.end;
+        let cost = |i: usize| reqs[i].cost.min(shape.capacity());
+        let mut provider = shape.provider(t0);
+        // Arrivals and settlements in time order, and at one instant in the order the run
+        // made them.
+        let mut events: Vec<(u64, u64, u8, usize)> = run
+            .arrivals
+            .iter()
+            .map(|(t, i)| (*t, run.sent_at[i], 1, *i))
+            .collect();
+        events.extend(run.answers.iter().map(|(t, step, i)| (*t, *step, 0, *i)));
+        events.sort();
+        let arrived: std::collections::HashMap<usize, u64> =
+            run.arrivals.iter().map(|(t, i)| (*i, *t)).collect();
+        for (t, _, what, i) in events {
+            if what == 1 {
+                prop_assert!(
+                    provider.arrive_n(at(t), cost(i)),
+                    "the provider refused request {} costing {} at {} us", i, cost(i), t
+                );
+            } else {
+                let is = (cost(i) as f64 * reqs[i].actual).round() as u64;
+                provider.settle(at(arrived[&i]), at(t), cost(i), is);
+            }
+        }
+        let later = end + shape.window() * 3 + Duration::from_secs(5);
+        prop_assert_eq!(
+            run.limit.available(later),
+            shape.capacity(),
+            "the limit is not whole once everything is past: {:?}", run.limit
+        );
     }
 }
 

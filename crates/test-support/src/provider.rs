@@ -220,6 +220,48 @@ impl Counter {
         ))
     }
 
+    /// A provider that reconciles (Anthropic's output tokens, Shopify's query cost): the
+    /// request that arrived at `arrived` charged `was` then, and at `at`, when it ends,
+    /// its true cost `is`. A moving window's entries at its arrival shrink or grow; a
+    /// GCRA gives back (never beyond full) or charges the difference. The other counters
+    /// keep what they counted.
+    pub fn settle(&mut self, arrived: Instant, at: Instant, was: u64, is: u64) {
+        match self {
+            Counter::Sliding { accepted, .. } => {
+                if is < was {
+                    let mut drop = (was - is) as usize;
+                    accepted.retain(|t| {
+                        let gone = drop > 0 && *t == arrived;
+                        drop -= usize::from(gone);
+                        !gone
+                    });
+                } else {
+                    let at = accepted.partition_point(|t| *t <= arrived);
+                    for _ in 0..(is - was) {
+                        accepted.insert(at, arrived);
+                    }
+                }
+            }
+            Counter::Token {
+                rate,
+                per_ns,
+                base,
+                tat,
+                ..
+            } => {
+                let base = *base.get_or_insert(at);
+                let t = (at - base).as_nanos() * *rate;
+                if is >= was {
+                    *tat += u128::from(is - was) * *per_ns;
+                } else {
+                    let back = u128::from(was - is) * *per_ns;
+                    *tat = tat.saturating_sub(back).max(t.min(*tat));
+                }
+            }
+            _ => {}
+        }
+    }
+
     /// Counts an arrival at `at` costing `n` units (arrivals in time order), as providers
     /// that count what a request costs do: Python `limits`' `hit(..., cost=n)` for the
     /// moving window, the fixed window and the sliding window counter (their checks, with

@@ -152,6 +152,9 @@ pub(super) struct Gcra {
     /// used and its weight, so that a response before the margin ran out can take back
     /// what it assumed.
     last: Option<(Id, u128, u128, u64)>,
+    /// The latest arrival bound of every send before `last`: until then one of them may
+    /// not have reached the provider, and a refund could not be given back safely.
+    settled_by: u128,
 }
 
 impl Gcra {
@@ -165,6 +168,7 @@ impl Gcra {
             margin,
             pending: 0,
             last: None,
+            settled_by: 0,
         }
     }
 
@@ -189,10 +193,15 @@ impl Gcra {
         // Debt in scaled units: `per_ns` is one permit. Rounded up, so the conversion never
         // creates a permit.
         let debt = self.tat.saturating_sub(self.scaled(now));
+        let fresh = Gcra::new(pace, margin, now);
+        // Sends folded in before the reload may reach the provider until their margin
+        // has passed: no refund before then.
+        let settled_by = fresh.scaled(now + self.margin.max(margin));
         Gcra {
             tat: (debt * pace.per_ns).div_ceil(self.per_ns),
             pending: self.pending,
-            ..Gcra::new(pace, margin, now)
+            settled_by,
+            ..fresh
         }
     }
 
@@ -219,6 +228,9 @@ impl Gcra {
         let latest = self.scaled(now + self.margin);
         let before = self.tat;
         self.tat = before.max(latest) + u128::from(w) * self.per_ns;
+        if let Some((_, _, earlier, _)) = self.last {
+            self.settled_by = self.settled_by.max(earlier);
+        }
         self.last = Some((id, before, latest, w));
     }
 
@@ -237,20 +249,37 @@ impl Gcra {
     /// Admission `id`, sent weighing `was`, weighs `w` now: the difference is paid back
     /// into the bucket, or owed by it (the bucket goes into debt: nothing more is admitted
     /// until time has paid it), as the provider settles a request's true cost.
+    ///
+    /// A refund is what the provider gives back: never beyond a full bucket, and never out
+    /// of the charge of a request that may not have reached it yet. The last send is
+    /// folded in again over the refunded state; while an earlier send may still be on
+    /// its way (its margin has not passed), the estimate stands.
     pub(super) fn reweigh(&mut self, id: Id, was: u64, w: u64, now: Instant) {
         let per = self.per_ns;
         if w >= was {
             self.tat += u128::from(w - was) * per;
-        } else {
-            // A refund cannot fill the bucket beyond full.
-            let floor = self.scaled(now);
-            self.tat = self
-                .tat
-                .saturating_sub(u128::from(was - w) * per)
-                .max(floor.min(self.tat));
+            if let Some(last) = self.last.as_mut().filter(|l| l.0 == id) {
+                last.3 = w;
+            }
+            return;
         }
-        if let Some(last) = self.last.as_mut().filter(|l| l.0 == id) {
-            last.3 = w;
+        let r = self.scaled(now);
+        let back = u128::from(was - w) * per;
+        let refund = |t: u128| t.saturating_sub(back).max(r.min(t));
+        match self.last {
+            // Its own send is the last: folded in again at its new weight.
+            Some((last, before, latest, _)) if last == id => {
+                self.tat = (before.max(latest) + u128::from(w) * per).max(r.min(self.tat));
+                self.last = Some((id, before, latest, w));
+            }
+            _ if self.settled_by > r => {}
+            // The last send may still be on its way: the refund goes under it.
+            Some((last, before, latest, lw)) if latest > r => {
+                let before = refund(before);
+                self.tat = before.max(latest) + u128::from(lw) * per;
+                self.last = Some((last, before, latest, lw));
+            }
+            _ => self.tat = refund(self.tat),
         }
     }
 
