@@ -138,6 +138,8 @@ pub(crate) struct RouteMetrics {
     pub(crate) requests: ByOutcome,
     /// `sluice_upstream_responses_total` by status.
     pub(crate) upstream_responses: ByOutcome,
+    /// `sluice_cost_total{stage="estimated"}` by unit index, for a priced family.
+    pub(crate) cost_estimated: Vec<(u8, IntCounter)>,
 }
 
 /// A handle created by its first use.
@@ -198,7 +200,23 @@ impl RouteMetrics {
             upstream_duration: Lazy::new(),
             requests: ByOutcome::new(&metrics.requests, upstream, family),
             upstream_responses: ByOutcome::new(&metrics.upstream_responses, upstream, family),
+            cost_estimated: Vec::new(),
         }
+    }
+
+    /// With the counters of what a priced family's admissions pay, by unit.
+    fn priced(mut self, metrics: &Metrics, prices: &[crate::config::cost::Price]) -> RouteMetrics {
+        let (u, f) = (self.requests.upstream.clone(), self.requests.family.clone());
+        self.cost_estimated = prices
+            .iter()
+            .map(|p| {
+                let c = metrics
+                    .cost
+                    .with_label_values(&[&u, &f, &p.unit, "estimated"]);
+                (p.index, c)
+            })
+            .collect();
+        self
     }
 
     /// Records an attempt's time to response headers.
@@ -228,9 +246,10 @@ impl RouteTable {
             .map(|u| {
                 u.families
                     .iter()
-                    .map(|f| f.name.as_str())
-                    .chain(["-"])
-                    .map(|f| RouteMetrics::new(metrics, &u.name, f))
+                    .map(|f| {
+                        RouteMetrics::new(metrics, &u.name, &f.name).priced(metrics, &f.prices)
+                    })
+                    .chain([RouteMetrics::new(metrics, &u.name, "-")])
                     .collect()
             })
             .collect();

@@ -369,3 +369,42 @@ fn the_documented_cost_examples_load() {
         "OpenAI, Anthropic, Shopify, GitHub, weighted REST"
     );
 }
+
+/// A body read to price its request is held within `max_replay_memory`: beyond it the
+/// request is answered at once, and the memory comes back once the body has gone on.
+#[tokio::test]
+async fn pricing_reads_within_the_replay_memory() {
+    let provider = Provider::start();
+    let proxy = Proxy::start(&format!("max_replay_memory = \"1KiB\"\n{}", config())).await;
+    let client = proxy.client();
+    let url = provider.url("/v1/chat/completions");
+    let small =
+        serde_json::json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10});
+    let big = serde_json::json!({"messages": [{"role": "user", "content": "a".repeat(2000)}], "max_tokens": 10});
+    let r = client
+        .post(&url)
+        .body(big.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["sluice-reason"], "connection_limit");
+    for _ in 0..5 {
+        let r = client
+            .post(&url)
+            .body(small.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            r.status(),
+            200,
+            "the budget came back after each body went on"
+        );
+    }
+    let m = proxy.metrics().await;
+    assert_eq!(
+        support::metric(&m, "sluice_replay_buffered_bytes"),
+        Some(0.0)
+    );
+}

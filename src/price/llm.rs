@@ -151,11 +151,46 @@ fn schema_tokens(v: &Value) -> u64 {
     }
 }
 
-/// Four ASCII characters a token, any other character a token of its own.
+/// Four ASCII characters a token, any other character a token of its own. Counted on
+/// the bytes: a byte of 0x80 or above is not ASCII, and a character that is not ASCII
+/// starts with a byte of 0xC0 or above.
 pub(crate) fn str_tokens(s: &str) -> u64 {
-    let ascii = s.bytes().filter(u8::is_ascii).count() as u64;
-    let other = s.chars().filter(|c| !c.is_ascii()).count() as u64;
-    ascii.div_ceil(4) + other
+    let (high, lead) = high_and_lead_bytes(s.as_bytes());
+    (s.len() as u64 - high).div_ceil(4) + lead
+}
+
+/// The bytes with the top bit set, and those with the two top bits set, eight at a time
+/// in the lanes of a word (a prompt is read on every request that prices it).
+fn high_and_lead_bytes(bytes: &[u8]) -> (u64, u64) {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    // The sum of a word's eight byte lanes, each at most 255.
+    let lanes = |x: u64| {
+        let pairs = (x & 0x00FF_00FF_00FF_00FF) + ((x >> 8) & 0x00FF_00FF_00FF_00FF);
+        pairs.wrapping_mul(0x0001_0001_0001_0001) >> 48
+    };
+    let (mut high, mut lead) = (0u64, 0u64);
+    let mut chunks = bytes.chunks_exact(8);
+    let (mut h, mut l, mut n) = (0u64, 0u64, 0u32);
+    for c in &mut chunks {
+        let Ok(word) = <[u8; 8]>::try_from(c) else {
+            continue;
+        };
+        let x = u64::from_le_bytes(word);
+        h += (x >> 7) & ONES;
+        l += (x >> 7) & (x >> 6) & ONES;
+        n += 1;
+        // A lane holds at most 255.
+        if n == 255 {
+            (high, lead) = (high + lanes(h), lead + lanes(l));
+            (h, l, n) = (0, 0, 0);
+        }
+    }
+    (high, lead) = (high + lanes(h), lead + lanes(l));
+    for b in chunks.remainder() {
+        high += u64::from(*b >= 0x80);
+        lead += u64::from(*b >= 0xC0);
+    }
+    (high, lead)
 }
 
 #[cfg(test)]
@@ -170,6 +205,23 @@ mod tests {
         assert_eq!(str_tokens("abcde"), 2);
         assert_eq!(str_tokens("日本語"), 3);
         assert_eq!(str_tokens("café"), 2);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn words_of_bytes_count_as_bytes_one_by_one(s in "\\PC{0,3000}") {
+            let b = s.as_bytes();
+            let high = b.iter().filter(|x| **x >= 0x80).count() as u64;
+            let lead = b.iter().filter(|x| **x >= 0xC0).count() as u64;
+            proptest::prop_assert_eq!(high_and_lead_bytes(b), (high, lead));
+            proptest::prop_assert_eq!(lead, s.chars().filter(|c| !c.is_ascii()).count() as u64);
+        }
+    }
+
+    #[test]
+    fn long_text_is_counted_in_words_exactly() {
+        let s = "é".repeat(5000) + &"a".repeat(3001);
+        assert_eq!(high_and_lead_bytes(s.as_bytes()), (10_000, 5000));
     }
 
     #[test]

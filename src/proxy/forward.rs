@@ -291,7 +291,7 @@ where
         let priced = route.as_ref().and_then(|r| prices_of(&config, r));
         let (req, costs) = match (priced, route.as_ref()) {
             (Some(prices), Some(r)) => {
-                match Box::pin(price_request(&config, r, prices, req, target.path())).await {
+                match Box::pin(price_request((app, &config), r, prices, req, target.path())).await {
                     Ok((req, costs)) => (req, Some(Box::new(costs))),
                     Err(e) => return done(Err(e)),
                 }
@@ -352,9 +352,10 @@ fn prices_of<'c>(config: &'c Live, r: &Route) -> Option<&'c [Price]> {
 
 /// What a priced family's request costs (see `price`): declared with `sluice-cost`,
 /// which is removed here, else estimated from its headers or body. A body is read up to
-/// `proxy.max_replay_body`, within the route's `total_timeout`, and goes on whole.
+/// `proxy.max_replay_body`, within the route's `total_timeout` and what is left of
+/// `proxy.max_replay_memory` (held until the body has gone on), and goes on whole.
 async fn price_request(
-    config: &Live,
+    (app, config): (&App, &Live),
     route: &Route,
     prices: &[Price],
     req: Request<Body>,
@@ -369,6 +370,18 @@ async fn price_request(
     }
     let limit = config.proxy.max_replay_body;
     let most = usize::try_from(limit).unwrap_or(usize::MAX);
+    // As much of the budget as the body can take: its length when it says, else the most
+    // that is read.
+    let reading = http_body::Body::size_hint(&body)
+        .exact()
+        .map_or(limit.saturating_add(1), |n| n.min(limit.saturating_add(1)));
+    let Some(hold) = app.replay_budget.hold(reading) else {
+        return Err(ProxyError::LocalResources(
+            "max_replay_memory is taken by bodies held for retries and pricing: this \
+             request's body cannot be read to price it now"
+                .into(),
+        ));
+    };
     let timeout = route.policy(&config.config).total_timeout;
     let (prefix, body) =
         match tokio::time::timeout(timeout, peek(body, most.saturating_add(1))).await {
@@ -390,6 +403,10 @@ async fn price_request(
         None => BodyView::NotJson,
     };
     let costs = price::price(prices, &parts.headers, &declared, &view, path)?;
+    let body = stream(crate::upstream::replay::HeldBody {
+        body,
+        hold: Some(hold),
+    });
     Ok((Request::from_parts(parts, body), costs))
 }
 

@@ -415,20 +415,9 @@ impl<'a> Tries<'a> {
 
     /// An attempt was admitted: a priced request counts what it paid in each unit.
     fn paid(&self, costs: &Costs) {
-        let Some(f) = self.route.family else {
-            return;
-        };
-        let prices = &self.upstream().families[f].prices;
-        if prices.is_empty() {
-            return;
-        }
-        let (up, fam) = self.labels();
-        for p in prices {
-            self.app
-                .metrics
-                .cost
-                .with_label_values(&[up, fam, &p.unit, "estimated"])
-                .inc_by(costs.of(p.index));
+        let m = self.config.route_metrics.get(Some(self.route));
+        for (index, c) in &m.cost_estimated {
+            c.inc_by(costs.of(*index));
         }
     }
 

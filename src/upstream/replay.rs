@@ -62,6 +62,59 @@ impl ReplayBudget {
     }
 }
 
+/// Bytes of the replay budget held by something other than a replay (a body read to
+/// price its request), given back when dropped.
+pub(crate) struct BudgetHold {
+    budget: Arc<ReplayBudget>,
+    bytes: u64,
+}
+
+impl ReplayBudget {
+    /// Holds `bytes` of the budget, if that much is left.
+    pub(crate) fn hold(self: &Arc<Self>, bytes: u64) -> Option<BudgetHold> {
+        self.take(bytes).then(|| BudgetHold {
+            budget: self.clone(),
+            bytes,
+        })
+    }
+}
+
+impl Drop for BudgetHold {
+    fn drop(&mut self) {
+        self.budget.give_back(self.bytes);
+    }
+}
+
+/// A body that holds part of the replay budget until it has been read or dropped.
+pub(crate) struct HeldBody {
+    pub(crate) body: crate::body::Body,
+    pub(crate) hold: Option<BudgetHold>,
+}
+
+impl http_body::Body for HeldBody {
+    type Data = bytes::Bytes;
+    type Error = crate::body::BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.body).poll_frame(cx);
+        if matches!(polled, std::task::Poll::Ready(None)) {
+            self.hold = None;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
 /// How the client's side of a request failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum ClientFault {
