@@ -5,7 +5,7 @@
 # estimate counted at arrival by the Python limits package; Anthropic's output tokens
 # estimated then reconciled), configured as docs/config.md's examples are.
 # Loopback only; every process is started here and stopped by PID.
-# Usage: bench/costs.sh [rounds=3] [seconds=10] [budget_minutes=4]
+# Usage: bench/costs.sh [rounds=3] [seconds=10] [budget_minutes=4] [all|pricing|budgets]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
