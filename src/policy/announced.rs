@@ -104,33 +104,38 @@ fn dialects(h: &HeaderMap, now: SystemTime, add: &mut impl FnMut(Announced)) {
             });
         }
     }
-    for (unit, prefix, source) in [
+    // Names written out: every response of a learning upstream is read for them.
+    for (unit, remaining, reset, source) in [
         (
             REQUESTS,
-            "anthropic-ratelimit-requests",
+            "anthropic-ratelimit-requests-remaining",
+            "anthropic-ratelimit-requests-reset",
             "anthropic-ratelimit-requests",
         ),
         (
             "tokens",
-            "anthropic-ratelimit-tokens",
+            "anthropic-ratelimit-tokens-remaining",
+            "anthropic-ratelimit-tokens-reset",
             "anthropic-ratelimit-tokens",
         ),
         (
             "input_tokens",
-            "anthropic-ratelimit-input-tokens",
+            "anthropic-ratelimit-input-tokens-remaining",
+            "anthropic-ratelimit-input-tokens-reset",
             "anthropic-ratelimit-input-tokens",
         ),
         (
             "output_tokens",
-            "anthropic-ratelimit-output-tokens",
+            "anthropic-ratelimit-output-tokens-remaining",
+            "anthropic-ratelimit-output-tokens-reset",
             "anthropic-ratelimit-output-tokens",
         ),
     ] {
-        let remaining = header(h, &format!("{prefix}-remaining")).and_then(|r| r.parse().ok());
-        let reset = header(h, &format!("{prefix}-reset"))
+        let left = header(h, remaining).and_then(|r| r.parse().ok());
+        let until = header(h, reset)
             .and_then(|r| humantime::parse_rfc3339_weak(r).ok())
             .map(|at| at.duration_since(now).unwrap_or(Duration::ZERO));
-        if let (Some(remaining), Some(reset)) = (remaining, reset) {
+        if let (Some(remaining), Some(reset)) = (left, until) {
             add(Announced {
                 remaining,
                 reset,
