@@ -182,6 +182,24 @@ fn call(
     corrections: &[(String, String)],
     queued: usize,
 ) -> Vec<redis::Value> {
+    let corrections: Vec<(String, String, String)> = corrections
+        .iter()
+        .map(|(m, v)| (m.clone(), v.clone(), String::new()))
+        .collect();
+    call_weighed(con, keys, op, now, (member, None), &corrections, queued)
+}
+
+/// A call for `member` weighing `w` in a limit of a unit (`None`: a limit of requests),
+/// carrying `corrections` (member as last named, value, weight; "" for unchanged).
+fn call_weighed(
+    con: &mut redis::Connection,
+    keys: &Keys<'_>,
+    op: &str,
+    now: u64,
+    (member, w): (&str, Option<u64>),
+    corrections: &[(String, String, String)],
+    queued: usize,
+) -> Vec<redis::Value> {
     let (tag, shape) = (&keys.tag, keys.shape);
     let mut inv = keys.script.prepare_invoke();
     inv.key(format!("{tag}:epoch"))
@@ -201,9 +219,10 @@ fn call(
         .arg(&shape.args()[..])
         .arg(shape.margin_us)
         .arg("1")
+        .arg(w.map(|w| w.to_string()).unwrap_or_default())
         .arg(corrections.len());
-    for (m, v) in corrections {
-        inv.arg(1).arg(m).arg(v);
+    for (m, v, cw) in corrections {
+        inv.arg(1).arg(m).arg(v).arg(cw);
     }
     inv.invoke(con).expect("the script runs")
 }
@@ -395,6 +414,180 @@ proptest! {
                 provider.arrive(t0 + Duration::from_micros(a - base)),
                 "the provider refused arrival {} at {} us", k, a - base
             );
+        }
+    }
+}
+
+/// A limit of a unit (tokens, points), with room for requests of several weights.
+fn weighed_shape(kinds: &'static [char]) -> impl Strategy<Value = Shape> {
+    (shape(), prop::sample::select(kinds), 2..12u32).prop_map(|(mut s, kind, permits)| {
+        s.kind = kind;
+        s.permits = permits;
+        // A bucket's burst holds at least a request's largest weight.
+        s.burst = s.burst.max(permits / 2);
+        s
+    })
+}
+
+/// The largest weight `shape` admits at all: more is answered 413 before it queues.
+fn capacity(shape: &Shape) -> u64 {
+    u64::from(if shape.kind == 't' {
+        shape.burst
+    } else {
+        shape.permits
+    })
+}
+
+fn reply_wait(reply: &[redis::Value]) -> u64 {
+    int(&reply[1]) as u64
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Weighted reservations without corrections are the local limiter's weighted
+    /// admissions, to the microsecond, for sliding windows, counters and token buckets:
+    /// a request of weight w waits until w units are free.
+    #[test]
+    fn weighted_reservations_are_what_the_local_limiter_admits(
+        shape in weighed_shape(&['s', 't', 'c', 'C', 'u']),
+        reqs in prop::collection::vec((prop_oneof![2 => Just(0u64), 1 => 0..300_000u64], 1..=12u64), 1..30),
+    ) {
+        let script = redis::Script::new(sluice::cluster_script());
+        let (_, con) = redis();
+        let mut con = con.lock();
+        let keys = Keys { script: &script, tag: format!("{{wm{}}}", rand_id()), shape: &shape };
+        let t0 = Instant::now();
+        let base = BASE_US;
+        let mut local = LimitState::on_clock(&shape.limit(), t0, 0, Duration::from_micros(base));
+        let (mut now, mut prev) = (base, base);
+        for (i, (gap, w)) in reqs.iter().enumerate() {
+            let w = (*w).min(capacity(&shape));
+            now += gap;
+            let member = format!("r:{i}");
+            let reply = call_weighed(&mut con, &keys, "settle", now, (&member, Some(w)), &[], 3);
+            prop_assert_eq!(int(&reply[0]), 0);
+            let reserved = now + reply_wait(&reply);
+            let mut t = t0 + Duration::from_micros(now.max(prev) - base);
+            while !local.can_take_n(w, t) {
+                t = local.ready_at(w, t).unwrap();
+            }
+            local.take_n(w, t);
+            local.sent_n(i as u64, w, Some(0), t);
+            let admitted = base + (t - t0).as_nanos().div_ceil(1000) as u64;
+            prop_assert!(
+                reserved >= admitted.saturating_sub(1) && reserved <= admitted + i as u64 + 1,
+                "request {} (weight {}): the script reserved {} us, the local limiter admits at {} us",
+                i, w, reserved - base, admitted - base
+            );
+            prev = reserved;
+        }
+    }
+
+    /// Weighted reservations from many replicas, each reaching the provider anywhere in
+    /// its margin, answered sooner or never sent, and corrected to what it really cost
+    /// once answered, as sluice sends it (the answer's instant and the new weight, in
+    /// either order): a provider counting the same costs refuses none. Where the provider
+    /// reconciles (a sliding log, a GCRA: Python `limits`' moving window, Anthropic's
+    /// buckets), the true cost is anything up to the estimate, which is an upper bound as
+    /// `max_tokens` is; where it keeps what it counted at arrival, the script is told of
+    /// costs above it, which hold permits longer (sluice's docs say correcting
+    /// downwards would over-admit there).
+    #[test]
+    fn weighted_reservations_never_overrun_a_provider_counting_costs(
+        shape in weighed_shape(&['s', 't', 'f', 'k', 'C', 'u']),
+        reqs in prop::collection::vec((req(), 1..=12u64, 0..=24u64, any::<bool>()), 1..40),
+    ) {
+        let script = redis::Script::new(sluice::cluster_script());
+        let (_, con) = redis();
+        let mut con = con.lock();
+        let keys = Keys { script: &script, tag: format!("{{wp{}}}", rand_id()), shape: &shape };
+        let reconciles = matches!(shape.kind, 's' | 't');
+        let base = BASE_US;
+        let mut now = base;
+        // Corrections known by `now`, waiting for the next call: (due, member, value, weight).
+        let mut due: Vec<(u64, String, String, String)> = Vec::new();
+        // What the provider sees: arrivals (at, weight) and settlements (at, arrived, was, is).
+        let mut arrivals: Vec<(u64, u64)> = Vec::new();
+        let mut settles: Vec<(u64, u64, u64, u64)> = Vec::new();
+        let cap = capacity(&shape);
+        for (i, (r, w, actual, weight_first)) in reqs.iter().enumerate() {
+            let w = (*w).min(cap);
+            now += r.gap_us;
+            let member = format!("{}:{i}", r.replica);
+            let mut turns = 0;
+            let reply = loop {
+                let ready: Vec<(String, String, String)> = due
+                    .iter()
+                    .filter(|d| d.0 <= now)
+                    .map(|d| (d.1.clone(), d.2.clone(), d.3.clone()))
+                    .collect();
+                due.retain(|d| d.0 > now);
+                let op = if turns >= 8 { "settle" } else { "reserve" };
+                let reply = call_weighed(&mut con, &keys, op, now, (&member, Some(w)), &ready, 3);
+                if int(&reply[0]) != 4 {
+                    break reply;
+                }
+                turns += 1;
+                now += reply_wait(&reply);
+            };
+            prop_assert_eq!(int(&reply[0]), 0);
+            let t = now + reply_wait(&reply);
+            let name = |w: u64| if w == 1 { member.clone() } else { format!("{member}*{w}") };
+            if r.unsent {
+                due.push((t, name(w), String::new(), String::new()));
+                continue;
+            }
+            let arrival = t + (r.delay * shape.margin_us as f64) as u64;
+            arrivals.push((arrival, w));
+            let Some(a) = r.answer_us else { continue };
+            let answered = arrival + a;
+            // The true cost, as the response reports it when the request ends.
+            let is = if reconciles { actual % (w + 1) } else { w + actual % 3 };
+            let sooner = answered < t + shape.margin_us;
+            let at = answered.to_string();
+            if is != w {
+                if reconciles {
+                    settles.push((answered, arrival, w, is));
+                }
+                if *weight_first {
+                    due.push((answered, name(w), "k".into(), format!("{is} {answered}")));
+                    if sooner {
+                        due.push((answered, name(is), at, String::new()));
+                    }
+                } else {
+                    if sooner {
+                        due.push((answered, name(w), at, String::new()));
+                    }
+                    due.push((answered, name(w), "k".into(), format!("{is} {answered}")));
+                }
+            } else if sooner {
+                due.push((answered, name(w), at, String::new()));
+            }
+        }
+        // The provider's events in time order; at one instant, settlements first (an
+        // answer is in before the next arrival the script let go on it).
+        let mut events: Vec<(u64, u8, usize)> = arrivals
+            .iter()
+            .enumerate()
+            .map(|(k, a)| (a.0, 1, k))
+            .chain(settles.iter().enumerate().map(|(k, s)| (s.0, 0, k)))
+            .collect();
+        events.sort();
+        let t0 = Instant::now();
+        let at = |us: u64| t0 + Duration::from_micros(us - base);
+        let mut provider = shape.provider(t0);
+        for (us, what, k) in events {
+            if what == 0 {
+                let (_, arrived, was, is) = settles[k];
+                provider.settle(at(arrived), at(us), was, is);
+            } else {
+                let w = arrivals[k].1;
+                prop_assert!(
+                    provider.arrive_n(at(us), w),
+                    "the provider refused arrival {} (weight {}) at {} us", k, w, us - base
+                );
+            }
         }
     }
 }

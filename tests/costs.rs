@@ -133,9 +133,20 @@ async fn load(
     path: &'static str,
     body: fn(u64, u64) -> serde_json::Value,
 ) -> (Vec<u16>, Duration) {
+    load_through(&[proxy], provider, path, body).await
+}
+
+/// As `load`, the clients taking turns at the `proxies`.
+async fn load_through(
+    proxies: &[&Proxy],
+    provider: &Provider,
+    path: &'static str,
+    body: fn(u64, u64) -> serde_json::Value,
+) -> (Vec<u16>, Duration) {
     let t0 = Instant::now();
     let mut tasks = Vec::new();
     for c in 0..CLIENTS as u64 {
+        let proxy = proxies[c as usize % proxies.len()];
         let (client, url) = (proxy.client(), provider.url(path));
         tasks.push(tokio::spawn(async move {
             let mut statuses = Vec::new();
@@ -244,6 +255,64 @@ async fn corrections_spend_what_a_reconciling_provider_gives_back() {
     )
     .unwrap_or(0.0);
     assert_eq!(reported, actual as f64, "every response's usage was read");
+}
+
+/// Two replicas sharing the token budgets through a real `redis-server`
+/// (`scope = "global"`), half the clients on each: the provider counting at arrival and
+/// the one that reconciles refuse nothing, and the budget is used about as one replica
+/// uses it. A replica's corrections reach the other through Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_a_token_budget_through_redis() {
+    let redis = support::redis::Redis::start();
+    let config = config()
+        .replace(r#"unit = "tokens""#, r#"unit = "tokens", scope = "global""#)
+        .replace(
+            r#"unit = "output_tokens""#,
+            r#"unit = "output_tokens", scope = "global""#,
+        )
+        + &format!("[cluster]\nredis = \"{}\"\nreplicas = 2\n", redis.url());
+    assert_eq!(config.matches("scope = \"global\"").count(), 2, "{config}");
+    let (a, b) = (Proxy::start(&config).await, Proxy::start(&config).await);
+    for (path, body, reconciles) in [
+        (
+            "/v1/chat/completions",
+            chat as fn(u64, u64) -> serde_json::Value,
+            false,
+        ),
+        ("/v1/messages", message, true),
+    ] {
+        let provider = Provider::start();
+        let (statuses, elapsed) = load_through(&[&a, &b], &provider, path, body).await;
+        let stats = provider.stats().await;
+        assert_eq!(
+            stats["refused"], 0,
+            "{path}: the provider refused none: {stats}"
+        );
+        assert!(statuses.iter().all(|s| *s == 200), "{path}: {statuses:?}");
+        let used = if reconciles {
+            share(stats["actual_output"].as_u64().unwrap(), elapsed)
+        } else {
+            share(stats["charged"].as_u64().unwrap(), elapsed)
+        };
+        eprintln!(
+            "{path} through two replicas: {} requests in {elapsed:?}: {:.0}% of the budget",
+            statuses.len(),
+            used * 100.0
+        );
+        // Wide of the single replica's figures: a wall-clock run on a loaded machine.
+        assert!(
+            used >= 0.55,
+            "{path}: {:.0}% of the budget used",
+            used * 100.0
+        );
+    }
+    for p in [&a, &b] {
+        let m = p.metrics().await;
+        let reserved =
+            support::metric(&m, "sluice_cluster_reservations_total{result=\"reserved\"}")
+                .unwrap_or(0.0);
+        assert!(reserved > 0.0, "each replica reserved through Redis:\n{m}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -865,3 +865,44 @@ async fn small_global_limits_are_used_in_full() {
         }
     }
 }
+
+/// Costs on a Redis Cluster: a shared limit of 6 units a second, each request priced 2
+/// (its family's fallback, as no client declares a cost), through two replicas and many
+/// keys spread over the masters: no key passes 3 requests in any second, and each gets
+/// nearly all of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weighted_shared_limits_on_a_redis_cluster() {
+    let _shared = ALONE.read().await;
+    support::crypto();
+    let dir = tempfile::tempdir().unwrap();
+    let (nodes, addrs) = create_cluster(dir.path(), 3, 0);
+    assert!(formed(&nodes).await, "the cluster formed");
+    let fleet = Fleet::start(
+        2,
+        "{ kind = \"sliding_window\", permits = 6, window = \"1s\", scope = \"global\", unit = \"weight\" }",
+        &format!(
+            "cluster_nodes = [\"redis://{}\", \"redis://{}\"]\nreplicas = 2\n\
+             [[upstream.family]]\nname = \"items\"\npaths = [\"/v1/items\"]\n\
+             [upstream.family.cost.weight]\nestimate = \"header:x-weight\"\nfallback = 2\n",
+            addrs[0], addrs[1]
+        ),
+    )
+    .await;
+    let keys = keys(12);
+    let t0 = Instant::now();
+    let answers = fleet.load(&keys, t0 + Duration::from_secs(6)).await;
+    assert!(
+        answers.iter().all(|a| a.0 == 200 || a.0 == 429),
+        "every request answered"
+    );
+    let arrivals = fleet.arrivals(t0);
+    assert_eq!(arrivals.len(), keys.len(), "every key served");
+    for (key, a) in &arrivals {
+        assert_eq!(
+            over(3, Duration::from_secs(1), a),
+            0,
+            "key {key} over 6 units a second at 2 each"
+        );
+        assert!(a.len() >= 9, "key {key}: {} in 6 s", a.len());
+    }
+}

@@ -15,6 +15,7 @@ use tokio::time::Instant;
 
 use super::{CallError, Cluster, GlobalLimit, Kind, Mode, OWN_FAILURES, Reply, micros};
 use crate::config::{Limit, Rounding, WindowAlign};
+use crate::limit::costs::Costs;
 use crate::limit::error::LimitError;
 use crate::limit::kinds::LimitState;
 use crate::limit::kinds::Pace;
@@ -140,6 +141,8 @@ struct Reserved {
     /// The call's round trip: the local instant may be off from Redis's by this much.
     slack_us: f64,
     limits: Arc<[Arc<GlobalLimit>]>,
+    /// What it paid, in each unit.
+    costs: Costs,
     /// The next request waits on this one's answer.
     chained: bool,
     /// Other replicas wait for their turn on it.
@@ -174,9 +177,58 @@ struct State {
 
 struct Correction {
     limit: Arc<GlobalLimit>,
+    /// As the limit last knew it: a limit of a unit names members by weight (`named`).
     member: String,
-    /// The latest instant it may reach the provider; `None`: it never went out.
-    value: Option<f64>,
+    value: Latest,
+    /// What the request really cost in the limit's unit, and the Redis instant its
+    /// response said so (the provider reconciled by then), when it did.
+    weight: Option<(u64, f64)>,
+}
+
+/// The latest instant a reservation may reach the provider, as a correction says it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Latest {
+    /// It never went out.
+    Never,
+    /// As the store has it (a correction of its weight alone).
+    Kept,
+    At(f64),
+}
+
+impl Latest {
+    /// Whether it still matters to its limit at Redis instant `now_us`.
+    fn matters(self, limit: &GlobalLimit, now_us: f64) -> bool {
+        match self {
+            Latest::Never => true,
+            Latest::Kept => true,
+            Latest::At(v) => v + micros(limit.span) > now_us,
+        }
+    }
+
+    fn arg(self) -> String {
+        match self {
+            Latest::Never => String::new(),
+            Latest::Kept => "k".into(),
+            Latest::At(v) => num(v),
+        }
+    }
+}
+
+/// What a reservation pays a limit: one for a limit of requests, its cost in the unit of
+/// a limit of another.
+fn weight(limit: &GlobalLimit, costs: &Costs) -> u64 {
+    costs.of(limit.unit())
+}
+
+/// A reservation's member as a limit holds it: a limit of a unit carries its weight in
+/// the name, as `reserve.lua` names it ("Weights").
+fn named(member: &str, limit: &GlobalLimit, costs: &Costs) -> String {
+    let w = weight(limit, costs);
+    if limit.unit() == crate::limit::costs::REQUESTS || w == 1 {
+        member.to_string()
+    } else {
+        format!("{member}*{w}")
+    }
 }
 
 /// This replica's own admissions to one limit that still matter.
@@ -193,7 +245,7 @@ struct Mine {
 /// How a request got through its global limits.
 pub(crate) enum Admission {
     /// Reserved through Redis, or admitted by the local fallback: follow it with a hold.
-    Held(Hold),
+    Held(Box<Hold>),
     /// `on_redis_error = "allow"` while Redis is away.
     Allowed,
 }
@@ -240,6 +292,7 @@ impl Shared {
         cluster: &Arc<Cluster>,
         family: &str,
         live: LiveLimits<'_>,
+        costs: &Costs,
         deadline: Instant,
     ) -> Result<Admission, LimitError> {
         let gate = self.gate(family);
@@ -262,11 +315,11 @@ impl Shared {
                 .max(Duration::from_secs(1));
             let now = Instant::now();
             if let Some(r) = turn.handed.take() {
-                if r.at_local > now && Arc::ptr_eq(&r.limits, limits) {
+                if r.at_local > now && Arc::ptr_eq(&r.limits, limits) && r.costs == *costs {
                     metric("handed_over");
-                    return Ok(Admission::Held(
+                    return Ok(Admission::Held(Box::new(
                         self.wait_for(cluster, &gate, turn, r).await,
-                    ));
+                    )));
                 }
                 // Nobody took it in time: it never went out.
                 self.unused(cluster, &r);
@@ -292,14 +345,21 @@ impl Shared {
                     }
                     let queued = gate.waiting.load(Ordering::Relaxed);
                     let settle = turns >= MAX_TURNS;
-                    let ask =
-                        self.reserve(cluster, limits, horizon.min(left), left, queued, settle);
+                    let ask = self.reserve(
+                        cluster,
+                        limits,
+                        costs,
+                        horizon.min(left),
+                        left,
+                        queued,
+                        settle,
+                    );
                     match ask.await {
                         Ok(Some(r)) => {
                             metric("reserved");
-                            return Ok(Admission::Held(
+                            return Ok(Admission::Held(Box::new(
                                 self.wait_for(cluster, &gate, turn, r).await,
-                            ));
+                            )));
                         }
                         Ok(None) => {}
                         Err(Asked::Later(wait)) => {
@@ -329,7 +389,7 @@ impl Shared {
                     }
                 }
                 Mode::Local | Mode::Allow | Mode::Deny => {
-                    match self.without_redis(cluster, mode, limits, now, deadline) {
+                    match self.without_redis(cluster, mode, limits, costs, now, deadline) {
                         Ok(done) => return done,
                         Err(wake) => tokio::time::sleep_until(wake).await,
                     }
@@ -352,6 +412,7 @@ impl Shared {
         cluster: &Arc<Cluster>,
         mode: Mode,
         limits: &Arc<[Arc<GlobalLimit>]>,
+        costs: &Costs,
         now: Instant,
         deadline: Instant,
     ) -> Result<Result<Admission, LimitError>, Instant> {
@@ -368,10 +429,10 @@ impl Shared {
                     retry_after: crate::limit::bucket::retry_after(wait),
                 }))
             }
-            _ => match self.fallback_take(cluster, limits, now) {
+            _ => match self.fallback_take(cluster, limits, costs, now) {
                 Ok(hold) => {
                     count(cluster, "local");
-                    Ok(Ok(Admission::Held(hold)))
+                    Ok(Ok(Admission::Held(Box::new(hold))))
                 }
                 Err(next) => {
                     let wake = next.map_or(reopens, |n| n.min(reopens.max(now)));
@@ -428,6 +489,7 @@ impl Shared {
         Hold {
             shared: self.clone(),
             cluster: cluster.clone(),
+            weights: parking_lot::Mutex::new(r.costs),
             r,
             fallback: None,
             unanswered: parking_lot::Mutex::new(Some(Unanswered::new(gate))),
@@ -437,10 +499,15 @@ impl Shared {
     /// One reserve call, carrying the corrections waiting. `Ok(None)`: Redis has lost its
     /// data (found now, or by the flush task meanwhile) and a write-back is due; ask
     /// again, and the caller writes back first.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one reservation's inputs, each named at the call"
+    )]
     async fn reserve(
         self: &Arc<Self>,
         cluster: &Arc<Cluster>,
         limits: &Arc<[Arc<GlobalLimit>]>,
+        costs: &Costs,
         horizon: Duration,
         max_wait: Duration,
         queued: usize,
@@ -470,9 +537,16 @@ impl Shared {
             }
         }
         let mut inv = cluster.script.prepare_invoke();
-        self.head(
-            &mut inv, op, &known, &member, horizon, max_wait, queued, &all,
-        );
+        let call = Call {
+            op,
+            known: &known,
+            member: &member,
+            horizon,
+            max_wait,
+            queued,
+            costs,
+        };
+        self.head(&mut inv, &call, &all);
         self.corrections(&mut inv, &all, &pending);
         let sent = Instant::now();
         let reply = cluster.run(op, inv).await;
@@ -504,7 +578,7 @@ impl Shared {
                 let slack_us = micros(received - sent);
                 for ((l, pays), opening) in all.iter().zip(openings) {
                     if *pays {
-                        remember(&mut st, l, &member, at_us, Some(opening));
+                        remember(&mut st, l, &member, costs, at_us, Some(opening));
                     }
                 }
                 Ok(Some(Reserved {
@@ -513,6 +587,7 @@ impl Shared {
                     at_local: received + wait,
                     slack_us,
                     limits: limits.clone(),
+                    costs: *costs,
                     chained,
                     contended,
                     comes_back: comes_back.map(|d| received + d),
@@ -596,16 +671,7 @@ impl Shared {
             (all, entries)
         };
         let mut inv = cluster.script.prepare_invoke();
-        self.head(
-            &mut inv,
-            "absorb",
-            &None,
-            "",
-            Duration::ZERO,
-            Duration::ZERO,
-            0,
-            &all,
-        );
+        self.head(&mut inv, &Call::bare("absorb", &None), &all);
         for ((l, _), (pairs, opening, debt)) in all.iter().zip(&entries) {
             if l.is_window() {
                 inv.arg(pairs.len());
@@ -675,16 +741,7 @@ impl Shared {
             }
         }
         let mut inv = cluster.script.prepare_invoke();
-        self.head(
-            &mut inv,
-            "flush",
-            &known,
-            "",
-            Duration::ZERO,
-            Duration::ZERO,
-            0,
-            &all,
-        );
+        self.head(&mut inv, &Call::bare("flush", &known), &all);
         self.corrections(&mut inv, &all, &pending);
         match cluster.run("flush", inv).await {
             Ok(Reply::EpochChanged { .. }) => {
@@ -698,7 +755,7 @@ impl Shared {
                 let mut st = self.state();
                 let now_us = st.redis_now(Instant::now());
                 let mut pending = pending;
-                pending.retain(|c| c.value.is_none_or(|v| v + micros(c.limit.span) > now_us));
+                pending.retain(|c| c.value.matters(&c.limit, now_us));
                 if !pending.is_empty() {
                     st.oldest.get_or_insert(Instant::now());
                 }
@@ -708,19 +765,10 @@ impl Shared {
     }
 
     /// Keys and the arguments before the corrections (see `reserve.lua`).
-    #[allow(
-        clippy::too_many_arguments,
-        reason = "the script's keys and arguments, each named at the call"
-    )]
     fn head(
         &self,
         inv: &mut redis::ScriptInvocation<'_>,
-        op: &str,
-        known: &Option<String>,
-        member: &str,
-        horizon: Duration,
-        max_wait: Duration,
-        queued: usize,
+        call: &Call<'_>,
         all: &[(Arc<GlobalLimit>, bool)],
     ) {
         inv.key(format!("{}:epoch", self.tag));
@@ -730,19 +778,27 @@ impl Shared {
         }
         inv.key(format!("{}:run", self.tag))
             .key(format!("{}:claims", self.tag));
-        inv.arg(op)
+        inv.arg(call.op)
             .arg("")
-            .arg(known.as_deref().unwrap_or(""))
+            .arg(call.known.as_deref().unwrap_or(""))
             .arg(format!("{:016x}", rand::random::<u64>()))
-            .arg(member)
-            .arg(micros(horizon).ceil() as u64)
-            .arg(micros(max_wait).ceil() as u64)
-            .arg(queued)
+            .arg(call.member)
+            .arg(micros(call.horizon).ceil() as u64)
+            .arg(micros(call.max_wait).ceil() as u64)
+            .arg(call.queued)
             .arg(all.len());
         for (l, pays) in all {
+            // A limit of a unit: what this reservation pays it (nothing if it only
+            // carries corrections).
+            let w = match (l.unit() == crate::limit::costs::REQUESTS, pays) {
+                (true, _) => String::new(),
+                (false, true) => weight(l, call.costs).to_string(),
+                (false, false) => "0".into(),
+            };
             inv.arg(&super::script_args(l)[..])
                 .arg(num(micros(l.margin)))
-                .arg(if *pays { "1" } else { "0" });
+                .arg(if *pays { "1" } else { "0" })
+                .arg(w);
         }
     }
 
@@ -759,9 +815,11 @@ impl Shared {
                 .position(|(l, _)| l.id == c.limit.id)
                 .unwrap_or(0)
                 + 1;
-            inv.arg(index)
-                .arg(&c.member)
-                .arg(c.value.map(num).unwrap_or_default());
+            inv.arg(index).arg(&c.member).arg(c.value.arg()).arg(
+                c.weight
+                    .map(|(w, said)| format!("{w} {}", num(said)))
+                    .unwrap_or_default(),
+            );
         }
     }
 
@@ -794,13 +852,15 @@ impl Shared {
     /// A reservation nobody used before its instant: it never went out.
     fn unused(self: &Arc<Self>, cluster: &Arc<Cluster>, r: &Reserved) {
         for l in r.limits.iter() {
-            self.forget(&l.id, &r.member);
+            let member = named(&r.member, l, &r.costs);
+            self.forget(&l.id, &member);
             self.correct(
                 cluster,
                 Correction {
                     limit: l.clone(),
-                    member: r.member.clone(),
-                    value: None,
+                    member,
+                    value: Latest::Never,
+                    weight: None,
                 },
                 URGENT,
             );
@@ -821,6 +881,19 @@ impl Shared {
         }
     }
 
+    /// This replica's own admission `member` to `limit` really weighed `w`, `was` more or
+    /// less than it paid: renamed in a window, a bucket's debt moved.
+    fn reweigh_mine(&self, limit: &GlobalLimit, member: &str, renamed: String, was: u64, w: u64) {
+        if let Some(m) = self.state().mine.get_mut(&limit.id) {
+            if let Some(e) = m.entries.iter_mut().find(|e| e.0 == member) {
+                e.0 = renamed;
+            }
+            if limit.kind == Kind::Token && w > was {
+                m.debt_until += (w - was) as f64 * limit.a;
+            }
+        }
+    }
+
     /// Admits through this replica's share of each limit while Redis is away. The shares
     /// start drained: whatever Redis admitted just before it went away is still inside
     /// its windows. `Err(Some(t))`: not before `t`; `Err(None)`: a limit without a rate
@@ -829,6 +902,7 @@ impl Shared {
         self: &Arc<Self>,
         cluster: &Arc<Cluster>,
         limits: &Arc<[Arc<GlobalLimit>]>,
+        costs: &Costs,
         now: Instant,
     ) -> Result<Hold, Option<Instant>> {
         let replicas = cluster.config.replicas.unwrap_or(1).max(1);
@@ -840,11 +914,20 @@ impl Shared {
                     return Err(None);
                 };
                 let mut s = LimitState::new(&share, now);
-                let mut drain = 0;
-                while s.can_take(now) {
-                    s.take(now);
-                    s.sent(u64::MAX - drain, Some(0), now);
-                    drain += 1;
+                if l.unit() == crate::limit::costs::REQUESTS {
+                    let mut drain = 0;
+                    while s.can_take(now) {
+                        s.take(now);
+                        s.sent(u64::MAX - drain, Some(0), now);
+                        drain += 1;
+                    }
+                } else {
+                    // Thousands of tokens: drained in one admission of them all.
+                    let n = s.available(now);
+                    if n > 0 {
+                        s.take_n(n, now);
+                        s.sent_n(u64::MAX, n, Some(0), now);
+                    }
                 }
                 states.insert(l.id.clone(), s);
             }
@@ -852,8 +935,9 @@ impl Shared {
         let mut next: Option<Instant> = None;
         for l in limits.iter() {
             let s = states.get_mut(&l.id).ok_or(None)?;
-            if !s.can_take(now) {
-                let at = s.ready_at(1, now).unwrap_or(now + l.span);
+            let w = weight(l, costs);
+            if !s.can_take_n(w, now) {
+                let at = s.ready_at(w, now).unwrap_or(now + l.span);
                 next = Some(next.map_or(at, |n| n.max(at)));
             }
         }
@@ -865,7 +949,7 @@ impl Shared {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         for l in limits.iter() {
             if let Some(s) = states.get_mut(&l.id) {
-                s.take(now);
+                s.take_n(weight(l, costs), now);
             }
         }
         st.absorb = true;
@@ -875,18 +959,20 @@ impl Shared {
         // would otherwise date this admission up to its round trip too early.
         let at_us = st.redis_now(now) + st.clock_rtt_us;
         for l in limits.iter() {
-            remember(&mut st, l, &member, at_us, None);
+            remember(&mut st, l, &member, costs, at_us, None);
         }
         drop(st);
         Ok(Hold {
             shared: self.clone(),
             cluster: cluster.clone(),
+            weights: parking_lot::Mutex::new(*costs),
             r: Reserved {
                 member,
                 at_us,
                 at_local: now,
                 slack_us: 0.0,
                 limits: limits.clone(),
+                costs: *costs,
                 chained: false,
                 contended: false,
                 comes_back: None,
@@ -915,6 +1001,32 @@ impl Shared {
             "pending_corrections": st.pending.len(),
             "local_fallback": fallback,
         })
+    }
+}
+
+/// One call's arguments before its limits (see `reserve.lua`).
+struct Call<'a> {
+    op: &'a str,
+    known: &'a Option<String>,
+    member: &'a str,
+    horizon: Duration,
+    max_wait: Duration,
+    queued: usize,
+    costs: &'a Costs,
+}
+
+impl<'a> Call<'a> {
+    /// A call that reserves nothing: a flush or a write-back.
+    fn bare(op: &'a str, known: &'a Option<String>) -> Call<'a> {
+        Call {
+            op,
+            known,
+            member: "",
+            horizon: Duration::ZERO,
+            max_wait: Duration::ZERO,
+            queued: 0,
+            costs: &Costs::ONE,
+        }
     }
 }
 
@@ -956,6 +1068,7 @@ fn remember(
     st: &mut State,
     limit: &Arc<GlobalLimit>,
     member: &str,
+    costs: &Costs,
     at_us: f64,
     opening: Option<f64>,
 ) {
@@ -969,7 +1082,7 @@ fn remember(
     let latest = at_us + micros(limit.margin);
     match limit.kind {
         Kind::Token => {
-            m.debt_until = m.debt_until.max(latest) + limit.a;
+            m.debt_until = m.debt_until.max(latest) + weight(limit, costs) as f64 * limit.a;
         }
         Kind::Sliding | Kind::Fixed | Kind::Calendar | Kind::Counter { .. } => {
             m.prune(at_us);
@@ -984,7 +1097,7 @@ fn remember(
                     None => {}
                 }
             }
-            m.entries.push((member.to_string(), latest));
+            m.entries.push((named(member, limit, costs), latest));
         }
     }
 }
@@ -1111,6 +1224,8 @@ pub(crate) struct Hold {
     shared: Arc<Shared>,
     cluster: Arc<Cluster>,
     r: Reserved,
+    /// What it costs as last known: its estimate until its response says otherwise.
+    weights: parking_lot::Mutex<Costs>,
     /// Admitted by the local fallback, under this id.
     fallback: Option<u64>,
     /// Counted among its family's unanswered reservations until its correction is
@@ -1139,7 +1254,7 @@ impl Hold {
     /// reserved instant, Redis must hold the permit longer: corrected at once.
     pub(crate) fn sent(&self, at: Instant) {
         if let Some(id) = self.fallback {
-            self.fallback_event(|s| s.sent(id, Some(0), at));
+            self.fallback_event(|s, w| s.sent_n(id, w, Some(0), at));
         }
         // How late on Redis's clock at most: the local delay plus the reservation call's
         // round trip, by which the local instant may trail the reserved one.
@@ -1156,7 +1271,7 @@ impl Hold {
     /// Answered at `at`, having been sent at `sent`: it reached the provider by then.
     pub(crate) fn answered(&self, sent: Instant, at: Instant, took: Duration) {
         if let Some(id) = self.fallback {
-            self.fallback_event(|s| s.answered(id, at, took));
+            self.fallback_event(|s, _| s.answered(id, at, took));
         }
         // Another replica comes back for its turn when this answer should be in: it
         // goes at once, unless the next request here, waiting on it, carries it.
@@ -1186,7 +1301,7 @@ impl Hold {
     /// Never handed to a connection: the provider did not see it.
     pub(crate) fn unsent(&self) {
         if self.fallback.is_some() {
-            self.fallback_event(|s| s.unsent(0));
+            self.fallback_event(|s, w| s.unsent_n(w, 0));
         }
         for l in self.r.limits.iter() {
             // A fixed window's opening may move later, another replica may wait: soon.
@@ -1200,29 +1315,86 @@ impl Hold {
     /// (`None`: never): noted in this replica's own admissions, and sent to Redis unless
     /// the local fallback admitted it.
     fn report(&self, l: &Arc<GlobalLimit>, value: Option<f64>, delay: Duration) {
+        let member = named(&self.r.member, l, &self.weights.lock());
         match value {
-            Some(v) => self.shared.update_mine(&l.id, &self.r.member, v),
-            None => self.shared.forget(&l.id, &self.r.member),
+            Some(v) => self.shared.update_mine(&l.id, &member, v),
+            None => self.shared.forget(&l.id, &member),
         }
         if self.fallback.is_none() {
             self.shared.correct(
                 &self.cluster,
                 Correction {
                     limit: l.clone(),
-                    member: self.r.member.clone(),
-                    value,
+                    member,
+                    value: value.map_or(Latest::Never, Latest::At),
+                    weight: None,
                 },
                 delay,
             );
         }
     }
 
-    fn fallback_event(&self, f: impl Fn(&mut LimitState)) {
+    /// Its response says it really cost `w` in unit `unit`: every limit of that unit it
+    /// paid gives back, or takes, the difference, as the provider does when it
+    /// reconciles (`reserve.lua`, "Weights").
+    pub(crate) fn reweigh(&self, unit: u8, w: u64) {
+        if unit == crate::limit::costs::REQUESTS {
+            return;
+        }
+        let mut weights = self.weights.lock();
+        let before = *weights;
+        let was = before.of(unit);
+        if was == w {
+            return;
+        }
+        *weights = before.with(unit, w);
+        let after = *weights;
+        drop(weights);
+        // The earliest Redis instant this can be: the provider gave back no sooner.
+        let said = self.us(Instant::now()) - self.r.slack_us;
+        if let Some(id) = self.fallback {
+            let mut st = self.shared.state();
+            if let Some(states) = st.fallback.as_mut() {
+                for l in self.r.limits.iter().filter(|l| l.unit() == unit) {
+                    if let Some(s) = states.get_mut(&l.id) {
+                        s.reweigh(id, was, w, 0, Instant::now());
+                    }
+                }
+            }
+        }
+        for l in self.r.limits.iter().filter(|l| l.unit() == unit) {
+            let member = named(&self.r.member, l, &before);
+            self.shared
+                .reweigh_mine(l, &member, named(&self.r.member, l, &after), was, w);
+            if self.fallback.is_none() {
+                // A charge holds permits longer: soon. A refund frees some: lazily.
+                let delay = if w > was || self.r.contended {
+                    URGENT
+                } else {
+                    LAZY_MAX
+                };
+                self.shared.correct(
+                    &self.cluster,
+                    Correction {
+                        limit: l.clone(),
+                        member,
+                        value: Latest::Kept,
+                        weight: Some((w, said)),
+                    },
+                    delay,
+                );
+            }
+        }
+    }
+
+    /// `f` on each limit's local fallback state, with what the request weighs there.
+    fn fallback_event(&self, f: impl Fn(&mut LimitState, u64)) {
+        let costs = *self.weights.lock();
         let mut st = self.shared.state();
         if let Some(states) = st.fallback.as_mut() {
             for l in self.r.limits.iter() {
                 if let Some(s) = states.get_mut(&l.id) {
-                    f(s);
+                    f(s, weight(l, &costs));
                 }
             }
         }
@@ -1258,16 +1430,17 @@ impl StorePartition for OnRedis {
         &'a self,
         family: &'a str,
         limits: LiveLimits<'a>,
+        costs: &'a Costs,
         deadline: Instant,
     ) -> Reserving<'a> {
         Box::pin(async move {
             Ok(
                 match self
                     .shared
-                    .admit(&self.cluster, family, limits, deadline)
+                    .admit(&self.cluster, family, limits, costs, deadline)
                     .await?
                 {
-                    Admission::Held(hold) => Some(Box::new(hold) as Box<dyn Reservation>),
+                    Admission::Held(hold) => Some(hold as Box<dyn Reservation>),
                     Admission::Allowed => None,
                 },
             )
@@ -1290,6 +1463,10 @@ impl Reservation for Hold {
 
     fn unsent(&self) {
         Hold::unsent(self);
+    }
+
+    fn reweigh(&self, unit: u8, w: u64) {
+        Hold::reweigh(self, unit, w);
     }
 }
 
@@ -1331,16 +1508,18 @@ mod tests {
     /// A reservation of `l` for Redis instant `AT`, which is `at` here, remembered as this
     /// replica's own admission.
     fn reserved(shared: &Arc<Shared>, l: &Arc<GlobalLimit>, at: Instant) -> Hold {
-        remember(&mut shared.state(), l, "m1", AT, None);
+        remember(&mut shared.state(), l, "m1", &Costs::ONE, AT, None);
         Hold {
             shared: shared.clone(),
             cluster: cluster(),
+            weights: parking_lot::Mutex::new(Costs::ONE),
             r: Reserved {
                 member: "m1".into(),
                 at_us: AT,
                 at_local: at,
                 slack_us: 0.0,
                 limits: Arc::from(vec![l.clone()]),
+                costs: Costs::ONE,
                 chained: false,
                 contended: false,
                 comes_back: None,
@@ -1354,7 +1533,14 @@ mod tests {
     /// replica's own admissions to `l`: (member, latest arrival).
     fn queued(shared: &Shared, l: &GlobalLimit) -> (Vec<Option<f64>>, Vec<(String, f64)>) {
         let st = shared.state();
-        let pending = st.pending.iter().map(|c| c.value).collect();
+        let pending = st
+            .pending
+            .iter()
+            .map(|c| match c.value {
+                Latest::At(v) => Some(v),
+                Latest::Never | Latest::Kept => None,
+            })
+            .collect();
         let mine = st
             .mine
             .get(&l.id)
@@ -1446,9 +1632,9 @@ mod tests {
         let mut st = State::default();
         let sliding =
             global(r#"{ kind = "sliding_window", permits = 10, window = "1s", scope = "global" }"#);
-        remember(&mut st, &sliding, "a", AT, None);
-        remember(&mut st, &sliding, "b", AT + 500.0 * MS, None);
-        remember(&mut st, &sliding, "c", AT + 1100.0 * MS, None);
+        remember(&mut st, &sliding, "a", &Costs::ONE, AT, None);
+        remember(&mut st, &sliding, "b", &Costs::ONE, AT + 500.0 * MS, None);
+        remember(&mut st, &sliding, "c", &Costs::ONE, AT + 1100.0 * MS, None);
         let members: Vec<&str> = st.mine[&sliding.id]
             .entries
             .iter()
@@ -1459,7 +1645,7 @@ mod tests {
             ["a", "b", "c"],
             "a's latest arrival (+200 ms) is inside c's window"
         );
-        remember(&mut st, &sliding, "d", AT + 1300.0 * MS, None);
+        remember(&mut st, &sliding, "d", &Costs::ONE, AT + 1300.0 * MS, None);
         let members: Vec<&str> = st.mine[&sliding.id]
             .entries
             .iter()
@@ -1469,17 +1655,24 @@ mod tests {
 
         let fixed =
             global(r#"{ kind = "fixed_window", permits = 10, window = "1s", scope = "global" }"#);
-        remember(&mut st, &fixed, "a", AT, Some(AT));
-        remember(&mut st, &fixed, "b", AT + 10.0 * MS, Some(AT));
-        remember(&mut st, &fixed, "c", AT + 400.0 * MS, Some(AT + 300.0 * MS));
+        remember(&mut st, &fixed, "a", &Costs::ONE, AT, Some(AT));
+        remember(&mut st, &fixed, "b", &Costs::ONE, AT + 10.0 * MS, Some(AT));
+        remember(
+            &mut st,
+            &fixed,
+            "c",
+            &Costs::ONE,
+            AT + 400.0 * MS,
+            Some(AT + 300.0 * MS),
+        );
         assert_eq!(st.mine[&fixed.id].entries.len(), 1, "a new window opened");
         assert_eq!(st.mine[&fixed.id].opening, Some(AT + 300.0 * MS));
 
         let token = global(
             r#"{ kind = "token_bucket", rate = 10, per = "1s", burst = 2, scope = "global" }"#,
         );
-        remember(&mut st, &token, "a", AT, None);
-        remember(&mut st, &token, "b", AT, None);
+        remember(&mut st, &token, "a", &Costs::ONE, AT, None);
+        remember(&mut st, &token, "b", &Costs::ONE, AT, None);
         let margin = micros(token.margin);
         assert_eq!(
             st.mine[&token.id].debt_until,

@@ -24,7 +24,8 @@
 -- ARGV[6]  horizon: an instant further away is not reserved (us)
 -- ARGV[7]  max wait: an instant further away than this is refused (us)
 -- ARGV[8]  how many requests of the caller's family wait behind this one on its replica
--- ARGV[9]  n, the number of limits; then 6 per limit: kind, a, b, c, margin (us), pays
+-- ARGV[9]  n, the number of limits; then 7 per limit: kind, a, b, c, margin (us), pays,
+--          weight
 --            "s" sliding window, "f" fixed window from the first request: a = permits,
 --                b = window (us)
 --            "k" fixed window on the clock: a = permits, b = window (us), c = where
@@ -36,8 +37,14 @@
 --                (us), b = tolerance
 --            pays: "1" if this reservation pays the limit, "0" if it is only here for
 --            its corrections
--- then     c, the number of corrections; 3 each: limit (1-based), member, value:
---            "" the request never went out; else the latest instant it may have arrived
+--            weight: "" for a limit of requests (each counts one); else the limit counts
+--            a unit (tokens, points) and this reservation pays that many. A member of
+--            such a limit is named "id*w" when it weighs w other than 1 ("Weights").
+-- then     c, the number of corrections; 4 each: limit (1-based), member as last named,
+--            value: "" the request never went out, "k" kept, else the latest instant it
+--            may have arrived; weight: "" kept, else "w s": the request really cost w,
+--            as its response said at s (us; the provider reconciled by then)
+
 -- absorb:  then per limit: windows: count, for a fixed window its opening, then count
 --          (member, value) pairs; token buckets: the replica's own debt (us)
 --
@@ -48,6 +55,12 @@
 -- answer (the replica asks for it once the answer is in), "w" when other replicas wait
 -- for their turn (the answer's correction should come at once); yield: the replica's
 -- next request comes back this many us from now (its run is over), or 0.
+
+-- Weights. A limit of requests counts each member once. A limit of a unit counts each
+-- member by its weight, carried in its name so that a window's sorted set holds it with
+-- no other key: "id*1200". A response that reports the true cost renames the member,
+-- keeping its instant, so a sliding log's entry shrinks or grows; a GCRA's instant moves
+-- by the difference times its emission interval.
 
 local op = ARGV[1]
 -- Numbers go to Redis as strings: Lua would print a microsecond instant with 14 digits.
@@ -78,11 +91,35 @@ local i = 10
 for k = 1, n do
   L[k] = {kind = ARGV[i], a = tonumber(ARGV[i + 1]), b = tonumber(ARGV[i + 2]),
           off = tonumber(ARGV[i + 3]), m = tonumber(ARGV[i + 4]), pays = ARGV[i + 5] == '1',
+          weighted = ARGV[i + 6] ~= '', w = tonumber(ARGV[i + 6]) or 1,
           key = KEYS[2 * k], aux = KEYS[2 * k + 1]}
   L[k].counter = L[k].kind == 'c' or L[k].kind == 'u'
   -- How long after its latest arrival an entry still counts.
   L[k].span = L[k].counter and 2 * L[k].b or L[k].b
-  i = i + 6
+  i = i + 7
+end
+
+-- A member's weight, from its name.
+local function wof(member)
+  local w = string.match(member, '%*(%d+)$')
+  return w and tonumber(w) or 1
+end
+
+-- A member's name at weight w.
+local function named(member, w)
+  local id = string.match(member, '^(.-)%*%d+$') or member
+  if w == 1 then return id end
+  return id .. '*' .. string.format('%d', w)
+end
+
+-- The weight of l's members scored from `since` on (a ZRANGEBYSCORE bound).
+local function weight_from(l, since)
+  if not l.weighted then return redis.call('ZCOUNT', l.key, since, '+inf') end
+  local total = 0
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', l.key, since, '+inf')) do
+    total = total + wof(m)
+  end
+  return total
 end
 
 -- A sorted set's smallest score, or nil.
@@ -171,9 +208,13 @@ if op == 'absorb' then
       end
       -- Windows on the clock and counters are full while `a` entries may arrive now.
       local since = (l.kind == 's' or l.kind == 'f') and '(' .. num(now - l.b) or num(now)
-      local alive = redis.call('ZCOUNT', l.key, since, '+inf')
-      for j = alive + 1, l.a do
-        redis.call('ZADD', l.key, 'NX', num(now + l.m), 'drained:' .. ARGV[4] .. ':' .. j)
+      local alive = weight_from(l, since)
+      if l.weighted and alive < l.a then
+        redis.call('ZADD', l.key, 'NX', num(now + l.m), named('drained:' .. ARGV[4], l.a - alive))
+      elseif not l.weighted then
+        for j = alive + 1, l.a do
+          redis.call('ZADD', l.key, 'NX', num(now + l.m), 'drained:' .. ARGV[4] .. ':' .. j)
+        end
       end
       local last = redis.call('ZRANGE', l.key, -1, -1, 'WITHSCORES')
       local until_us = tonumber(last[2] or now) + l.span
@@ -184,39 +225,84 @@ if op == 'absorb' then
   return {0, 0, epoch, num(now)}
 end
 
+-- A GCRA's last reservation, as its aux key holds it: "member before latest w settled",
+-- where `settled` is the latest arrival of the reservations before it.
+local function last_of(l)
+  local last = redis.call('GET', l.aux)
+  if not last then return nil end
+  local who, before, latest, w, settled =
+    string.match(last, '^(%S+) (%S+) (%S+) (%S+) (%S+)$')
+  if not who then return nil end
+  return {who = who, before = tonumber(before), latest = tonumber(latest), w = tonumber(w),
+          settled = tonumber(settled)}
+end
+local function set_last(l, r, until_us)
+  put(l.aux, r.who .. ' ' .. num(r.before) .. ' ' .. num(r.latest) .. ' ' ..
+      string.format('%d', r.w) .. ' ' .. num(r.settled), until_us)
+end
+local function set_tat(l, tat)
+  if tat > 0 then put(l.key, num(tat), tat) else redis.call('DEL', l.key) end
+end
+
 local c = tonumber(ARGV[i]); i = i + 1
 for j = 1, c do
   local l = L[tonumber(ARGV[i])]
-  local member, v = ARGV[i + 1], ARGV[i + 2]
-  i = i + 3
+  local member, v, cw = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  i = i + 4
+  local was = wof(member)
+  local cost, said = string.match(cw, '^(%d+) (%S+)$')
+  local w = tonumber(cost) or was
+  -- When the provider gave back or charged the difference: no later than this.
+  said = math.min(tonumber(said) or now, now)
   if l and l.kind ~= 't' then
     if v == '' then
       redis.call('ZREM', l.key, member)
-    else
+    elseif w ~= was then
+      -- Renamed at its new weight, at the instant given or the one it had.
+      local at = tonumber(v) or tonumber(redis.call('ZSCORE', l.key, member) or '')
+      if at and redis.call('ZREM', l.key, member) == 1 then
+        redis.call('ZADD', l.key, num(at), named(member, w))
+        keep(l.key, at + l.span)
+      end
+    elseif v ~= 'k' then
       redis.call('ZADD', l.key, 'XX', v, member)
-      keep(l.key, tonumber(v) + l.b)
+      keep(l.key, tonumber(v) + l.span)
     end
   elseif l then
-    -- Only the last reservation can be folded in again: later ones were folded on top.
-    local last = redis.call('GET', l.aux)
-    local who, before = nil, nil
-    if last then who, before = string.match(last, '^(%S+) (%S+) %S+$') end
-    if who == member then
-      before = tonumber(before)
-      local tat = before
+    local r = last_of(l)
+    local tat = stored(l.key)
+    if r and r.who == member then
+      -- The last reservation is folded in again: at its new instant and weight.
       if v == '' then
         redis.call('DEL', l.aux)
+        tat = r.before
       else
-        tat = math.max(before, tonumber(v)) + l.a
-        redis.call('SET', l.aux, member .. ' ' .. num(before) .. ' ' .. v)
-        keep(l.aux, tat)
+        r.latest = tonumber(v) or r.latest
+        r.who, r.w = named(member, w), w
+        local folded = math.max(r.before, r.latest) + w * l.a
+        -- A refund does not bring the bucket back past full.
+        if w < was and tat then folded = math.max(folded, math.min(now, tat)) end
+        tat = folded
+        set_last(l, r, tat)
       end
-      if tat > 0 then
-        redis.call('SET', l.key, num(tat))
-        keep(l.key, tat)
+      set_tat(l, tat)
+    elseif tat and w > was then
+      -- Later reservations were folded on top: a charge goes on top of them too.
+      set_tat(l, tat + (w - was) * l.a)
+    elseif tat and w < was and not (r and r.settled > said) then
+      -- A refund, unless a reservation before the last may have been on its way when the
+      -- provider gave it back (it counted that one later, over the refund).
+      local back = (was - w) * l.a
+      local function refund(x) return math.max(x - back, math.min(now, x)) end
+      if r and r.latest > said then
+        -- The last may have been on its way: the refund goes under it.
+        r.before = refund(r.before)
+        tat = math.max(r.before, r.latest) + r.w * l.a
+        set_last(l, r, tat)
       else
-        redis.call('DEL', l.key)
+        tat = refund(tat)
       end
+      set_tat(l, tat)
     end
   end
 end
@@ -250,22 +336,25 @@ end
 -- one in the previous window by its weight. At any alignment, the largest estimate
 -- over every placement of the edges: it is at x = 0 or where an entry enters the
 -- current window (x = d) or the previous one (x = d - window).
-local function estimate(l, scores, t)
+local function estimate(l, scores, ws, t)
   if l.off then
-    -- Edges known: count either side of them.
+    -- Edges known: count either side of them. `upto[k]`: the weight of the first k.
+    local upto = {[0] = 0}
+    for j = 1, #scores do upto[j] = upto[j - 1] + ws[j] end
     local x = (t - l.off) % l.b
     local start = t - x
-    local cur = #scores - below(scores, start)
-    local prev = below(scores, start) - below(scores, start - l.b)
+    local cur = upto[#scores] - upto[below(scores, start)]
+    local prev = upto[below(scores, start)] - upto[below(scores, start - l.b)]
     return cur * l.b + prev * weight(l, x)
   end
-  local full, ds = 0, {}
+  local full, ds, dw = 0, {}, {}
   for j = #scores, 1, -1 do
     local at = scores[j]
     if at >= t then
-      full = full + 1
+      full = full + ws[j]
     elseif t - at < 2 * l.b then
       ds[#ds + 1] = t - at
+      dw[#dw + 1] = ws[j]
     end
   end
   local xs = {0}
@@ -275,23 +364,58 @@ local function estimate(l, scores, t)
   table.sort(xs)
   local best, i, j, cur, upto = 0, 1, 1, 0, 0
   for _, x in ipairs(xs) do
-    while i <= #ds and ds[i] <= x do cur = cur + 1; i = i + 1 end
-    while j <= #ds and ds[j] <= x + l.b do upto = upto + 1; j = j + 1 end
+    while i <= #ds and ds[i] <= x do cur = cur + dw[i]; i = i + 1 end
+    while j <= #ds and ds[j] <= x + l.b do upto = upto + dw[j]; j = j + 1 end
     local v = cur * l.b + (upto - cur) * weight(l, x)
     if v > best then best = v end
   end
   return full * l.b + best
 end
 
--- Whether a counter's estimate leaves room for one more request.
+-- Whether a counter's estimate leaves room for this request: its weight's units but the
+-- last count as arriving at once, and the last must still find room.
 local function room(l, v)
+  v = v + (l.w - 1) * l.b
   if l.kind == 'c' then return v < l.a * l.b end
   return v + l.b <= l.a * l.b
 end
 
--- Entries of a fixed clock window that may land in the window starting at s.
+-- The weight of a fixed clock window's entries that may land in the window starting at s.
 local function in_window(l, s)
-  return redis.call('ZCOUNT', l.key, num(s), '(' .. num(s + l.b + l.m))
+  local hi = '(' .. num(s + l.b + l.m)
+  if not l.weighted then return redis.call('ZCOUNT', l.key, num(s), hi) end
+  local total = 0
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', l.key, num(s), hi)) do
+    total = total + wof(m)
+  end
+  return total
+end
+
+-- l's entries scored above `lo`, ascending: their latest arrivals and weights, each
+-- arrival first passed through `f` if given (entries then re-sorted).
+local function entries(l, lo, f)
+  local r = redis.call('ZRANGEBYSCORE', l.key, '(' .. num(lo), '+inf', 'WITHSCORES')
+  local es = {}
+  for j = 1, #r, 2 do
+    local at = tonumber(r[j + 1])
+    if f then at = f(at) end
+    if at then es[#es + 1] = {at, wof(r[j])} end
+  end
+  if f then table.sort(es, function(x, y) return x[1] < y[1] end) end
+  return es
+end
+
+-- The earliest instant at or after t that a sliding window holding `es` (ascending,
+-- inside the window of t) has room for l's weight: once enough of the oldest expire.
+local function slide(l, t, es)
+  local total = l.w
+  for _, e in ipairs(es) do total = total + e[2] end
+  if total <= l.a then return t end
+  for _, e in ipairs(es) do
+    total = total - e[2]
+    if total <= l.a then return math.max(t, e[1] + l.b) end
+  end
+  return math.max(t, (es[#es] and es[#es][1] or t) + l.b)
 end
 
 -- The earliest instant at or after t that limit l admits one more. With `answered`, as
@@ -300,39 +424,30 @@ end
 -- instant a small limit would give once the answers it waits on are in.
 local function earliest(l, t, answered)
   if answered and l.kind == 's' then
-    local r = redis.call('ZRANGEBYSCORE', l.key, '(' .. num(t - l.b), '+inf', 'WITHSCORES')
-    local scores = {}
-    for j = 2, #r, 2 do
-      local v = tonumber(r[j])
+    return slide(l, t, entries(l, t - l.b, function(v)
       if v > now then v = math.max(now, v - l.m) end
-      if v > t - l.b then scores[#scores + 1] = v end
-    end
-    if #scores < l.a then return t end
-    table.sort(scores)
-    return math.max(t, scores[#scores - l.a + 1] + l.b)
+      if v > t - l.b then return v end
+      return nil
+    end))
   elseif answered and l.kind == 't' then
     local tat = stored(l.key)
-    local last = redis.call('GET', l.aux)
-    if tat and last then
-      local before, latest = string.match(last, '^%S+ (%S+) (%S+)$')
-      before, latest = tonumber(before), tonumber(latest)
-      if latest > now then
-        tat = math.max(before, math.max(now, latest - l.m)) + l.a
-      end
+    local r = last_of(l)
+    if tat and r and r.latest > now then
+      tat = math.max(r.before, math.max(now, r.latest - l.m)) + r.w * l.a
     end
     if not tat then return t end
-    return math.max(t, tat - l.b)
+    return math.max(t, tat + (l.w - 1) * l.a - l.b)
   end
   if l.counter then
-    local r = redis.call('ZRANGEBYSCORE', l.key, '(' .. num(t - 2 * l.b), '+inf', 'WITHSCORES')
-    local scores = {}
-    for j = 2, #r, 2 do scores[#scores + 1] = tonumber(r[j]) end
-    if room(l, estimate(l, scores, t)) then return t end
+    local es = entries(l, t - 2 * l.b)
+    local scores, ws = {}, {}
+    for j, e in ipairs(es) do scores[j], ws[j] = e[1], e[2] end
+    if room(l, estimate(l, scores, ws, t)) then return t end
     -- Estimates only fall with time, and are empty two windows after the last entry.
     local lo, hi = t, math.max(t, scores[#scores] or t) + 2 * l.b
     while hi - lo > 1 do
       local mid = math.floor((lo + hi) / 2)
-      if room(l, estimate(l, scores, mid)) then hi = mid else lo = mid end
+      if room(l, estimate(l, scores, ws, mid)) then hi = mid else lo = mid end
     end
     return hi
   elseif l.kind == 'k' then
@@ -340,9 +455,9 @@ local function earliest(l, t, answered)
     for _ = 1, 64 do
       local s = edge(l, t)
       local s2 = edge(l, t + l.m)
-      if in_window(l, s) >= l.a then
+      if in_window(l, s) + l.w > l.a then
         t = s + l.b
-      elseif s2 > s and in_window(l, s2) >= l.a then
+      elseif s2 > s and in_window(l, s2) + l.w > l.a then
         t = s2 + l.b
       else
         return t
@@ -350,7 +465,9 @@ local function earliest(l, t, answered)
     end
     return t
   end
-  if l.kind == 's' then
+  if l.kind == 's' and l.weighted then
+    return slide(l, t, entries(l, t - l.b))
+  elseif l.kind == 's' then
     local alive = redis.call('ZCOUNT', l.key, '(' .. num(t - l.b), '+inf')
     if alive < l.a then return t end
     -- The entry whose expiry makes room: the (alive - permits + 1)-th to expire.
@@ -366,14 +483,15 @@ local function earliest(l, t, answered)
     if t < opening then return opening end
     -- Inside the window for sure, while it has room: the arrival ends before the
     -- earliest instant the provider's window may close.
-    if redis.call('ZCARD', l.key) < l.a and t + l.m < opening + l.b then
+    if weight_from(l, '-inf') + l.w <= l.a and t + l.m < opening + l.b then
       return t
     end
     return hi + l.b
   else
     local tat = stored(l.key)
     if not tat then return t end
-    return math.max(t, tat - l.b)
+    -- The weight's units but the first come on top of the bucket's debt.
+    return math.max(t, tat + (l.w - 1) * l.a - l.b)
   end
 end
 
@@ -422,8 +540,8 @@ local yield = 0
 local step = 0
 for k = 1, n do
   local l = L[k]
-  if l.pays and l.kind == 's' then step = math.max(step, l.b / l.a) end
-  if l.pays and l.kind == 't' then step = math.max(step, l.a) end
+  if l.pays and l.kind == 's' then step = math.max(step, l.b * l.w / l.a) end
+  if l.pays and l.kind == 't' then step = math.max(step, l.a * l.w) end
 end
 if step == 0 and later then
   return {1, wait, epoch, num(now), ''}
@@ -514,7 +632,7 @@ for k = 1, n do
   if not l.pays then
     -- only here for its corrections
   elseif l.kind == 's' or l.kind == 'k' or l.counter then
-    redis.call('ZADD', l.key, num(latest), id)
+    redis.call('ZADD', l.key, num(latest), named(id, l.w))
     keep(l.key, latest + l.span)
   elseif l.kind == 'f' then
     local hi = lowest(l.key)
@@ -522,15 +640,18 @@ for k = 1, n do
       redis.call('DEL', l.key)
       redis.call('SET', l.aux, num(t))
     end
-    redis.call('ZADD', l.key, num(latest), id)
+    redis.call('ZADD', l.key, num(latest), named(id, l.w))
     keep(l.key, latest + l.b)
     keep(l.aux, latest + l.b)
     out[6 + k] = redis.call('GET', l.aux)
   else
     local before = stored(l.key) or 0
-    local tat = math.max(before, latest) + l.a
+    local tat = math.max(before, latest) + l.w * l.a
+    local prev = last_of(l)
+    local settled = prev and math.max(prev.settled, prev.latest) or 0
     put(l.key, num(tat), tat)
-    put(l.aux, id .. ' ' .. num(before) .. ' ' .. num(latest), tat)
+    set_last(l, {who = named(id, l.w), before = before, latest = latest, w = l.w,
+                 settled = settled}, tat)
   end
 end
 -- Whether the next request would wait on this one's answer.

@@ -1274,16 +1274,6 @@ fn resolve_units(
         let Some(name) = limit.unit_ref().name.clone() else {
             continue;
         };
-        if limit.is_global() {
-            return Err(invalid(
-                w.span(),
-                format!(
-                    "a limit counting {name} is counted by each replica: scope = \"global\" \
-                     shares limits of requests only (docs/cluster.md); give each replica its \
-                     share of the {name}"
-                ),
-            ));
-        }
         match limit {
             Limit::Concurrency { .. } => {
                 return Err(invalid(

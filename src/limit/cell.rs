@@ -683,6 +683,12 @@ impl Correction {
                 .reweigh(t.family, t.id, unit, (was, w), t.epoch, now);
         }
         t.cell.changed(&mut st, now);
+        drop(st);
+        if let Some(g) = &t.global {
+            for &(unit, w) in actual {
+                g.reweigh(unit, w);
+            }
+        }
     }
 }
 

@@ -300,6 +300,7 @@ impl Limiter {
             .admit(
                 &family.name,
                 &live,
+                costs,
                 deadline.map_or(start + family.max_wait, |d| d.min(start + family.max_wait)),
             )
             .await?;

@@ -36,8 +36,8 @@ pub(crate) type Reserving<'a> =
 
 /// One partition's side of the store.
 pub(crate) trait StorePartition: Send + Sync {
-    /// Reserves an instant for a request its local limits admitted, under every limit
-    /// `limits` gives, FIFO among the requests of `family` on this replica; waits for it.
+    /// Reserves an instant for a request its local limits admitted, paying `costs`, under
+    /// every limit `limits` gives, FIFO among the requests of `family` on this replica; waits for it.
     /// `limits` is asked again at every try: a reload's limits govern a request that was
     /// waiting when it came. `QueueTimeout` when the instant would be later than
     /// `deadline`.
@@ -45,6 +45,7 @@ pub(crate) trait StorePartition: Send + Sync {
         &'a self,
         family: &'a str,
         limits: LiveLimits<'a>,
+        costs: &'a super::costs::Costs,
         deadline: Instant,
     ) -> Reserving<'a>;
     /// What this replica knows of the partition's shared limits, for `/buckets`.
@@ -63,6 +64,8 @@ pub(crate) trait Reservation: Send + Sync {
     fn answered(&self, sent: Instant, at: Instant, took: Duration);
     /// Never handed to a connection: the provider did not see it.
     fn unsent(&self);
+    /// Its response said it really cost `w` in unit `unit`.
+    fn reweigh(&self, unit: u8, w: u64);
 }
 
 /// The kind of a shared limit, one per way of counting a store keeps.
@@ -173,6 +176,11 @@ impl GlobalLimit {
             margin,
             span,
         })
+    }
+
+    /// The unit it counts, as an index into its upstream's units (0: requests).
+    pub(crate) fn unit(&self) -> u8 {
+        self.spec.unit()
     }
 
     /// Counted in windows, rather than paced.

@@ -813,7 +813,9 @@ struct MemoryPartition {
 struct MemoryReservation {
     store: Arc<Memory>,
     id: super::kinds::Id,
-    ids: Vec<Arc<str>>,
+    /// Each limit paid, with its unit.
+    ids: Vec<(Arc<str>, u8)>,
+    costs: parking_lot::Mutex<super::costs::Costs>,
     replica: usize,
 }
 
@@ -839,6 +841,7 @@ impl shared::StorePartition for MemoryPartition {
         &'a self,
         family: &'a str,
         live: shared::LiveLimits<'a>,
+        costs: &'a super::costs::Costs,
         deadline: Instant,
     ) -> shared::Reserving<'a> {
         Box::pin(async move {
@@ -868,13 +871,15 @@ impl shared::StorePartition for MemoryPartition {
                             *spec = l.spec.clone();
                         }
                     }
-                    if limits
-                        .iter()
-                        .all(|l| states.get_mut(&l.id).is_some_and(|(_, s)| s.can_take(now)))
-                    {
+                    let w = |l: &shared::GlobalLimit| costs.of(l.unit());
+                    if limits.iter().all(|l| {
+                        states
+                            .get_mut(&l.id)
+                            .is_some_and(|(_, s)| s.can_take_n(w(l), now))
+                    }) {
                         for l in limits.iter() {
                             if let Some((_, s)) = states.get_mut(&l.id) {
-                                s.take(now);
+                                s.take_n(w(l), now);
                             }
                         }
                         let id = store
@@ -883,14 +888,15 @@ impl shared::StorePartition for MemoryPartition {
                         return Ok(Some(Box::new(MemoryReservation {
                             store: store.clone(),
                             id,
-                            ids: limits.iter().map(|l| l.id.clone()).collect(),
+                            ids: limits.iter().map(|l| (l.id.clone(), l.unit())).collect(),
+                            costs: parking_lot::Mutex::new(*costs),
                             replica: self.replica,
                         })
                             as Box<dyn shared::Reservation>));
                     }
                     limits
                         .iter()
-                        .filter_map(|l| states.get_mut(&l.id)?.1.ready_at(1, now))
+                        .filter_map(|l| states.get_mut(&l.id)?.1.ready_at(w(l), now))
                         .max()
                         .unwrap_or(now)
                 };
@@ -910,11 +916,13 @@ impl shared::StorePartition for MemoryPartition {
 }
 
 impl MemoryReservation {
-    fn each(&self, f: impl Fn(&mut super::kinds::LimitState)) {
+    /// `f` on each limit paid, with the unit it counts and what the request weighs there.
+    fn each(&self, f: impl Fn(&mut super::kinds::LimitState, u8, u64)) {
+        let costs = *self.costs.lock();
         let mut states = self.store.limits.lock();
-        for id in &self.ids {
+        for (id, unit) in &self.ids {
             if let Some((_, s)) = states.get_mut(id) {
-                f(s);
+                f(s, *unit, costs.of(*unit));
             }
         }
     }
@@ -922,16 +930,27 @@ impl MemoryReservation {
 
 impl shared::Reservation for MemoryReservation {
     fn sent(&self, at: Instant) {
-        self.each(|s| s.sent(self.id, Some(0), at));
+        self.each(|s, _, w| s.sent_n(self.id, w, Some(0), at));
         self.store.sends.lock().push((at, self.replica));
     }
 
     fn answered(&self, _sent: Instant, at: Instant, took: Duration) {
-        self.each(|s| s.answered(self.id, at, took));
+        self.each(|s, _, _| s.answered(self.id, at, took));
     }
 
     fn unsent(&self) {
-        self.each(|s| s.unsent(0));
+        self.each(|s, _, w| s.unsent_n(w, 0));
+    }
+
+    fn reweigh(&self, unit: u8, w: u64) {
+        let was = self.costs.lock().of(unit);
+        self.each(|s, u, _| {
+            if u == unit {
+                s.reweigh(self.id, was, w, 0, Instant::now());
+            }
+        });
+        let mut costs = self.costs.lock();
+        *costs = costs.with(unit, w);
     }
 }
 
