@@ -485,6 +485,9 @@ impl Shared {
             holding.turn.answers_by = Some(at.max(Instant::now()) + margin);
         }
         holding.turn.not_before = r.comes_back;
+        // Counted before the turn passes on: the next request, on another worker
+        // thread, waits for this answer only if it sees it unanswered.
+        let unanswered = Unanswered::new(gate);
         drop(holding);
         Hold {
             shared: self.clone(),
@@ -492,7 +495,7 @@ impl Shared {
             weights: parking_lot::Mutex::new(r.costs),
             r,
             fallback: None,
-            unanswered: parking_lot::Mutex::new(Some(Unanswered::new(gate))),
+            unanswered: parking_lot::Mutex::new(Some(unanswered)),
         }
     }
 

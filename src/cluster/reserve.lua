@@ -556,7 +556,7 @@ if step > 0 then
     runner, count, queued = string.match(run, '^(%S+) (%S+) (%S+)$')
     count, queued = tonumber(count), tonumber(queued)
   end
-  -- Claims: replica -> "since due queued".
+  -- Claims: replica -> "since due coming": how many of its requests come back then.
   local claims, since = {}, now
   local raw = redis.call('HGETALL', claimkey)
   for j = 1, #raw, 2 do
@@ -570,8 +570,9 @@ if step > 0 then
       claims[#claims + 1] = {since = s, due = d, queued = q}
     end
   end
-  local function claim(due)
-    redis.call('HSET', claimkey, me, num(since) .. ' ' .. num(due) .. ' ' .. mine)
+  -- `coming`: the requests waiting behind this one, and this one unless it is reserved.
+  local function claim(due, coming)
+    redis.call('HSET', claimkey, me, num(since) .. ' ' .. num(due) .. ' ' .. coming)
     keep(claimkey, due + STALE)
   end
   -- Another replica's run: its next requests go first, up to RUN in a row; then those
@@ -581,20 +582,23 @@ if step > 0 then
   local function runs(older_than)
     local k = 0
     for _, c in ipairs(claims) do
-      if c.since < older_than then k = k + math.min(RUN, c.queued + 1) end
+      if c.since < older_than then k = k + math.min(RUN, c.queued) end
     end
     return k
   end
   if later then
     -- Beyond the horizon: asked again that much before the instant, after the runs.
     local at = t + (ahead + runs(since)) * step
-    claim(at - tonumber(ARGV[6]))
+    claim(at - tonumber(ARGV[6]), mine + 1)
     return {1, math.ceil(at - now), epoch, num(now), ''}
   end
   local back = nil
   -- (An instant that is now waits on nothing.)
   local best = t > now + NOISE and admitted(true) or t
-  if t > best + NOISE then
+  -- Waiting for an answer saves at most t - best; a turn may cost others' runs. An
+  -- answer already in may still leave a little (its instant is reported late by up to
+  -- the reporting call's round trip): not worth a turn.
+  if t > best + math.max(NOISE, step / 8) then
     -- It waits on an answer.
     back = best - LEAD + (ahead + runs(since)) * step
   elseif runner ~= me or count >= RUN then
@@ -606,7 +610,7 @@ if step > 0 then
   end
   if back and op ~= 'settle' then
     local due = math.max(back, now + 1000)
-    claim(due)
+    claim(due, mine + 1)
     return {4, math.ceil(due - now), epoch, num(now), ''}
   end
   redis.call('HDEL', claimkey, me)
@@ -618,7 +622,7 @@ if step > 0 then
     -- told now rather than on a call of its own.
     since = now
     local back_at = math.ceil(t + (1 + runs(math.huge)) * step - LEAD)
-    claim(back_at)
+    claim(back_at, mine)
     yield = back_at - now
   end
 end
