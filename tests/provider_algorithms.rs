@@ -160,9 +160,14 @@ struct Outcome {
 /// `CLIENTS` clients, each on its own connection, send through sluice set to `limit` in
 /// front of `limiter` until `SENDING` has passed; sluice never retries.
 async fn through(limiter: &Limiter, limit: &str) -> Outcome {
+    through_with(limiter, limit, "").await
+}
+
+/// As `through`, with `families` after the upstream's limits.
+async fn through_with(limiter: &Limiter, limit: &str, families: &str) -> Outcome {
     let proxy = Proxy::start(&format!(
         "[[upstream]]\nname = \"provider\"\nhosts = [\"127.0.0.1\"]\nlimits = [{limit}]\n\
-         [upstream.retry]\nmax_attempts = 1\n"
+         [upstream.retry]\nmax_attempts = 1\n{families}"
     ))
     .await;
     let start = Arc::new(tokio::sync::Barrier::new(CLIENTS));
@@ -214,7 +219,12 @@ static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// requests accepted over the time they took, against `RATE` a second plus `burst` at
 /// the start.
 async fn holds(limiter: Limiter, limit: &str, burst: u32, least: f64) {
-    let o = through(&limiter, limit).await;
+    holds_with(limiter, limit, "", burst, least).await;
+}
+
+/// As `holds`, with `families` after the upstream's limits.
+async fn holds_with(limiter: Limiter, limit: &str, families: &str, burst: u32, least: f64) {
+    let o = through_with(&limiter, limit, families).await;
     let name = &limiter.name;
     assert_eq!(
         o.refused, 0,
@@ -312,6 +322,37 @@ async fn nginx_limit_req_never_refuses() {
             "{ kind = \"leaky_bucket\", rate = 10, per = \"1s\", burst = 5 }",
             6,
             0.85
+        ),
+    );
+}
+
+/// A fixed weight maps onto a counter of requests: each request priced 5 units of
+/// `weight` (docs/config.md's weighted REST example), against limits of 50 units a
+/// second, is nginx's `limit_req` of 10 r/s and haproxy's counter of 10 a second. The
+/// counter in units is stricter than haproxy's by up to a request: a provider counting
+/// units rounds its estimate down in units, so 5 units need an estimate below 46 of 50,
+/// where haproxy rounds down in requests and admits below 10 of 10 (86% of the limit
+/// here, against 93% for the same counter in requests).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixed_weights_map_onto_counters_of_requests() {
+    let _turn = TURN.lock().await;
+    let (n, h) = tokio::join!(nginx(0, false), haproxy());
+    let weighed = "[[upstream.family]]\nname = \"bulk\"\n\
+                   [upstream.family.cost.weight]\nestimate = 5\n";
+    tokio::join!(
+        holds_with(
+            n,
+            "{ kind = \"token_bucket\", rate = 50, per = \"1s\", burst = 5, unit = \"weight\" }",
+            weighed,
+            1,
+            0.85
+        ),
+        holds_with(
+            h,
+            "{ kind = \"sliding_counter\", permits = 50, window = \"1s\", unit = \"weight\" }",
+            weighed,
+            10,
+            0.78
         ),
     );
 }
