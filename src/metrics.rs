@@ -5,8 +5,8 @@
 use std::sync::OnceLock;
 
 use prometheus::{
-    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry,
+    CounterVec, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, Registry,
 };
 
 #[derive(Clone)]
@@ -24,6 +24,8 @@ pub struct Metrics {
     pub(crate) queue_depth: IntGaugeVec,
     /// `{upstream, family, unit}`: what the waiting requests of a priced family cost.
     pub(crate) queue_cost: IntGaugeVec,
+    /// `{upstream, family, unit}`: cost units admitted times the seconds each waited.
+    pub(crate) queue_wait_cost: CounterVec,
     /// `{upstream, family, reason}`: requests refused by the limiter's bounds.
     pub(crate) rejections: IntCounterVec,
     /// `{upstream, family, action}`: upstream 429s by what was done about them.
@@ -301,6 +303,10 @@ const HELP: &[(&str, &str)] = &[
         "What the requests waiting for admission cost, in each unit their family prices",
     ),
     (
+        "sluice_queue_wait_cost_seconds_total",
+        "Seconds waited for admission times what each request cost, in each unit its family prices: over sluice_cost_total{stage=\"estimated\"}, the mean wait per unit",
+    ),
+    (
         "sluice_rejections_total",
         "Requests refused by the limiter's queue bounds",
     ),
@@ -461,6 +467,10 @@ impl Maker<'_> {
         self.add(IntCounterVec::new(Self::opts(name)?, labels)?)
     }
 
+    fn counters(&self, name: &str, labels: &[&str]) -> prometheus::Result<CounterVec> {
+        self.add(CounterVec::new(Self::opts(name)?, labels)?)
+    }
+
     fn int_gauges(&self, name: &str, labels: &[&str]) -> prometheus::Result<IntGaugeVec> {
         self.add(IntGaugeVec::new(Self::opts(name)?, labels)?)
     }
@@ -510,6 +520,10 @@ impl Metrics {
             )?,
             queue_depth: m.int_gauges("sluice_queue_depth", &["upstream", "family"])?,
             queue_cost: m.int_gauges("sluice_queue_cost", &["upstream", "family", "unit"])?,
+            queue_wait_cost: m.counters(
+                "sluice_queue_wait_cost_seconds_total",
+                &["upstream", "family", "unit"],
+            )?,
             rejections: m
                 .int_counters("sluice_rejections_total", &["upstream", "family", "reason"])?,
             partitions: m.int_gauge("sluice_partitions")?,

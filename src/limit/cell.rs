@@ -148,7 +148,11 @@ impl Cell {
             for a in admitted.drain(..) {
                 let m = st.metrics(a.family);
                 m.queued(&a.costs, false);
-                m.wait.observe((a.at - a.since).as_secs_f64());
+                let waited = (a.at - a.since).as_secs_f64();
+                m.wait.observe(waited);
+                for (i, c) in &m.wait_cost {
+                    c.inc_by(waited * a.costs.of(*i) as f64);
+                }
                 let grant = self.grant(st, a.family, (a.seq, a.costs), a.at, a.edge, epoch);
                 let family = st.bucket.family_ref(a.family);
                 if let Err(mut g) = a.waiter.tx.send(grant) {

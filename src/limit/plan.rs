@@ -31,6 +31,8 @@ pub(super) struct FamilyMetrics {
     pub(super) cluster_wait: Histogram,
     /// `sluice_queue_cost` by unit index, for the units the family prices.
     pub(super) queue_cost: Vec<(u8, IntGauge)>,
+    /// `sluice_queue_wait_cost_seconds_total` by unit index, likewise.
+    pub(super) wait_cost: Vec<(u8, prometheus::Counter)>,
     /// When the last edge-429 hint was logged, so that it is logged once a minute.
     pub(super) last_hint: Mutex<Option<Instant>>,
 }
@@ -221,6 +223,13 @@ impl FamilyMetrics {
             ]),
             edge_429: metrics.edge_429.with_label_values(&l),
             cluster_wait: metrics.cluster_wait.with_label_values(&l),
+            wait_cost: units
+                .iter()
+                .map(|(i, u)| {
+                    let l = [upstream, family, u];
+                    (*i, metrics.queue_wait_cost.with_label_values(&l))
+                })
+                .collect(),
             queue_cost: units
                 .iter()
                 .map(|(i, u)| {

@@ -1177,4 +1177,14 @@ async fn views_say_what_waits_in_each_unit() {
         text.contains("sluice_queue_cost{family=\"chat\",unit=\"tokens\",upstream=\"u\"} 0"),
         "{text}"
     );
+    // The second waited for 20 tokens at 100 a second: 0.2 s times its 60 tokens.
+    let series =
+        "sluice_queue_wait_cost_seconds_total{family=\"chat\",unit=\"tokens\",upstream=\"u\"} ";
+    let waited: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix(series))
+        .unwrap_or_else(|| panic!("{text}"))
+        .parse()
+        .unwrap();
+    assert!((waited - 12.0).abs() < 0.1, "{waited} token-seconds");
 }
