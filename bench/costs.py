@@ -198,10 +198,19 @@ def budget(kind):
     answered = [s for s, st, _ in log if st == 200]
     span = max(answered) - min(answered)
     used = sum(c for _, st, c in log if st == 200) / (BUDGET * (1 + span / 60))
-    elapsed = span
+    # Minute by minute: what each minute-long window inside the run spent, over the
+    # budget, averaged over windows starting every second from the first answer.
+    first = min(answered)
+    spent = sorted((s, c) for s, st, c in log if st == 200)
+    shares = []
+    t = first
+    while t + 60 <= max(answered):
+        shares.append(sum(c for s, c in spent if t <= s < t + 60) / BUDGET)
+        t += 1
+    per_minute = sum(shares) / len(shares) if shares else float("nan")
     ok = sum(1 for _, st, _ in log if st == 200)
     refused = stats["refused"]
-    return ok, refused, used, elapsed
+    return ok, refused, used, per_minute
 
 
 def main():
@@ -211,12 +220,12 @@ def main():
         return
     print(f"\n{CLIENTS} clients, prompts of 100–8,000 characters, max_tokens 100–2,000, "
           f"a budget of {BUDGET:,} tokens a minute, {MINUTES:g} minutes; budget used against BUDGET + BUDGET a minute from the first answer to the last\n")
-    print("| provider | requests answered | provider 429s | budget used |")
-    print("| --- | --- | --- | --- |")
+    print("| provider | requests answered | provider 429s | budget used | each minute's budget used (mean) |")
+    print("| --- | --- | --- | --- | --- |")
     for kind, label in [("openai", "OpenAI-style: estimate charged at arrival (limits, cost=)"),
                         ("anthropic", "Anthropic-style: output tokens reconciled, produced tokens counted")]:
-        ok, refused, used, elapsed = budget(kind)
-        print(f"| {label} | {ok} | {refused} | {used * 100:.1f}% |", flush=True)
+        ok, refused, used, per_minute = budget(kind)
+        print(f"| {label} | {ok} | {refused} | {used * 100:.1f}% | {per_minute * 100:.1f}% |", flush=True)
 
 
 try:

@@ -5,6 +5,7 @@
 
 pub(crate) mod llm;
 mod read;
+mod scan;
 pub(crate) mod usage;
 
 use read::{number, sum_pointers};

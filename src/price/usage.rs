@@ -1,13 +1,14 @@
 //! What a response says its request really cost (`actual`): a header, read with the
-//! response head, or JSON pointers read from the body as it passes to the client. A
-//! JSON body is copied aside up to a cap and read at its end; a Server-Sent Events
-//! stream is read one `data:` line at a time, where usage arrives in the last events
-//! (OpenAI's `stream_options.include_usage`, Anthropic's `message_start` and
-//! `message_delta`), the last value at each pointer counting. Nothing is held back from
-//! the client.
+//! response head, or JSON pointers read from the body as it passes to the client,
+//! streamed through a scanner that holds the path to the value being read, never the
+//! body. A JSON body counts once it has ended whole; a Server-Sent Events stream is read
+//! one `data:` line at a time, where usage arrives in the last events (OpenAI's
+//! `stream_options.include_usage`, Anthropic's `message_start` and `message_delta`), the
+//! last value at each pointer counting. Nothing is held back from the client.
 
 use http::HeaderMap;
 
+use super::scan::Scanner;
 use crate::config::cost::{Price, Source};
 
 /// The actual costs `headers` report, by unit index, for the prices read from a header.
@@ -27,17 +28,30 @@ pub(crate) fn from_headers(prices: &[Price], headers: &HeaderMap) -> Vec<(u8, u6
 /// Reads the actual costs from a response body fed to it chunk by chunk.
 pub(crate) struct Meter {
     readers: Vec<Reader>,
+    /// Every pointer read: the readers' in order, then Shopify's throttle status.
+    pointers: Vec<String>,
     sse: bool,
-    /// SSE: the line so far; JSON: the body so far.
-    buf: Vec<u8>,
-    /// The most `buf` holds: a longer JSON body, or SSE line, is not read.
-    cap: usize,
-    /// The JSON body, or the SSE line being read, outgrew `cap`.
-    over: bool,
+    /// The body's scanner (JSON), or the current `data:` line's (SSE).
+    scanner: Option<Scanner>,
+    /// SSE: where the current line stands.
+    line: Line,
     /// Shopify's `extensions.cost.throttleStatus`, when asked for: currently available,
     /// maximum available, restore rate.
     throttle: Option<[Option<u64>; 3]>,
 }
+
+/// An event stream's current line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Line {
+    /// This many bytes of it, all of them a start of `data:`.
+    Start(usize),
+    /// A `data:` line, its payload going through the scanner.
+    Data,
+    /// Any other line.
+    Skip,
+}
+
+const DATA: &[u8] = b"data:";
 
 /// Where a Shopify GraphQL response says what its bucket of points holds.
 const THROTTLE: [&str; 3] = [
@@ -57,8 +71,7 @@ pub(crate) struct Throttle {
 
 struct Reader {
     index: u8,
-    pointers: Vec<String>,
-    /// The last number seen at each pointer.
+    /// The last number seen at each of its pointers.
     seen: Vec<Option<u64>>,
 }
 
@@ -66,95 +79,119 @@ impl Meter {
     /// A meter for the prices that read a JSON body, on a body that is an event stream
     /// (`sse`) or one JSON document; `None` when no price reads the body.
     #[cfg(test)]
-    pub(crate) fn new(prices: &[Price], sse: bool, cap: usize) -> Option<Meter> {
-        Meter::reading(prices, sse, cap, false)
+    pub(crate) fn new(prices: &[Price], sse: bool) -> Option<Meter> {
+        Meter::reading(prices, sse, false)
     }
 
     /// As `new`, also reading Shopify's `throttleStatus` when `throttle` (then a meter is
     /// made even if no price reads the body).
-    pub(crate) fn reading(
-        prices: &[Price],
-        sse: bool,
-        cap: usize,
-        throttle: bool,
-    ) -> Option<Meter> {
+    pub(crate) fn reading(prices: &[Price], sse: bool, throttle: bool) -> Option<Meter> {
+        let mut pointers = Vec::new();
         let readers: Vec<Reader> = prices
             .iter()
             .filter_map(|p| match &p.actual {
-                Some(Source::Json(pointers)) => Some(Reader {
-                    index: p.index,
-                    pointers: pointers.clone(),
-                    seen: vec![None; pointers.len()],
-                }),
+                Some(Source::Json(ps)) => {
+                    pointers.extend(ps.iter().cloned());
+                    Some(Reader {
+                        index: p.index,
+                        seen: vec![None; ps.len()],
+                    })
+                }
                 _ => None,
             })
             .collect();
         let throttle = (throttle && !sse).then_some([None; 3]);
-        (!readers.is_empty() || throttle.is_some()).then_some(Meter {
+        if throttle.is_some() {
+            pointers.extend(THROTTLE.iter().map(|p| p.to_string()));
+        }
+        if readers.is_empty() && throttle.is_none() {
+            return None;
+        }
+        let mut m = Meter {
             readers,
+            pointers,
             sse,
-            buf: Vec::new(),
-            cap,
-            over: false,
+            scanner: None,
+            line: Line::Start(0),
             throttle,
-        })
+        };
+        if !sse {
+            m.scanner = Some(m.scanner());
+        }
+        Some(m)
+    }
+
+    fn scanner(&self) -> Scanner {
+        let refs: Vec<&str> = self.pointers.iter().map(String::as_str).collect();
+        Scanner::new(&refs)
     }
 
     pub(crate) fn feed(&mut self, mut data: &[u8]) {
         if !self.sse {
-            if self.buf.len() + data.len() > self.cap {
-                self.over = true;
-                self.buf = Vec::new();
-            }
-            if !self.over {
-                self.buf.extend_from_slice(data);
+            if let Some(s) = &mut self.scanner {
+                s.feed(data);
             }
             return;
         }
-        while let Some(nl) = data.iter().position(|b| *b == b'\n') {
-            self.line_part(&data[..nl]);
-            if !self.over {
-                let line = std::mem::take(&mut self.buf);
-                self.line(&line);
-                self.buf = line;
+        while !data.is_empty() {
+            let end = data.iter().position(|b| *b == b'\n');
+            let part = &data[..end.unwrap_or(data.len())];
+            self.line_part(part);
+            if end.is_some() {
+                self.end_line();
+                data = &data[part.len() + 1..];
+            } else {
+                data = &[];
             }
-            self.buf.clear();
-            self.over = false;
-            data = &data[nl + 1..];
-        }
-        self.line_part(data);
-    }
-
-    fn line_part(&mut self, part: &[u8]) {
-        if self.over || self.buf.len() + part.len() > self.cap {
-            self.over = true;
-            return;
-        }
-        self.buf.extend_from_slice(part);
-    }
-
-    /// One complete SSE line.
-    fn line(&mut self, line: &[u8]) {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        let Some(data) = line.strip_prefix(b"data:") else {
-            return;
-        };
-        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) {
-            self.read(&v);
         }
     }
 
-    fn read(&mut self, v: &serde_json::Value) {
-        if let Some(t) = &mut self.throttle {
-            for (p, seen) in THROTTLE.iter().zip(t.iter_mut()) {
-                if let Some(n) = v.pointer(p).and_then(super::read::value_number) {
+    fn line_part(&mut self, mut part: &[u8]) {
+        if let Line::Start(n) = self.line {
+            let take = (DATA.len() - n).min(part.len());
+            if part[..take] != DATA[n..n + take] {
+                self.line = Line::Skip;
+                return;
+            }
+            part = &part[take..];
+            if n + take < DATA.len() {
+                self.line = Line::Start(n + take);
+                return;
+            }
+            self.line = Line::Data;
+            self.scanner = Some(self.scanner());
+        }
+        if self.line == Line::Data
+            && let Some(s) = &mut self.scanner
+        {
+            s.feed(part);
+        }
+    }
+
+    /// One line of the stream ended: a `data:` line's numbers count.
+    fn end_line(&mut self) {
+        if self.line == Line::Data
+            && let Some(s) = self.scanner.take()
+        {
+            self.note(s.finish());
+        }
+        self.line = Line::Start(0);
+    }
+
+    /// Values a whole document held, at each of `pointers`: each one found replaces
+    /// what an earlier one said.
+    fn note(&mut self, found: Vec<Option<u64>>) {
+        let mut found = found.into_iter();
+        for r in &mut self.readers {
+            for seen in &mut r.seen {
+                if let Some(Some(n)) = found.next() {
                     *seen = Some(n);
                 }
             }
         }
-        for r in &mut self.readers {
-            for (p, seen) in r.pointers.iter().zip(&mut r.seen) {
-                if let Some(n) = v.pointer(p).and_then(super::read::value_number) {
+        if let Some(t) = &mut self.throttle {
+            for seen in t.iter_mut() {
+                if let Some(Some(n)) = found.next() {
                     *seen = Some(n);
                 }
             }
@@ -176,11 +213,11 @@ impl Meter {
     /// The body ended (or was cut off): the actual cost per unit index, for the units
     /// the body reported.
     pub(crate) fn finish(&mut self) -> Vec<(u8, u64)> {
-        if !self.sse && !self.over && !self.buf.is_empty() {
-            let body = std::mem::take(&mut self.buf);
-            if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) {
-                self.read(&v);
-            }
+        if self.sse {
+            // A last line without its newline.
+            self.end_line();
+        } else if let Some(s) = self.scanner.take() {
+            self.note(s.finish());
         }
         self.readers
             .iter_mut()
@@ -222,15 +259,14 @@ mod tests {
         let body =
             br#"{"id":"x","usage":{"prompt_tokens":12,"completion_tokens":30,"total_tokens":42}}"#;
         for cut in 0..body.len() {
-            let mut m =
-                Meter::new(&[price(1, "json:/usage/total_tokens")], false, 1 << 20).unwrap();
+            let mut m = Meter::new(&[price(1, "json:/usage/total_tokens")], false).unwrap();
             m.feed(&body[..cut]);
             m.feed(&body[cut..]);
             assert_eq!(m.finish(), vec![(1, 42)]);
+            let mut m = Meter::new(&[price(1, "json:/usage/total_tokens")], false).unwrap();
+            m.feed(&body[..cut]);
+            assert_eq!(m.finish(), vec![], "cut off: the estimate stands");
         }
-        let mut m = Meter::new(&[price(1, "json:/usage/total_tokens")], false, 10).unwrap();
-        m.feed(body);
-        assert_eq!(m.finish(), vec![], "over the cap: the estimate stands");
     }
 
     #[test]
@@ -247,12 +283,12 @@ mod tests {
             "json:/message/usage/input_tokens+/usage/output_tokens",
         )];
         for cut in 0..stream.len() {
-            let mut m = Meter::new(&prices, true, 4096).unwrap();
+            let mut m = Meter::new(&prices, true).unwrap();
             m.feed(&stream.as_bytes()[..cut]);
             m.feed(&stream.as_bytes()[cut..]);
             assert_eq!(m.finish(), vec![(1, 40)], "cut at {cut}");
         }
-        let mut m = Meter::new(&prices, true, 4096).unwrap();
+        let mut m = Meter::new(&prices, true).unwrap();
         m.feed(b"data: {\"choices\":[]}\n\n");
         assert_eq!(
             m.finish(),
@@ -266,7 +302,7 @@ mod tests {
         let body = br#"{"data":{},"extensions":{"cost":{"requestedQueryCost":101,"actualQueryCost":46,
             "throttleStatus":{"maximumAvailable":1000.0,"currentlyAvailable":954,"restoreRate":50.0}}}}"#;
         let prices = [price(1, "json:/extensions/cost/actualQueryCost")];
-        let mut m = Meter::reading(&prices, false, 1 << 16, true).unwrap();
+        let mut m = Meter::reading(&prices, false, true).unwrap();
         m.feed(body);
         assert_eq!(m.finish(), vec![(1, 46)]);
         assert_eq!(
@@ -277,7 +313,7 @@ mod tests {
                 restore: 50
             })
         );
-        let mut m = Meter::reading(&[], false, 1 << 16, true).unwrap();
+        let mut m = Meter::reading(&[], false, true).unwrap();
         m.feed(b"{}");
         assert_eq!((m.finish(), m.throttle()), (vec![], None));
     }

@@ -836,9 +836,8 @@ fn metered(
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
-    let cap = usize::try_from(config.proxy.max_replay_body).unwrap_or(usize::MAX);
     let points = points_unit(config, route);
-    let meter = crate::price::usage::Meter::reading(&family.prices, sse, cap, points.is_some())?;
+    let meter = crate::price::usage::Meter::reading(&family.prices, sse, points.is_some())?;
     let counters = family
         .prices
         .iter()
