@@ -357,7 +357,7 @@ impl Matched<'_> {
             return;
         };
         let limit = self.config.proxy.max_replay_body;
-        let json = body.and_then(|b| serde_json::from_slice::<serde_json::Value>(b).ok());
+        let json = body.and_then(|b| crate::price::json::Json::parse(b).ok());
         let view = match (body, &json) {
             (None, _) => BodyView::Unread,
             (Some(b), _) if b.len() as u64 > limit => BodyView::TooLarge { limit },

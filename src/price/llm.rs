@@ -16,7 +16,7 @@
 //! The output part is the request's `max_completion_tokens`, `max_output_tokens` or
 //! `max_tokens`, else the family's `default_output`; embeddings have none.
 
-use serde_json::Value;
+use super::json::Json;
 
 use crate::config::cost::{Llm, LlmPart};
 
@@ -32,7 +32,7 @@ const PER_MESSAGE: u64 = 4;
 pub(crate) fn estimate(
     llm: Llm,
     part: LlmPart,
-    body: &Value,
+    body: &Json<'_>,
     path: &str,
     default_output: u64,
 ) -> u64 {
@@ -46,7 +46,7 @@ pub(crate) fn estimate(
         }
         ["max_completion_tokens", "max_output_tokens", "max_tokens"]
             .iter()
-            .find_map(|k| body.get(k).and_then(super::read::value_number))
+            .find_map(|k| body.get(k).and_then(Json::number))
             .unwrap_or(default_output)
     };
     match part {
@@ -58,22 +58,22 @@ pub(crate) fn estimate(
 
 /// Chat `messages`, responses `input` and `instructions`, embeddings and completions
 /// `input`/`prompt` (text, or token arrays), and the tools' schemas.
-fn openai_input(body: &Value) -> u64 {
+fn openai_input(body: &Json<'_>) -> u64 {
     let mut n = 0u64;
-    if let Some(Value::Array(messages)) = body.get("messages") {
+    if let Some(Json::Array(messages)) = body.get("messages") {
         n += messages.len() as u64 * PER_MESSAGE + 3;
         n += messages.iter().map(text_tokens).sum::<u64>();
     }
     for key in ["input", "prompt"] {
         match body.get(key) {
-            Some(Value::Array(items)) => {
+            Some(Json::Array(items)) => {
                 n += items
                     .iter()
                     .map(|i| match i {
                         // A token id, or an array of them (embeddings).
-                        Value::Number(_) => 1,
-                        Value::Array(ids) if ids.iter().all(Value::is_number) => ids.len() as u64,
-                        Value::Object(_) => PER_MESSAGE + text_tokens(i),
+                        Json::Number(_) => 1,
+                        Json::Array(ids) if ids.iter().all(Json::is_number) => ids.len() as u64,
+                        Json::Object(_) => PER_MESSAGE + text_tokens(i),
                         other => text_tokens(other),
                     })
                     .sum::<u64>()
@@ -97,12 +97,12 @@ fn openai_input(body: &Value) -> u64 {
 }
 
 /// `system` (text or blocks), `messages`, and the tools' schemas.
-fn anthropic_input(body: &Value) -> u64 {
+fn anthropic_input(body: &Json<'_>) -> u64 {
     let mut n = 0u64;
     if let Some(system) = body.get("system") {
         n += text_tokens(system);
     }
-    if let Some(Value::Array(messages)) = body.get("messages") {
+    if let Some(Json::Array(messages)) = body.get("messages") {
         n += messages.len() as u64 * PER_MESSAGE + 3;
         n += messages.iter().map(text_tokens).sum::<u64>();
     }
@@ -114,23 +114,24 @@ fn anthropic_input(body: &Value) -> u64 {
 
 /// The text a value carries: its strings, images at [`IMAGE`] each, and nothing for the
 /// keys and numbers that only frame them.
-fn text_tokens(v: &Value) -> u64 {
+fn text_tokens(v: &Json<'_>) -> u64 {
     match v {
-        Value::String(s) => str_tokens(s),
-        Value::Array(items) => items.iter().map(text_tokens).sum(),
-        Value::Object(map) => {
+        Json::String(s) => str_tokens(s),
+        Json::Array(items) => items.iter().map(text_tokens).sum(),
+        Json::Object(members) => {
             let image = matches!(
-                map.get("type").and_then(Value::as_str),
+                v.get("type").and_then(Json::as_str),
                 Some("image" | "image_url" | "input_image")
             );
             if image {
                 return IMAGE;
             }
-            map.iter()
-                .filter(|(k, _)| !matches!(k.as_str(), "role" | "type" | "id" | "name"))
+            members
+                .iter()
+                .filter(|(k, _)| !matches!(&**k, "role" | "type" | "id" | "name"))
                 .map(|(_, v)| text_tokens(v))
                 .sum::<u64>()
-                + u64::from(map.contains_key("name"))
+                + u64::from(v.get("name").is_some())
         }
         _ => 0,
     }
@@ -138,16 +139,16 @@ fn text_tokens(v: &Value) -> u64 {
 
 /// A schema or instruction counted whole, keys included: the provider renders it into
 /// the prompt.
-fn schema_tokens(v: &Value) -> u64 {
+fn schema_tokens(v: &Json<'_>) -> u64 {
     match v {
-        Value::String(s) => str_tokens(s),
-        Value::Array(items) => items.iter().map(schema_tokens).sum(),
-        Value::Object(map) => map
+        Json::String(s) => str_tokens(s),
+        Json::Array(items) => items.iter().map(schema_tokens).sum(),
+        Json::Object(members) => members
             .iter()
             .map(|(k, v)| str_tokens(k) + schema_tokens(v))
             .sum(),
-        Value::Number(_) | Value::Bool(_) => 1,
-        Value::Null => 0,
+        Json::Number(_) | Json::Bool(_) => 1,
+        Json::Null => 0,
     }
 }
 
@@ -198,6 +199,13 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// `estimate` of a body written with `json!`, parsed as pricing parses it.
+    fn est(llm: Llm, part: LlmPart, body: &serde_json::Value, path: &str, default: u64) -> u64 {
+        let text = body.to_string();
+        let v = Json::parse(text.as_bytes()).unwrap();
+        estimate(llm, part, &v, path, default)
+    }
+
     #[test]
     fn text_counts_four_ascii_characters_a_token_and_others_one() {
         assert_eq!(str_tokens(""), 0);
@@ -240,13 +248,13 @@ mod tests {
             + str_tokens("You are terse.")
             + str_tokens("Say hello in one word")
             + IMAGE;
-        let e = |part| estimate(Llm::OpenAi, part, &body, "/v1/chat/completions", 4096);
+        let e = |part| est(Llm::OpenAi, part, &body, "/v1/chat/completions", 4096);
         assert_eq!(e(LlmPart::Input), input);
         assert_eq!(e(LlmPart::Output), 100);
         assert_eq!(e(LlmPart::All), input + 100);
         let no_max = json!({"messages": [{"role": "user", "content": "hi"}]});
         assert_eq!(
-            estimate(
+            est(
                 Llm::OpenAi,
                 LlmPart::Output,
                 &no_max,
@@ -262,13 +270,13 @@ mod tests {
     fn openai_embeddings_and_responses() {
         let emb = json!({"model": "text-embedding-3-small", "input": ["abcdabcd", [1, 2, 3]]});
         assert_eq!(
-            estimate(Llm::OpenAi, LlmPart::All, &emb, "/v1/embeddings", 4096),
+            est(Llm::OpenAi, LlmPart::All, &emb, "/v1/embeddings", 4096),
             2 + 3,
             "no output for embeddings; token arrays count their length"
         );
         let resp = json!({"model": "o4-mini", "input": "abcdabcd", "instructions": "be brief", "max_output_tokens": 50});
         assert_eq!(
-            estimate(Llm::OpenAi, LlmPart::All, &resp, "/v1/responses", 4096),
+            est(Llm::OpenAi, LlmPart::All, &resp, "/v1/responses", 4096),
             2 + 2 + 50
         );
     }
@@ -281,7 +289,7 @@ mod tests {
             "messages": [{"role": "user", "content": "abcd"}],
             "max_tokens": 1024
         });
-        let e = |part| estimate(Llm::Anthropic, part, &body, "/v1/messages", 4096);
+        let e = |part| est(Llm::Anthropic, part, &body, "/v1/messages", 4096);
         assert_eq!(e(LlmPart::Input), 2 + PER_MESSAGE + 3 + 1);
         assert_eq!(e(LlmPart::Output), 1024);
     }

@@ -3,6 +3,7 @@
 //! estimate (a constant, a header, JSON pointers into the body, or an LLM estimator in
 //! [`llm`]). [`usage`] reads what the response says it really cost.
 
+pub(crate) mod json;
 pub(crate) mod llm;
 mod read;
 mod scan;
@@ -11,7 +12,6 @@ pub(crate) mod usage;
 use read::{number, sum_pointers};
 
 use http::HeaderMap;
-use serde_json::Value;
 
 use crate::config::cost::{Estimate, Price, Source};
 use crate::limit::costs::Costs;
@@ -95,7 +95,7 @@ impl Declared {
 pub(crate) enum BodyView<'a> {
     /// Not read: no estimate needed it.
     Unread,
-    Json(&'a Value),
+    Json(&'a json::Json<'a>),
     /// Read, but not JSON.
     NotJson,
     /// Longer than the `limit` sluice reads.

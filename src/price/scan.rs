@@ -452,12 +452,23 @@ mod tests {
         s.finish()
     }
 
+    /// A JSON value as a whole, non-negative cost, as pricing reads one.
+    fn value_number(v: &serde_json::Value) -> Option<u64> {
+        match v {
+            serde_json::Value::Number(n) => n
+                .as_u64()
+                .or_else(|| n.as_f64().filter(|f| *f >= 0.0).map(|f| f.ceil() as u64)),
+            serde_json::Value::String(s) => super::super::read::number(s),
+            _ => None,
+        }
+    }
+
     /// What `serde_json` reads at each pointer of the whole document, as a cost.
     fn whole(doc: &[u8], pointers: &[&str]) -> Vec<Option<u64>> {
         match serde_json::from_slice::<serde_json::Value>(doc) {
             Ok(v) => pointers
                 .iter()
-                .map(|p| v.pointer(p).and_then(super::super::read::value_number))
+                .map(|p| v.pointer(p).and_then(value_number))
                 .collect(),
             Err(_) => vec![None; pointers.len()],
         }

@@ -100,14 +100,16 @@ fn header_and_json_estimates_fall_back_or_refuse() {
     let c = family("estimate = \"json:/a+/b/0\"\nfallback = 50", TPM);
     let p = prices(&c);
     assert!(needs_body(p, &none));
-    let body = json!({"a": 3, "b": [4.5]});
+    let text = json!({"a": 3, "b": [4.5]}).to_string();
+    let body = super::json::Json::parse(text.as_bytes()).unwrap();
     assert_eq!(
         price(p, &HeaderMap::new(), &none, &BodyView::Json(&body), "/")
             .unwrap()
             .of(1),
         8
     );
-    let body = json!({"c": 1});
+    let text = json!({"c": 1}).to_string();
+    let body = super::json::Json::parse(text.as_bytes()).unwrap();
     assert_eq!(
         price(p, &HeaderMap::new(), &none, &BodyView::Json(&body), "/")
             .unwrap()

@@ -395,7 +395,7 @@ async fn price_request(
             Ok(Ok(read)) => read,
         };
     let json = (prefix.len() <= most)
-        .then(|| serde_json::from_slice::<serde_json::Value>(&prefix).ok())
+        .then(|| price::json::Json::parse(&prefix).ok())
         .flatten();
     let view = match &json {
         _ if prefix.len() > most => BodyView::TooLarge { limit },
