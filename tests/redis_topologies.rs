@@ -958,7 +958,7 @@ async fn a_finite_batch_uses_a_shared_limit_in_full() {
         "a batch of 100 through 2 replicas: {took:?} end to end, first to last arrival {span:?}: {:.1}% of the limit",
         used * 100.0
     );
-    // The benchmark's 97-98%, less a loaded machine's slack; a family whose requests
-    // missed each other's answers across threads took 16-20 s (50-60%).
-    assert!(used >= 0.92, "{:.1}% of the limit", used * 100.0);
+    // The benchmark's 97-98%, less a loaded machine's slack, as for the small limits
+    // above; a family whose requests miss each other's answers across threads uses half.
+    assert!(used >= 0.85, "{:.1}% of the limit", used * 100.0);
 }

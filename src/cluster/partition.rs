@@ -199,8 +199,7 @@ impl Latest {
     /// Whether it still matters to its limit at Redis instant `now_us`.
     fn matters(self, limit: &GlobalLimit, now_us: f64) -> bool {
         match self {
-            Latest::Never => true,
-            Latest::Kept => true,
+            Latest::Never | Latest::Kept => true,
             Latest::At(v) => v + micros(limit.span) > now_us,
         }
     }

@@ -9,8 +9,11 @@
 const MAX_KEY: usize = 128;
 /// A number or string value longer than this at a pointer reads as no number.
 const MAX_VALUE: usize = 64;
-/// Paths deeper than this are followed by depth alone: no pointer goes that deep.
+/// Paths deeper than this are followed by their brackets alone: no pointer goes that deep.
 const MAX_DEPTH: usize = 32;
+/// A document nested deeper than this is refused, as `serde_json` refuses it: the
+/// brackets followed stay bounded whatever the body.
+const MAX_NESTING: usize = 128;
 
 pub(crate) struct Scanner {
     /// Each pointer's reference tokens, unescaped (`~1` is `/`, `~0` is `~`).
@@ -221,6 +224,9 @@ impl Scanner {
         match b {
             b'{' | b'[' => {
                 self.at = None;
+                if self.path.len() + self.deep.len() >= MAX_NESTING {
+                    return self.fail();
+                }
                 if self.path.len() < MAX_DEPTH && self.deep.is_empty() {
                     self.path.push(if b == b'{' {
                         Step::Key(None)
@@ -502,6 +508,18 @@ mod tests {
         assert_eq!(scan(br#"{"usage":{"total_tokens":5}} x"#, &p, 3), [None]);
         assert_eq!(scan(br#"{"usage":{"total_tokens":5}}"#, &p, 3), [Some(5)]);
         assert_eq!(scan(b"7", &[""], 1), [Some(7)], "the whole document");
+        let deep = format!("{}1{}", "[".repeat(200), "]".repeat(200));
+        assert_eq!(
+            scan(deep.as_bytes(), &[""], 7),
+            whole(deep.as_bytes(), &[""]),
+            "nested past serde_json's limit: refused, as serde_json refuses it"
+        );
+        let mut s = Scanner::new(&["/a"]);
+        s.feed("[".repeat(1 << 20).as_bytes());
+        assert!(
+            s.deep.len() < MAX_NESTING,
+            "a flood of brackets holds nothing"
+        );
     }
 
     /// Any JSON document, cut into any chunks, reads as `serde_json` reads the whole.
