@@ -127,10 +127,18 @@ impl ProxyError {
 
     pub(crate) fn to_response(&self) -> Response<Body> {
         let reason = self.reason();
-        let body = serde_json::json!({
-            "error": { "code": format!("sluice_{reason}"), "message": self.to_string() }
-        });
-        let mut resp = Response::new(full(format!("{body}\n")));
+        // Written directly rather than through a `serde_json::Value`: a refusal is the
+        // answer a flooding client gets thousands of times a second, and the tree cost
+        // a dozen allocations each time (scripts/cost-budgets.toml, `limited`).
+        let message = self.to_string();
+        let mut body = Vec::with_capacity(48 + reason.len() + message.len());
+        body.extend_from_slice(b"{\"error\":{\"code\":\"sluice_");
+        body.extend_from_slice(reason.as_bytes());
+        body.extend_from_slice(b"\",\"message\":");
+        // Writing a string into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut body, &message);
+        body.extend_from_slice(b"}}\n");
+        let mut resp = Response::new(full(body));
         *resp.status_mut() = self.status();
         let h = resp.headers_mut();
         h.insert("sluice-reason", HeaderValue::from_static(reason));
