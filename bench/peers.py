@@ -50,7 +50,8 @@ from common import (
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 10
-CONNS = 32
+# CONNS=256: many connections (issue table at -c256); 32 otherwise.
+CONNS = int(os.environ.get("CONNS", "32"))
 # sluice starts one worker per CPU it may run on; the peers get as many threads.
 WORKERS = len(os.sched_getaffinity(0))
 UP = 18200

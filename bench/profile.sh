@@ -3,7 +3,7 @@
 # haproxy side by side under the same load, sampled by perf (cpu-clock: the VMs this
 # runs on expose no hardware counters). Installs haproxy and perf when missing.
 # Loopback only; every process is started here and stopped by PID.
-# Usage: bench/profile.sh [seconds=8] [rows=12]
+# Usage: bench/profile.sh [seconds=8] [rows=12] [connections=32]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/prepare.sh

@@ -1,0 +1,186 @@
+"""HTTP/2 through interception, sluice next to haproxy (see h2.sh).
+
+h2load speaks no HTTP proxy protocol, so each proxy is reached through one socat hop:
+for sluice, socat opens a CONNECT tunnel (`PROXY:` address) to the TLS upstream, which
+sluice intercepts (TLS with its CA, HTTP/2 by ALPN) and forwards over a TLS connection
+of its own; for haproxy, socat relays TCP to a frontend that ends TLS and HTTP/2 with a
+certificate of the same CA and forwards over TLS. The same hop in front of both, so
+neither pays for it alone. The upstream is nginx over TLS, HTTP/1.1, `return 200`.
+
+sluice runs as shipped (the bundled config plus one intercepted upstream, an access line
+per request, stderr through a pipe); haproxy with as many threads as sluice has workers,
+its defaults otherwise, no log. Rounds interleave; medians of rounds: req/s, p50 and p99
+from h2load's per-request log, and the proxy's CPU per request (socat's not counted).
+"""
+
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import SLUICE, Procs, cpu_seconds, family_pids, round_order, shipped_config, start_sluice, wait_http  # noqa: E402
+
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+CONNS = int(sys.argv[3]) if len(sys.argv) > 3 else 8
+STREAMS = int(sys.argv[4]) if len(sys.argv) > 4 else 16
+WORKERS = len(os.sched_getaffinity(0))
+UP, SLUICE_PORT, ADMIN, HAPROXY, HOP_SLUICE, HOP_HAPROXY = 18140, 13200, 19995, 13201, 13202, 13203
+
+
+def sh(*cmd):
+    subprocess.run(cmd, check=True, capture_output=True)
+
+
+def certificates(work):
+    """A CA for the upstream and haproxy's frontend, and a leaf for 127.0.0.1 it signs."""
+    ca, ca_key, leaf, key = (os.path.join(work, n) for n in ("up-ca.pem", "up-ca.key", "leaf.pem", "leaf.key"))
+    sh("openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+       "-keyout", ca_key, "-out", ca, "-days", "2", "-subj", "/CN=bench upstream CA")
+    sh("openssl", "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", key,
+       "-out", leaf + ".csr", "-subj", "/CN=127.0.0.1")
+    ext = os.path.join(work, "ext.cnf")
+    with open(ext, "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
+    sh("openssl", "x509", "-req", "-in", leaf + ".csr", "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+       "-out", leaf, "-days", "2", "-extfile", ext)
+    combined = os.path.join(work, "haproxy.pem")
+    with open(combined, "w") as f:
+        f.write(open(leaf).read() + open(key).read())
+    return ca, leaf, key, combined
+
+
+def h2load(port, log):
+    out = subprocess.run(
+        ["h2load", f"-c{CONNS}", f"-m{STREAMS}", f"-D{SECONDS}", "--warm-up-time=1", f"--log-file={log}",
+         f"--connect-to=127.0.0.1:{port}", f"https://127.0.0.1:{UP}/"],
+        capture_output=True, text=True, check=True).stdout
+    if " 0 failed" not in out or " 0 errored" not in out:
+        raise SystemExit(out)
+    latencies = []
+    for line in open(log):
+        f = line.split()
+        if len(f) >= 3:
+            if f[1] == "0":
+                continue  # still in flight when the duration ended
+            if f[1] != "200":
+                raise SystemExit(f"status {f[1]} in {log}")
+            latencies.append(int(f[2]) / 1000)
+    latencies.sort()
+    pct = lambda p: latencies[min(len(latencies) - 1, int(len(latencies) * p))]  # noqa: E731
+    rate = float(re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out).group(1))
+    return rate, pct(0.5), pct(0.99)
+
+
+def main():
+    procs = Procs()
+    work = tempfile.mkdtemp(prefix="sluice-h2-")
+    try:
+        ca, leaf, key, combined = certificates(work)
+        conf = os.path.join(work, "nginx.conf")
+        with open(conf, "w") as f:
+            f.write(f"""worker_processes 1;
+daemon off;
+pid {work}/nginx.pid;
+error_log {work}/error.log;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  keepalive_requests 1000000;
+  server {{
+    listen 127.0.0.1:{UP} ssl;
+    ssl_certificate {leaf};
+    ssl_certificate_key {key};
+    location / {{ return 200 "hello\\n"; }}
+  }}
+}}
+""")
+        procs.start(["nginx", "-c", conf, "-p", work])
+        sh(SLUICE, "ca", "new", "--out", os.path.join(work, "sluice-ca"))
+        path = shipped_config(work, "sluice.toml", SLUICE_PORT, ADMIN)
+        with open(path, "a") as f:
+            f.write(f"""
+[tls]
+ca_cert = "{work}/sluice-ca/ca.pem"
+ca_key = "{work}/sluice-ca/ca-key.pem"
+
+[[upstream]]
+name = "bench-tls"
+hosts = ["127.0.0.1:{UP}"]
+tls = "intercept"
+upstream_ca = "{ca}"
+""")
+        sluice = start_sluice(procs, path)
+        wait_http(f"http://127.0.0.1:{ADMIN}/readyz")
+        hcfg = os.path.join(work, "haproxy.cfg")
+        with open(hcfg, "w") as f:
+            f.write(f"""global
+  nbthread {WORKERS}
+defaults
+  mode http
+  timeout connect 5s
+  timeout client 30s
+  timeout server 30s
+frontend fe
+  bind 127.0.0.1:{HAPROXY} ssl crt {combined} alpn h2,http/1.1
+  default_backend be
+backend be
+  server s1 127.0.0.1:{UP} ssl verify required ca-file {ca}
+""")
+        h = procs.start(["haproxy", "-db", "-f", hcfg])
+        procs.start(["socat", f"TCP-LISTEN:{HOP_SLUICE},bind=127.0.0.1,fork,reuseaddr",
+                     f"PROXY:127.0.0.1:127.0.0.1:{UP},proxyport={SLUICE_PORT}"])
+        procs.start(["socat", f"TCP-LISTEN:{HOP_HAPROXY},bind=127.0.0.1,fork,reuseaddr",
+                     f"TCP:127.0.0.1:{HAPROXY}"])
+        time.sleep(1)
+        procs.check_alive()
+        targets = [("sluice as shipped (intercepted)", HOP_SLUICE, sluice.pid),
+                   (f"haproxy, {WORKERS} threads (TLS and HTTP/2 ended)", HOP_HAPROXY, h.pid)]
+        if os.environ.get("PROFILE"):
+            # PROFILE=1: where sluice's CPU goes under this load, from perf's cpu-clock samples.
+            data = os.path.join(work, "perf.data")
+            load = subprocess.Popen(["h2load", f"-c{CONNS}", f"-m{STREAMS}", f"-D{SECONDS + 2}",
+                                     f"--connect-to=127.0.0.1:{HOP_SLUICE}", f"https://127.0.0.1:{UP}/"],
+                                    stdout=subprocess.DEVNULL)
+            time.sleep(1)
+            sh("perf", "record", "-q", "-e", "cpu-clock", "-F", "4000", "-p", str(sluice.pid), "-o", data,
+               "--", "sleep", str(SECONDS))
+            load.wait()
+            report = subprocess.run(["perf", "report", "-i", data, "--no-children", "--sort", "dso,symbol",
+                                     "--stdio", "-q", "--percent-limit", "0.7"],
+                                    capture_output=True, text=True).stdout
+            for line in report.splitlines():
+                print(" ".join(line.split()[:4])[:140])
+        results = {name: [] for name, _, _ in targets}
+        for name, port, _ in targets:
+            h2load(port, os.path.join(work, "warm.log"))
+        for r in range(ROUNDS):
+            for name, port, pid in round_order(targets, r):
+                pids = family_pids(pid)
+                before = cpu_seconds(pids)
+                t0 = time.monotonic()
+                rate, p50, p99 = h2load(port, os.path.join(work, "h2load.log"))
+                # CPU over the whole h2load run, warm-up second included.
+                cpu = cpu_seconds(pids) - before
+                elapsed = time.monotonic() - t0
+                results[name].append((rate, p50, p99, cpu / (rate * elapsed) * 1e6))
+                print(f"round {r + 1} {name}: {rate:.0f} req/s", file=sys.stderr)
+        print(f"\nh2load -c{CONNS} -m{STREAMS}, {ROUNDS} rounds × {SECONDS} s interleaved; medians (min–max)\n")
+        print("| target | req/s | p50 ms | p99 ms | proxy CPU µs per request |")
+        print("| --- | --- | --- | --- | --- |")
+        for name, _, _ in targets:
+            cols = list(zip(*results[name]))
+            cell = lambda v, f: f"{f.format(statistics.median(v))} ({f.format(min(v))}–{f.format(max(v))})"  # noqa: E731
+            print(f"| {name} | {cell(cols[0], '{:.0f}')} | {cell(cols[1], '{:.2f}')} | {cell(cols[2], '{:.2f}')} | "
+                  f"{cell(cols[3], '{:.1f}')} |")
+    finally:
+        procs.stop_all()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+main()

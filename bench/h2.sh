@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# HTTP/2 through interception: h2load against sluice as shipped (a CONNECT tunnel it
+# intercepts, HTTP/2 by ALPN) and against haproxy ending TLS and HTTP/2 itself, both in
+# front of the same nginx over TLS. Installs h2load, socat and haproxy when missing.
+# Loopback only; every process is started here and stopped by PID.
+# Usage: bench/h2.sh [rounds=5] [seconds=5] [connections=8] [streams=16]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source bench/prepare.sh
+need nghttp2-client h2load
+need socat socat
+need haproxy haproxy
+install_missing
+exec python3 bench/h2.py "$@"
