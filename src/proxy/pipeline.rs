@@ -118,26 +118,37 @@ pub(crate) fn run<'a>(
             most: max_wait,
             costs,
         };
-        let result = tokio::time::timeout_at(
+        let looped = retry_loop(
+            Tries {
+                app,
+                config,
+                route,
+                policy,
+            },
+            upstreams,
+            attempts,
+            head,
+            &body,
+            start,
             deadline,
-            retry_loop(
-                Tries {
-                    app,
-                    config,
-                    route,
-                    policy,
-                },
-                upstreams,
-                attempts,
-                head,
-                &body,
-                start,
-                deadline,
-                &queued,
-            ),
-        )
-        .await
-        .unwrap_or_else(|_| Err(timed_out(&body, policy.total_timeout, true)));
+            &queued,
+        );
+        // On the client connection's own timer where there is one: a tokio timer per
+        // request was a timer-wheel insertion and removal each time, about 800
+        // instructions (docs/BENCHMARKS.md, "CPU per request").
+        let result = match upstreams {
+            Some(own) => {
+                let mut looped = std::pin::pin!(looped);
+                let mut total = own.total_deadline(deadline);
+                poll_fn(|cx| match looped.as_mut().poll(cx) {
+                    Poll::Ready(r) => Poll::Ready(Some(r)),
+                    Poll::Pending => Pin::new(&mut total).poll(cx).map(|()| None),
+                })
+                .await
+            }
+            None => tokio::time::timeout_at(deadline, looped).await.ok(),
+        };
+        let result = result.unwrap_or_else(|| Err(timed_out(&body, policy.total_timeout, true)));
         let limited = crate::limit::Limiter::limited(&config.plans[route.upstream], route);
         (result, limited.then(|| queued.total()))
     }

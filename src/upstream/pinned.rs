@@ -120,6 +120,8 @@ pub(crate) struct PinnedConns {
     worker: usize,
     /// Times this client connection's upstream attempts, which take turns.
     attempts: ConnTimer,
+    /// Times its requests' `total_timeout`, which take turns too.
+    totals: ConnTimer,
 }
 
 /// Upstream connections whose client has left, waiting for another client on the same
@@ -220,12 +222,18 @@ impl PinnedConns {
             shared,
             worker,
             attempts: ConnTimer::new(),
+            totals: ConnTimer::new(),
         }
     }
 
     /// An upstream attempt's deadline, on this client connection's own timer.
     pub(crate) fn attempt_deadline(&self, at: Instant) -> Deadline {
         self.attempts.at(at)
+    }
+
+    /// A request's `total_timeout`, on this client connection's own timer.
+    pub(crate) fn total_deadline(&self, at: Instant) -> Deadline {
+        self.totals.at(at)
     }
 
     /// Sends `req` (absolute-form `http://` URI) on one of this client's upstream
