@@ -34,7 +34,13 @@ pub(super) const KEPT: usize = 100;
 const REMOVE_AT_ONCE: usize = 256;
 
 pub(super) type CellKey = (Arc<str>, Option<Partition>);
-type Shard = RwLock<HashMap<CellKey, Arc<Cell>>>;
+/// foldhash, seeded at random for each map and for the shard choice: a request looks its
+/// cell up twice, and SipHash's two passes over the key cost about 450 instructions
+/// (docs/BENCHMARKS.md, "CPU per request"). A partition is a hash of what the client
+/// sent, so a client can grind keys that collide under an unseeded hash; the seeds keep
+/// it from aiming at a shard or a bucket.
+type Hasher = foldhash::fast::RandomState;
+type Shard = RwLock<HashMap<CellKey, Arc<Cell>, Hasher>>;
 
 /// What the admin views show of the partitions, bounded whatever their number.
 #[derive(Default)]
@@ -52,7 +58,7 @@ pub(super) struct Summary {
 
 pub(super) struct Registry {
     shards: Box<[Shard]>,
-    hasher: std::collections::hash_map::RandomState,
+    hasher: Hasher,
     occupancy: RwLock<HashMap<Arc<str>, Arc<Occupancy>>>,
     swept: RwLock<Arc<Summary>>,
 }
