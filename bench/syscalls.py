@@ -19,6 +19,7 @@ from common import Procs, family_pids, hello_nginx, round_order, shipped_off_hap
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 6
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 THREADS = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+CONNS = int(os.environ.get("CONNS", "32"))
 UP, SHIPPED, OFF, HAPROXY, ADMIN = 18470, 18471, 18472, 18473, 18474
 CALLS = ["read", "write", "writev", "recvfrom", "sendto", "epoll_wait", "epoll_ctl", "futex"]
 EVENTS = ["raw_syscalls:sys_enter", "sched:sched_switch"] + [f"syscalls:sys_enter_{c}" for c in CALLS]
@@ -88,7 +89,7 @@ def main():
                 time.sleep(0.3)
                 before = cpu()
                 w0 = os.times()
-                rps, _, _, n = wrk(url, 32, SECONDS, script, THREADS, count=True)
+                rps, _, _, n = wrk(url, CONNS, SECONDS, script, THREADS, count=True)
                 w1 = os.times()
                 after = cpu()
                 for s in (own, every):
@@ -112,7 +113,7 @@ def main():
 def report(rows):
     names = list(rows)
     hp = rows["haproxy, 2 threads"]
-    print(f"wrk -t{THREADS} -c32, {ROUNDS} rounds x {SECONDS} s; per request, medians")
+    print(f"wrk -t{THREADS} -c{CONNS}, {ROUNDS} rounds x {SECONDS} s; per request, medians")
     print("| | " + " | ".join(names) + " |")
     print("| --- |" + " --- |" * len(names))
 

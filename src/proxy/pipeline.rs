@@ -560,9 +560,15 @@ impl<'a> Tries<'a> {
         };
         let verdict = next.verdict(backoff);
         let (upstream, family) = self.labels();
+        // Borrowed, not formatted: most outcomes are answered, and the label is for the
+        // few that are not.
+        let status;
         let reason = match &judged.outcome {
-            Ok(resp) => resp.status().as_str().to_string(),
-            Err(e) => e.label().to_string(),
+            Ok(resp) => {
+                status = resp.status();
+                status.as_str()
+            }
+            Err(e) => e.label(),
         };
         let (delay, why) = match verdict {
             Verdict::Answer => return None,
@@ -582,9 +588,7 @@ impl<'a> Tries<'a> {
             "not retrying: the retry budget is exhausted");
             return None;
         }
-        retries
-            .with_label_values(&[upstream, family, &reason])
-            .inc();
+        retries.with_label_values(&[upstream, family, reason]).inc();
         tracing::info!(upstream, family, attempt, outcome = %reason,
         delay_ms = delay.as_millis() as u64, why, "retrying");
         Some(delay)
