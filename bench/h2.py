@@ -11,8 +11,14 @@ sluice runs as shipped (the bundled config plus one intercepted upstream, an acc
 per request, stderr through a pipe); haproxy with as many threads as sluice has workers,
 its defaults otherwise, no log. Rounds interleave; medians of rounds: req/s, p50 and p99
 from h2load's per-request log, and the proxy's CPU per request (socat's not counted).
+
+`--instructions` counts instead: sluice alone under callgrind (one worker, as shipped
+otherwise), 2,000 requests uncounted, then N (default 10,000) over 2 connections of 8
+streams; it prints user-space instructions per request, every thread's. PROFILE=1 adds
+perf's cpu-clock profile of sluice under the load before the rounds.
 """
 
+import glob
 import os
 import re
 import shutil
@@ -20,15 +26,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import SLUICE, Procs, cpu_seconds, family_pids, round_order, shipped_config, start_sluice, wait_http  # noqa: E402
+from common import SLUICE, Procs, cpu_seconds, family_pids, round_order, shipped_config, start_sluice, wait_http, wait_slow  # noqa: E402
 
-ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
-SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
-CONNS = int(sys.argv[3]) if len(sys.argv) > 3 else 8
-STREAMS = int(sys.argv[4]) if len(sys.argv) > 4 else 16
+INSTRUCTIONS = "--instructions" in sys.argv
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+ROUNDS = int(ARGS[0]) if len(ARGS) > 0 else 5
+SECONDS = int(ARGS[1]) if len(ARGS) > 1 else 5
+CONNS = int(ARGS[2]) if len(ARGS) > 2 else 8
+STREAMS = int(ARGS[3]) if len(ARGS) > 3 else 16
+COUNTED = int(os.environ.get("N", "10000"))
 WORKERS = len(os.sched_getaffinity(0))
 UP, SLUICE_PORT, ADMIN, HAPROXY, HOP_SLUICE, HOP_HAPROXY = 18140, 13200, 19995, 13201, 13202, 13203
 
@@ -77,6 +87,41 @@ def h2load(port, log):
     return rate, pct(0.5), pct(0.99)
 
 
+def instructions(procs, work, path):
+    """User-space instructions per intercepted HTTP/2 request, counted under callgrind."""
+    env = {**os.environ, "SLUICE_WORKERS": "1"}
+    env.pop("RUST_LOG", None)
+    p = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/cg.out", SLUICE, "run",
+                          "-c", path], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    procs.started.append(p)
+    threading.Thread(target=lambda: [None for _ in iter(lambda: p.stderr.read1(1 << 16), b"")], daemon=True).start()
+    wait_slow(f"http://127.0.0.1:{ADMIN}/readyz")
+    procs.start(["socat", f"TCP-LISTEN:{HOP_SLUICE},bind=127.0.0.1,fork,reuseaddr",
+                 f"PROXY:127.0.0.1:127.0.0.1:{UP},proxyport={SLUICE_PORT}"])
+    time.sleep(1)
+
+    def load(n):
+        out = subprocess.run(["h2load", "-c2", "-m8", f"-n{n}", f"--connect-to=127.0.0.1:{HOP_SLUICE}",
+                              f"https://127.0.0.1:{UP}/"], capture_output=True, text=True, check=True).stdout
+        if f"{n} succeeded" not in out:
+            raise SystemExit(out)
+
+    load(2000)
+    sh("callgrind_control", "-z", str(p.pid))
+    load(COUNTED)
+    sh("callgrind_control", "-d", str(p.pid))
+    dumps = []
+    while not dumps:
+        time.sleep(0.5)
+        dumps = glob.glob(f"{work}/cg.out.*")
+    time.sleep(1)
+    dump = max(dumps, key=os.path.getmtime)
+    total = next(int(line.split()[1]) for line in open(dump) if line.startswith(("summary:", "totals:")))
+    print(f"instructions per intercepted HTTP/2 request: {total / COUNTED:,.0f} ({COUNTED} counted)")
+    if os.environ.get("KEEP"):
+        shutil.copy(dump, os.environ["KEEP"])
+
+
 def main():
     procs = Procs()
     work = tempfile.mkdtemp(prefix="sluice-h2-")
@@ -115,6 +160,8 @@ hosts = ["127.0.0.1:{UP}"]
 tls = "intercept"
 upstream_ca = "{ca}"
 """)
+        if INSTRUCTIONS:
+            return instructions(procs, work, path)
         sluice = start_sluice(procs, path)
         wait_http(f"http://127.0.0.1:{ADMIN}/readyz")
         hcfg = os.path.join(work, "haproxy.cfg")

@@ -119,7 +119,10 @@ where
         quiet_since = None;
         let (app, stream_lc, host) = (app.clone(), lc.clone(), host.clone());
         let open = streams.clone().enter();
-        lc.tracker.spawn(async move {
+        // Boxed: the stream's future is over 4 KiB, and tokio's task moves what it is
+        // given whole, at the spawn and again as the task completes; a box is moved as a
+        // pointer (bench/h2.sh, docs/BENCHMARKS.md "HTTP/2 through interception").
+        lc.tracker.spawn(Box::pin(async move {
             answer(
                 &app,
                 &stream_lc,
@@ -130,7 +133,7 @@ where
             )
             .await;
             drop(open);
-        });
+        }));
     }
 }
 
