@@ -193,6 +193,14 @@ max_wait = "1s"
             if os.environ.get("COST_KEEP"):
                 # COST_KEEP=<prefix>: keeps each dump, for callgrind_annotate or kcachegrind.
                 shutil.copy(dump, f"{os.environ['COST_KEEP']}.{kind}")
+            # A request is tens of thousands of instructions and several allocations: a
+            # figure far below that means the dump was misread (another valgrind naming
+            # the allocator differently, say), and a gate reading zeros would pass
+            # anything.
+            if total / COUNTED < 5_000 or allocs / COUNTED < 1:
+                raise SystemExit(f"check-cost: {kind}: {total / COUNTED:,.0f} instructions and "
+                                 f"{allocs / COUNTED:.2f} allocations per request cannot be right; "
+                                 f"is the callgrind dump read as it is written? ({dump})")
             results.append((kind, total / COUNTED, allocs / COUNTED))
         print(f"| request | instructions | budget | allocations | budget |  ({COUNTED} requests each, tolerance {tolerance:.0%})")
         for kind, ir, allocs in results:
