@@ -2,11 +2,11 @@
 
 Exact and repeatable where wall-clock throughput on a shared machine is not: one worker
 thread, a warm-up that is not counted, then a counted run whose total `Ir` is divided by
-the requests wrk completed. Prints one line per target, and with --top the functions with
+the requests wrk completed, with the calls into the C allocator counted the same way.
+Prints one line per target, and with --top the functions with
 the largest inclusive share.
 """
 
-import glob
 import os
 import re
 import shutil
@@ -14,12 +14,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 from common import (
     SLUICE,
     Procs,
     absolute_form_script,
+    callgrind_counts,
+    callgrind_dump,
     haproxy_config,
     hello_nginx,
     passthrough_config,
@@ -56,20 +57,17 @@ def measure(name, script, pid, url=f"http://127.0.0.1:{PROXY_PORT}"):
     wrk(script, 3, url)
     subprocess.run(["callgrind_control", "-z", str(pid)], check=True, capture_output=True)
     requests = wrk(script, SECONDS, url)
-    for f in glob.glob(os.path.join(work, "cg.out.*")):
-        os.remove(f)
-    subprocess.run(["callgrind_control", "-d", str(pid)], check=True, capture_output=True)
-    time.sleep(1)
-    dumps = sorted(glob.glob(os.path.join(work, "cg.out.*")))
+    dump = callgrind_dump(work, pid)
+    _, allocs = callgrind_counts(dump)
     # --threshold=100: every function; the default stops once 99% is covered, which the
     # first inclusive row (the runtime) already is.
     annotate = ["callgrind_annotate", "--auto=no", "--threshold=100",
-                f"--inclusive={'no' if SELF else 'yes'}", dumps[-1]]
+                f"--inclusive={'no' if SELF else 'yes'}", dump]
     out = subprocess.run(annotate, capture_output=True, text=True, check=True).stdout
     if os.environ.get("KEEP"):
-        shutil.copy(dumps[-1], os.environ["KEEP"] + "." + name.split()[0])
+        shutil.copy(dump, os.environ["KEEP"] + "." + name.split()[0])
     total = int(re.search(r"^\s*([\d,]+) \(100.0%\).*PROGRAM TOTALS", out, re.M).group(1).replace(",", ""))
-    print(f"| {name} | {requests} | {total / requests / 1000:.1f}k |")
+    print(f"| {name} | {requests} | {total / requests / 1000:.1f}k | {allocs / requests:.1f} |")
     if CACHE:
         events = re.search(r"^Events shown:\s+(.+)$", out, re.M).group(1).split()
         line = re.search(r"^(.+)PROGRAM TOTALS", out, re.M).group(1)
@@ -105,8 +103,8 @@ def main():
     print(f"log: {'as shipped (access lines to a pipe)' if shipped else 'off (RUST_LOG=warn)'}")
     wait_http(f"http://127.0.0.1:{NGINX_PORT}/")
     wait_slow(f"http://127.0.0.1:{ADMIN_PORT}/readyz")
-    print("| target | requests counted | instructions per request |")
-    print("| --- | --- | --- |")
+    print("| target | requests counted | instructions per request | allocations per request |")
+    print("| --- | --- | --- | --- |")
     for name, port in [("unmatched host", NGINX_PORT), ("matched upstream + generous limit", NGINX_PORT_MATCHED)]:
         measure(name, absolute_form_script(work, port), sluice.pid)
     if HAPROXY:

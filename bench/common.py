@@ -1,6 +1,8 @@
-"""Helpers shared by the bench scripts: processes started here and stopped by PID,
-readiness polling, and resident memory from /proc."""
+"""Helpers shared by the bench scripts (and scripts/check-cost): processes started here
+and stopped by PID, readiness polling, resident memory from /proc, and sluice under
+callgrind with its dumps read."""
 
+import glob
 import os
 import random
 import re
@@ -208,11 +210,14 @@ def family_pids(root):
     return [root] + [int(p) for p in out]
 
 
-def hello_nginx(procs, work, ports):
+def hello_nginx(procs, work, ports, tls=None):
     """Starts nginx (one worker, keep-alive without limit) answering `200 hello` on each
-    of `ports` on 127.0.0.1."""
+    of `ports` on 127.0.0.1; over TLS with `tls=(certificate, key)`, PEM paths."""
     conf = os.path.join(work, "nginx.conf")
-    listens = "".join(f"    listen 127.0.0.1:{p};\n" for p in ports)
+    ssl = " ssl" if tls else ""
+    listens = "".join(f"    listen 127.0.0.1:{p}{ssl};\n" for p in ports)
+    if tls:
+        listens += f"    ssl_certificate {tls[0]};\n    ssl_certificate_key {tls[1]};\n"
     with open(conf, "w") as f:
         f.write(f"""
 worker_processes 1;
@@ -255,10 +260,10 @@ limits = [{{ kind = "token_bucket", rate = 100000000, per = "1s", burst = 100000
     return path
 
 
-def haproxy_config(work, name, port, upstream_port, threads):
+def haproxy_config(work, name, port, upstream_port, threads, bind="", server=""):
     """A haproxy config with its defaults (no log, `http-reuse safe`): `threads` threads
-    listening on 127.0.0.1:`port` in front of 127.0.0.1:`upstream_port`. Returns its
-    path."""
+    listening on 127.0.0.1:`port` in front of 127.0.0.1:`upstream_port`; `bind` and
+    `server` add options to those lines (TLS, say). Returns its path."""
     path = os.path.join(work, name)
     with open(path, "w") as f:
         f.write(f"""global
@@ -269,10 +274,10 @@ defaults
   timeout client 30s
   timeout server 30s
 frontend fe
-  bind 127.0.0.1:{port}
+  bind 127.0.0.1:{port} {bind}
   default_backend be
 backend be
-  server s1 127.0.0.1:{upstream_port}
+  server s1 127.0.0.1:{upstream_port} {server}
 """)
     return path
 
@@ -335,3 +340,56 @@ def shipped_off_haproxy(procs, work, upstream_port, ports):
     targets.append(("haproxy, 2 threads", f"http://127.0.0.1:{haproxy}/", None, h))
     procs.check_alive()
     return targets
+
+
+# The C allocator's entry points: calls into them are the allocations a dump counts.
+ALLOCATORS = {"malloc", "calloc", "realloc", "aligned_alloc", "posix_memalign", "memalign"}
+
+
+def start_under_callgrind(procs, work, config, binary=SLUICE, extra_env=None):
+    """Starts `binary run -c config` under callgrind (dumps in `work`/cg.out.<n>) as
+    shipped, one worker: the default log level, stderr drained through a pipe. Returns
+    the process."""
+    env = {**os.environ, "SLUICE_WORKERS": "1", **(extra_env or {})}
+    env.pop("RUST_LOG", None)
+    p = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/cg.out", binary, "run",
+                          "-c", config], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    procs.started.append(p)
+    threading.Thread(target=lambda: [None for _ in iter(lambda: p.stderr.read1(1 << 16), b"")],
+                     daemon=True).start()
+    return p
+
+
+def callgrind_dump(work, pid):
+    """Dumps what process `pid` counted since its counters were last zeroed
+    (`callgrind_control -z`); returns the dump's path."""
+    for f in glob.glob(os.path.join(work, "cg.out.*")):
+        os.remove(f)
+    subprocess.run(["callgrind_control", "-d", str(pid)], check=True, capture_output=True)
+    for _ in range(200):
+        dumps = glob.glob(os.path.join(work, "cg.out.*"))
+        if dumps:
+            # Written by then, but perhaps not closed: a moment more.
+            time.sleep(0.5)
+            return max(dumps, key=os.path.getmtime)
+        time.sleep(0.1)
+    raise SystemExit(f"callgrind wrote no dump for {pid} in {work}")
+
+
+def callgrind_counts(path):
+    """Total instructions, and calls into the allocator, of a callgrind dump."""
+    names, total, allocs, callee = {}, 0, 0, None
+    for line in open(path, errors="replace"):
+        if line.startswith(("summary:", "totals:")):
+            total = int(line.split()[1])
+        elif line.startswith(("cfn=", "fn=")):
+            m = re.match(r"c?fn=(?:\((\d+)\))?\s*(.*)", line.rstrip("\n"))
+            if m.group(2):
+                names[m.group(1)] = m.group(2)
+            if line.startswith("cfn="):
+                callee = names.get(m.group(1), m.group(2))
+        elif line.startswith("calls=") and callee is not None:
+            if re.sub(r"'\d+$", "", callee) in ALLOCATORS:
+                allocs += int(line.split("=", 1)[1].split()[0])
+            callee = None
+    return total, allocs

@@ -18,7 +18,6 @@ streams; it prints user-space instructions per request, every thread's. PROFILE=
 perf's cpu-clock profile of sluice under the load before the rounds.
 """
 
-import glob
 import os
 import re
 import shutil
@@ -26,11 +25,25 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import SLUICE, Procs, cpu_seconds, family_pids, round_order, shipped_config, start_sluice, wait_http, wait_slow  # noqa: E402
+from common import (  # noqa: E402
+    SLUICE,
+    Procs,
+    callgrind_counts,
+    callgrind_dump,
+    cpu_seconds,
+    family_pids,
+    haproxy_config,
+    hello_nginx,
+    round_order,
+    shipped_config,
+    start_sluice,
+    start_under_callgrind,
+    wait_http,
+    wait_slow,
+)
 
 INSTRUCTIONS = "--instructions" in sys.argv
 ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
@@ -89,12 +102,7 @@ def h2load(port, log):
 
 def instructions(procs, work, path):
     """User-space instructions per intercepted HTTP/2 request, counted under callgrind."""
-    env = {**os.environ, "SLUICE_WORKERS": "1"}
-    env.pop("RUST_LOG", None)
-    p = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/cg.out", SLUICE, "run",
-                          "-c", path], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    procs.started.append(p)
-    threading.Thread(target=lambda: [None for _ in iter(lambda: p.stderr.read1(1 << 16), b"")], daemon=True).start()
+    p = start_under_callgrind(procs, work, path)
     wait_slow(f"http://127.0.0.1:{ADMIN}/readyz")
     procs.start(["socat", f"TCP-LISTEN:{HOP_SLUICE},bind=127.0.0.1,fork,reuseaddr",
                  f"PROXY:127.0.0.1:127.0.0.1:{UP},proxyport={SLUICE_PORT}"])
@@ -109,14 +117,8 @@ def instructions(procs, work, path):
     load(2000)
     sh("callgrind_control", "-z", str(p.pid))
     load(COUNTED)
-    sh("callgrind_control", "-d", str(p.pid))
-    dumps = []
-    while not dumps:
-        time.sleep(0.5)
-        dumps = glob.glob(f"{work}/cg.out.*")
-    time.sleep(1)
-    dump = max(dumps, key=os.path.getmtime)
-    total = next(int(line.split()[1]) for line in open(dump) if line.startswith(("summary:", "totals:")))
+    dump = callgrind_dump(work, p.pid)
+    total, _ = callgrind_counts(dump)
     print(f"instructions per intercepted HTTP/2 request: {total / COUNTED:,.0f} ({COUNTED} counted)")
     if os.environ.get("KEEP"):
         shutil.copy(dump, os.environ["KEEP"])
@@ -127,25 +129,7 @@ def main():
     work = tempfile.mkdtemp(prefix="sluice-h2-")
     try:
         ca, leaf, key, combined = certificates(work)
-        conf = os.path.join(work, "nginx.conf")
-        with open(conf, "w") as f:
-            f.write(f"""worker_processes 1;
-daemon off;
-pid {work}/nginx.pid;
-error_log {work}/error.log;
-events {{ worker_connections 1024; }}
-http {{
-  access_log off;
-  keepalive_requests 1000000;
-  server {{
-    listen 127.0.0.1:{UP} ssl;
-    ssl_certificate {leaf};
-    ssl_certificate_key {key};
-    location / {{ return 200 "hello\\n"; }}
-  }}
-}}
-""")
-        procs.start(["nginx", "-c", conf, "-p", work])
+        hello_nginx(procs, work, [UP], tls=(leaf, key))
         sh(SLUICE, "ca", "new", "--out", os.path.join(work, "sluice-ca"))
         path = shipped_config(work, "sluice.toml", SLUICE_PORT, ADMIN)
         with open(path, "a") as f:
@@ -164,21 +148,9 @@ upstream_ca = "{ca}"
             return instructions(procs, work, path)
         sluice = start_sluice(procs, path)
         wait_http(f"http://127.0.0.1:{ADMIN}/readyz")
-        hcfg = os.path.join(work, "haproxy.cfg")
-        with open(hcfg, "w") as f:
-            f.write(f"""global
-  nbthread {WORKERS}
-defaults
-  mode http
-  timeout connect 5s
-  timeout client 30s
-  timeout server 30s
-frontend fe
-  bind 127.0.0.1:{HAPROXY} ssl crt {combined} alpn h2,http/1.1
-  default_backend be
-backend be
-  server s1 127.0.0.1:{UP} ssl verify required ca-file {ca}
-""")
+        hcfg = haproxy_config(work, "haproxy.cfg", HAPROXY, UP, WORKERS,
+                              bind=f"ssl crt {combined} alpn h2,http/1.1",
+                              server=f"ssl verify required ca-file {ca}")
         h = procs.start(["haproxy", "-db", "-f", hcfg])
         procs.start(["socat", f"TCP-LISTEN:{HOP_SLUICE},bind=127.0.0.1,fork,reuseaddr",
                      f"PROXY:127.0.0.1:127.0.0.1:{UP},proxyport={SLUICE_PORT}"])

@@ -19,7 +19,6 @@ Allocations are the calls into the C allocator (malloc, calloc, realloc and the 
 ones), read from the call graph in callgrind's dump.
 """
 
-import glob
 import os
 import re
 import shutil
@@ -27,14 +26,15 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import tomllib
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from common import Procs, callgrind_counts, callgrind_dump, hello_nginx, start_under_callgrind  # noqa: E402
 
 BINARY, BUDGETS = sys.argv[1], sys.argv[2]
 COUNTED = int(os.environ.get("COST_REQUESTS", "2000"))
 WARMUP = 300
-ALLOCATORS = {"malloc", "calloc", "realloc", "aligned_alloc", "posix_memalign", "memalign"}
 
 
 def free_port():
@@ -85,50 +85,11 @@ class Client:
         self.buf += chunk
 
 
-def read_dump(path):
-    """Total instructions, and calls into the allocator, from a callgrind dump."""
-    names, total, allocs, callee = {}, 0, 0, None
-    for line in open(path, errors="replace"):
-        if line.startswith("summary:") or line.startswith("totals:"):
-            total = int(line.split()[1])
-        elif line.startswith("cfn="):
-            m = re.match(r"cfn=(?:\((\d+)\))?\s*(.*)", line.rstrip("\n"))
-            ident, name = m.group(1), m.group(2)
-            if name:
-                names[ident] = name
-            callee = names.get(ident, name)
-        elif line.startswith("fn="):
-            m = re.match(r"fn=(?:\((\d+)\))?\s*(.*)", line.rstrip("\n"))
-            if m.group(2):
-                names[m.group(1)] = m.group(2)
-        elif line.startswith("calls=") and callee is not None:
-            if re.sub(r"'\d+$", "", callee) in ALLOCATORS:
-                allocs += int(line.split("=", 1)[1].split()[0])
-            callee = None
-    return total, allocs
-
-
 def main():
     budgets = tomllib.load(open(BUDGETS, "rb"))
     tolerance = budgets["tolerance"]
     work = tempfile.mkdtemp(prefix="sluice-cost-")
     ports = {k: free_port() for k in ("unmatched", "matched", "limited", "proxy", "admin")}
-    conf = os.path.join(work, "nginx.conf")
-    with open(conf, "w") as f:
-        listens = "".join(f"    listen 127.0.0.1:{ports[k]};\n" for k in ("unmatched", "matched", "limited"))
-        f.write(f"""worker_processes 1;
-daemon off;
-pid {work}/nginx.pid;
-error_log {work}/error.log;
-events {{ worker_connections 64; }}
-http {{
-  access_log off;
-  keepalive_requests 1000000;
-  server {{
-{listens}    location / {{ return 200 "hello\\n"; }}
-  }}
-}}
-""")
     sluice_conf = os.path.join(work, "sluice.toml")
     with open(sluice_conf, "w") as f:
         f.write(f"""[proxy]
@@ -152,19 +113,12 @@ max_wait = "1s"
   paths = ["/**"]
   limits = [{{ kind = "fixed_window", permits = 1, window = "1h" }}]
 """)
-    procs = []
+    procs = Procs()
     try:
-        procs.append(subprocess.Popen(["nginx", "-c", conf, "-p", work], stderr=subprocess.DEVNULL))
-        env = {k: v for k, v in os.environ.items() if k != "RUST_LOG"}
-        env["SLUICE_WORKERS"] = "1"
-        sluice = subprocess.Popen(
-            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/cg.out", BINARY, "run", "-c", sluice_conf],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        procs.append(sluice)
-        threading.Thread(target=lambda: [None for _ in iter(lambda: sluice.stderr.read1(1 << 16), b"")],
-                         daemon=True).start()
+        nginx = hello_nginx(procs, work, [ports[k] for k in ("unmatched", "matched", "limited")])
+        sluice = start_under_callgrind(procs, work, sluice_conf, BINARY)
         for k in ("unmatched", "matched", "limited"):
-            wait_port(ports[k], "nginx", procs[0])
+            wait_port(ports[k], "nginx", nginx)
         wait_port(ports["admin"], "sluice under callgrind", sluice)
         client = Client(ports["proxy"])
         results, failed = [], False
@@ -178,18 +132,8 @@ max_wait = "1s"
             subprocess.run(["callgrind_control", "-z", str(sluice.pid)], check=True, capture_output=True)
             for _ in range(COUNTED):
                 client.get(target, expect)
-            for f in glob.glob(os.path.join(work, "cg.out.*")):
-                os.remove(f)
-            subprocess.run(["callgrind_control", "-d", str(sluice.pid)], check=True, capture_output=True)
-            dumps = []
-            for _ in range(100):
-                dumps = glob.glob(os.path.join(work, "cg.out.*"))
-                if dumps:
-                    break
-                time.sleep(0.1)
-            time.sleep(0.5)
-            dump = max(dumps, key=os.path.getmtime)
-            total, allocs = read_dump(dump)
+            dump = callgrind_dump(work, sluice.pid)
+            total, allocs = callgrind_counts(dump)
             if os.environ.get("COST_KEEP"):
                 # COST_KEEP=<prefix>: keeps each dump, for callgrind_annotate or kcachegrind.
                 shutil.copy(dump, f"{os.environ['COST_KEEP']}.{kind}")
@@ -219,12 +163,8 @@ max_wait = "1s"
                              "Find the work added (bench/callgrind.sh --top), or raise the budget in the "
                              "same commit and say why.")
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        procs.stop_all()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 main()

@@ -128,8 +128,8 @@ impl ProxyError {
     pub(crate) fn to_response(&self) -> Response<Body> {
         let reason = self.reason();
         // Written directly rather than through a `serde_json::Value`: a refusal is the
-        // answer a flooding client gets thousands of times a second, and the tree cost
-        // a dozen allocations each time (scripts/cost-budgets.toml, `limited`).
+        // answer a flooding client gets thousands of times a second, and a value tree
+        // costs a dozen allocations each time (scripts/cost-budgets.toml, `limited`).
         let message = self.to_string();
         let mut body = Vec::with_capacity(48 + reason.len() + message.len());
         body.extend_from_slice(b"{\"error\":{\"code\":\"sluice_");
@@ -195,6 +195,18 @@ mod tests {
                 .unwrap()
                 .contains("unmatched")
         );
+    }
+
+    /// A message that quotes what the client sent stays one JSON string, whatever it holds.
+    #[tokio::test]
+    async fn a_message_with_quotes_and_control_characters_is_escaped() {
+        let text = "bad \"value\"\\ here\n\u{1}\u{7f}é";
+        let resp = ProxyError::BadRequest(text.into()).to_response();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["code"], "sluice_bad_request");
+        assert!(v["error"]["message"].as_str().unwrap().contains(text));
+        assert_eq!(body.last(), Some(&b'\n'));
     }
 
     /// Every variant against PRODUCT.md's table of local responses: reason, status and

@@ -134,7 +134,7 @@ pub(crate) fn run<'a>(
             &queued,
         );
         // On the client connection's own timer where there is one: a tokio timer per
-        // request was a timer-wheel insertion and removal each time, about 800
+        // request would be a timer-wheel insertion and removal each time, about 800
         // instructions (docs/BENCHMARKS.md, "CPU per request").
         let result = match upstreams {
             Some(own) => {
