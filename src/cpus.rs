@@ -7,6 +7,13 @@
 //! affinity alone proves nothing: the static CPU manager's shared pool and `taskset`
 //! narrow it too, and neighbours run on those CPUs.
 
+use std::cell::Cell;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
 /// What the process may use, read once at start.
 #[derive(Debug, Clone)]
 pub struct Machine {
@@ -86,6 +93,9 @@ pub struct Plan {
     /// The CPU each worker is to run on, when they are pinned.
     pub cpus: Option<Vec<usize>>,
     pub pin_why: String,
+    /// The CPUs unpinned workers are kept apart on ([`Spread`]), when there are two
+    /// workers or more and two CPUs or more to put them on.
+    pub spread: Option<Vec<usize>>,
 }
 
 /// Decides the worker count (`workers` given, else one per CPU of the request in
@@ -152,11 +162,14 @@ pub fn plan(
             ),
         },
     };
+    let spread = (cpus.is_none() && pin != Pin::Off && workers >= 2 && allowed.len() >= 2)
+        .then(|| allowed.clone());
     Plan {
         workers,
         workers_why,
         cpus,
         pin_why,
+        spread,
     }
 }
 
@@ -253,6 +266,137 @@ fn parse_list(text: &str) -> Option<Vec<usize>> {
     cpus.sort_unstable();
     cpus.dedup();
     (!cpus.is_empty()).then_some(cpus)
+}
+
+/// Keeps unpinned workers off one another's CPU. Two busy workers that the scheduler
+/// puts on one CPU take turns for time slices while the other CPU runs the application
+/// or a neighbour, and its load balancer, which sees as many tasks on each CPU, finds
+/// nothing to fix: every connection of both workers waits for tens of milliseconds
+/// (docs/BENCHMARKS.md, "The tail"). A worker that wakes to run tasks and finds a busy
+/// worker on its CPU moves itself to a CPU no worker sits on, then gives the scheduler
+/// back its whole affinity: unlike a pinned one, it can still be moved off a CPU a
+/// neighbour saturates.
+#[derive(Debug)]
+pub(crate) struct Spread {
+    allowed: Vec<usize>,
+    /// Per worker: the CPU it last woke on, with `BUSY` set while it runs tasks. Only
+    /// the worker writes its own seat.
+    seats: Box<[AtomicU32]>,
+}
+
+const BUSY: u32 = 1 << 31;
+/// A seat whose CPU is not known yet.
+const NOWHERE: u32 = BUSY - 1;
+/// A worker moves itself at most this often: when the scheduler keeps putting it back
+/// (a wake-up pulls it to the CPU of the thread that woke it), this bounds the cost of
+/// disagreeing to a few system calls per interval.
+const MOVE_EVERY: Duration = Duration::from_millis(5);
+
+thread_local! {
+    static LAST_MOVE: Cell<Option<Instant>> = const { Cell::new(None) };
+}
+
+impl Spread {
+    pub(crate) fn new(workers: usize, allowed: Vec<usize>) -> Arc<Spread> {
+        Arc::new(Spread {
+            allowed,
+            seats: (0..workers).map(|_| AtomicU32::new(NOWHERE)).collect(),
+        })
+    }
+
+    /// Worker `i` woke up to run tasks (the runtime's unpark hook).
+    pub(crate) fn running(&self, i: usize) {
+        let Some(seat) = self.seats.get(i) else {
+            return;
+        };
+        let Some(cpu) = current_cpu() else {
+            return;
+        };
+        seat.store(cpu | BUSY, Ordering::Relaxed);
+        if !self.shared(i, cpu) {
+            return;
+        }
+        let now = Instant::now();
+        if LAST_MOVE
+            .get()
+            .is_some_and(|last| now.duration_since(last) < MOVE_EVERY)
+        {
+            return;
+        }
+        LAST_MOVE.set(Some(now));
+        if let Some(to) = self.free_cpu(i, cpu)
+            && move_to(to, &self.allowed)
+        {
+            seat.store(current_cpu().unwrap_or(NOWHERE) | BUSY, Ordering::Relaxed);
+        }
+    }
+
+    /// Worker `i` ran out of tasks (the runtime's park hook).
+    pub(crate) fn resting(&self, i: usize) {
+        if let Some(seat) = self.seats.get(i) {
+            seat.store(seat.load(Ordering::Relaxed) & !BUSY, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether another worker is busy on `cpu`: runnable there, waiting for this one.
+    fn shared(&self, i: usize, cpu: u32) -> bool {
+        self.seats
+            .iter()
+            .enumerate()
+            .any(|(j, s)| j != i && s.load(Ordering::Relaxed) == cpu | BUSY)
+    }
+
+    /// An allowed CPU other than `cpu` that no other worker last woke on, searched from
+    /// a different place for each worker so that two movers do not pick the same one.
+    fn free_cpu(&self, i: usize, cpu: u32) -> Option<u32> {
+        let n = self.allowed.len();
+        let start = i * n / self.seats.len().max(1);
+        (0..n)
+            .filter_map(|k| u32::try_from(self.allowed[(start + k) % n]).ok())
+            .find(|&c| {
+                c != cpu
+                    && self
+                        .seats
+                        .iter()
+                        .enumerate()
+                        .all(|(j, s)| j == i || s.load(Ordering::Relaxed) & !BUSY != c)
+            })
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn current_cpu() -> Option<u32> {
+    u32::try_from(rustix::thread::sched_getcpu())
+        .ok()
+        .filter(|&c| c < NOWHERE)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn current_cpu() -> Option<u32> {
+    None
+}
+
+/// Moves the calling thread to `cpu` (the kernel migrates it before the call returns),
+/// then allows it every CPU of `allowed` again.
+#[cfg(target_os = "linux")]
+fn move_to(cpu: u32, allowed: &[usize]) -> bool {
+    use rustix::thread::{CpuSet, sched_setaffinity};
+    let mut only = CpuSet::new();
+    only.set(cpu as usize);
+    let moved = sched_setaffinity(None, &only).is_ok();
+    let mut all = CpuSet::new();
+    for &c in allowed {
+        all.set(c);
+    }
+    if let Err(e) = sched_setaffinity(None, &all) {
+        tracing::warn!(error = %e, "cannot give a worker its CPUs back; it stays on CPU {cpu}");
+    }
+    moved
+}
+
+#[cfg(not(target_os = "linux"))]
+fn move_to(_: u32, _: &[usize]) -> bool {
+    false
 }
 
 #[cfg(test)]
@@ -400,5 +544,86 @@ mod tests {
         assert_eq!(parse_list(""), None);
         assert_eq!(parse_list("5-2"), None);
         assert_eq!(parse_list("x"), None);
+    }
+
+    #[test]
+    fn unpinned_workers_are_kept_apart_unless_told_off() {
+        let all: Vec<usize> = (0..4).collect();
+        let m = machine(4, &all, 4);
+        assert_eq!(plan(&m, None, None, Pin::Auto).spread, Some(all.clone()));
+        assert_eq!(plan(&m, Some(8), None, Pin::On).spread, Some(all.clone()));
+        assert_eq!(plan(&m, None, None, Pin::On).spread, None, "pinned");
+        assert_eq!(plan(&m, None, None, Pin::Off).spread, None);
+        assert_eq!(
+            plan(&m, Some(1), None, Pin::Auto).spread,
+            None,
+            "one worker"
+        );
+        assert_eq!(
+            plan(&machine(4, &[2], 1), Some(2), None, Pin::Auto).spread,
+            None,
+            "one CPU"
+        );
+    }
+
+    #[test]
+    fn a_worker_on_a_busy_workers_cpu_picks_one_no_worker_is_on() {
+        let busy_on = |cpu: u32| cpu | BUSY;
+        let s = Spread::new(3, vec![0, 1, 2, 3]);
+        s.seats[0].store(busy_on(1), Ordering::Relaxed);
+        s.seats[1].store(2, Ordering::Relaxed);
+        // Worker 2 woke on CPU 1, where worker 0 is busy; CPU 2 is worker 1's, though
+        // idle; CPU 1 is its own.
+        assert!(s.shared(2, 1));
+        assert_eq!(s.free_cpu(2, 1), Some(3));
+        // An idle worker's CPU is not shared.
+        assert!(!s.shared(2, 2));
+        // Every CPU taken: it stays.
+        let full = Spread::new(2, vec![0, 1]);
+        full.seats[0].store(busy_on(1), Ordering::Relaxed);
+        assert_eq!(full.free_cpu(1, 1), Some(0));
+        full.seats[0].store(busy_on(0), Ordering::Relaxed);
+        assert_eq!(full.free_cpu(1, 0), Some(1));
+        let tight = Spread::new(3, vec![0, 1]);
+        tight.seats[0].store(busy_on(0), Ordering::Relaxed);
+        tight.seats[1].store(busy_on(1), Ordering::Relaxed);
+        assert_eq!(tight.free_cpu(2, 0), None);
+    }
+
+    /// The move itself, on this machine's CPUs: a thread that wakes on a CPU where
+    /// another worker is busy ends up on another one, with its whole affinity back.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_worker_moves_itself_off_a_shared_cpu_and_keeps_its_affinity() {
+        use rustix::thread::{CpuSet, sched_getaffinity, sched_setaffinity};
+        std::thread::spawn(|| {
+            let allowed = allowed_cpus();
+            if allowed.len() < 2 {
+                eprintln!("skipped: one CPU");
+                return;
+            }
+            let here = allowed[0];
+            let mut only = CpuSet::new();
+            only.set(here);
+            sched_setaffinity(None, &only).unwrap();
+            assert_eq!(current_cpu(), u32::try_from(here).ok());
+            let s = Spread::new(2, allowed.clone());
+            s.seats[0].store(u32::try_from(here).unwrap() | BUSY, Ordering::Relaxed);
+            // Pinned by the test, not by sluice: give it the CPUs back first, as an
+            // unpinned worker has them.
+            let mut all = CpuSet::new();
+            allowed.iter().for_each(|&c| all.set(c));
+            sched_setaffinity(None, &all).unwrap();
+            s.running(1);
+            let now = current_cpu().unwrap();
+            assert_ne!(now, u32::try_from(here).unwrap());
+            assert_eq!(s.seats[1].load(Ordering::Relaxed), now | BUSY);
+            let after = sched_getaffinity(None).unwrap();
+            assert!(allowed.iter().all(|&c| after.is_set(c)));
+            s.resting(1);
+            assert_eq!(s.seats[1].load(Ordering::Relaxed), now);
+        })
+        .join()
+        .unwrap();
     }
 }

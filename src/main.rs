@@ -79,8 +79,8 @@ enum Command {
         cpu_request_millicores: Option<u64>,
         /// `auto`: each worker is kept on one CPU when the process has an exclusive cpuset
         /// (a cgroup partition, or the static CPU manager's whole CPUs) with one CPU per
-        /// worker; `on`: on whatever CPUs it may use, for a host that runs nothing else;
-        /// `off`: the scheduler places them.
+        /// worker, else keeps busy workers on different CPUs; `on`: on whatever CPUs it
+        /// may use, for a host that runs nothing else; `off`: the scheduler places them.
         #[arg(long, env = "SLUICE_PIN_WORKERS", value_enum, default_value = "auto")]
         pin_workers: PinArg,
         /// Proxy listener, over the file's [proxy] listen: IP:PORT, or :PORT for every
@@ -369,7 +369,7 @@ fn run(
         PinArg::Off => sluice::Pin::Off,
     };
     let plan = sluice::plan_workers(&sluice::Machine::probe(), workers, cpu_request_millis, pin);
-    let (workers, pinned) = Workers::start(plan.workers, plan.cpus.clone())
+    let (workers, pinned) = Workers::start(plan.workers, plan.cpus.clone(), plan.spread.clone())
         .context("cannot start the worker threads")?;
     let pinned = pinned.map_or_else(|| "no".to_string(), |cpus| format!("{cpus:?}"));
     // This thread runs what is not per client: signals, reloads, the admin listener, the
@@ -384,7 +384,7 @@ fn run(
             .overrides(overrides)
             .build()?;
         let server = Server::bind(app).await?.serve_on(workers.handles());
-        tracing::info!(proxy = %server.proxy_addr(), admin = %server.admin_addr(), config = %path.display(), workers = plan.workers, workers_from = %plan.workers_why, pinned_to_cpus = %pinned, pinning = %plan.pin_why, "listening");
+        tracing::info!(proxy = %server.proxy_addr(), admin = %server.admin_addr(), config = %path.display(), workers = plan.workers, workers_from = %plan.workers_why, pinned_to_cpus = %pinned, pinning = %plan.pin_why, kept_apart = plan.spread.is_some(), "listening");
         server.run(shutdown_signal()).await;
         Ok(())
     })

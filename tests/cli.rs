@@ -247,6 +247,16 @@ fn worker_cpus(pid: u32) -> Vec<Vec<usize>> {
     workers
 }
 
+/// How many workers a case of the test below starts: `--workers`, else one (a 50m
+/// request, or taskset's one CPU) or one per CPU of ours.
+fn sluice_workers(args: &[&str], n: &str, more: &str) -> usize {
+    match args.iter().position(|a| *a == "--workers") {
+        Some(i) if args.get(i + 1) == Some(&more) => more.parse().unwrap(),
+        Some(_) => n.parse().unwrap(),
+        None => 1,
+    }
+}
+
 /// Workers are pinned one per CPU only when the process's CPUs are shown to be its own
 /// (an exclusive cpuset) or with `--pin-workers on`: an affinity narrowed by `taskset`
 /// inside a wider cgroup is no such proof, whatever the CPU request says. The
@@ -363,6 +373,17 @@ async fn workers_are_pinned_only_to_a_cpuset_of_their_own_or_when_asked() {
             "{listening}"
         );
         assert!(listening.contains("pinning="), "{listening}");
+        // Unpinned workers are kept on different CPUs unless told off, when there are
+        // two or more of each.
+        let workers_n = sluice_workers(&args, &n, &more);
+        let apart = pinned.is_none()
+            && !args.contains(&"off")
+            && workers_n >= 2
+            && (if taskset.is_some() { 1 } else { ours.len() }) >= 2;
+        assert!(
+            listening.contains(&format!("kept_apart={apart}")),
+            "{args:?}: kept_apart={apart} in {listening}"
+        );
         if taskset.is_some() && pinned.is_none() {
             assert!(listening.contains("not shown to be its own"), "{listening}");
         }

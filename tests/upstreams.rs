@@ -122,7 +122,7 @@ async fn a_connection_the_upstream_closed_is_not_used_again() {
 #[tokio::test]
 async fn workers_serve_many_clients_and_drain_on_shutdown() {
     let up = Upstream::start().await;
-    let workers = Workers::start(2, None).unwrap().0;
+    let workers = Workers::start(2, None, None).unwrap().0;
     let mut proxy = Proxy::on_workers(
         r#"
 [[upstream]]
@@ -180,7 +180,7 @@ limits = [{ kind = "token_bucket", rate = 40, per = "1s", burst = 1 }]
 async fn parked_connections_stay_with_the_worker_that_opened_them() {
     let up = Upstream::start().await;
     let elsewhere = Upstream::start().await;
-    let workers = Workers::start(2, None).unwrap().0;
+    let workers = Workers::start(2, None, None).unwrap().0;
     let proxy = Proxy::on_workers("", &workers).await;
     // Connections go to the worker with the fewest: the first to worker 0, the second,
     // while the first is open, to worker 1. The second's answer from another upstream

@@ -54,11 +54,13 @@ impl Workers {
     /// unpinned workers that the scheduler puts on one CPU take turns for time slices
     /// until it moves one, and every connection of both waits meanwhile
     /// (docs/BENCHMARKS.md, "The tail"). [`crate::cpus::plan`]
-    /// decides when that pays.
+    /// decides when that pays. Unpinned, with `spread`, they are kept apart on those
+    /// CPUs instead ([`crate::cpus::Spread`]).
     /// Returns the workers and the CPUs they were pinned to, if all of them were.
     pub fn start(
         count: usize,
         cpus: Option<Vec<usize>>,
+        spread: Option<Vec<usize>>,
     ) -> io::Result<(Workers, Option<Vec<usize>>)> {
         let count = count.max(1);
         let cpus = cpus.filter(|c| c.len() >= count);
@@ -70,13 +72,28 @@ impl Workers {
         };
         // Each worker pins itself and says whether that worked.
         let (pinned_tx, pinned_rx) = std::sync::mpsc::channel();
+        let spread = spread
+            .filter(|_| cpus.is_none())
+            .map(|allowed| crate::cpus::Spread::new(count, allowed));
         for i in 0..count {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                // The worker's log lines go to the writer when it has nothing left to run
-                // (see `log::batch_thread`).
-                .on_thread_park(crate::log::flush_thread)
-                .build()?;
+            let mut rt = tokio::runtime::Builder::new_current_thread();
+            rt.enable_all();
+            // The worker's log lines go to the writer when it has nothing left to run
+            // (see `log::batch_thread`).
+            match spread.clone() {
+                Some(spread) => {
+                    let resting = spread.clone();
+                    rt.on_thread_park(move || {
+                        crate::log::flush_thread();
+                        resting.resting(i);
+                    })
+                    .on_thread_unpark(move || spread.running(i));
+                }
+                None => {
+                    rt.on_thread_park(crate::log::flush_thread);
+                }
+            }
+            let rt = rt.build()?;
             workers.handles.push(rt.handle().clone());
             let done = done.clone();
             let cpu = cpus.as_ref().and_then(|c| c.get(i).copied());
