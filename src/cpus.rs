@@ -324,9 +324,7 @@ impl Spread {
             return;
         }
         LAST_MOVE.set(Some(now));
-        if let Some(to) = self.free_cpu(i, cpu)
-            && move_to(to, &self.allowed)
-        {
+        if move_off(|may| self.free_cpu(i, cpu, may)) {
             seat.store(current_cpu().unwrap_or(NOWHERE) | BUSY, Ordering::Relaxed);
         }
     }
@@ -346,13 +344,16 @@ impl Spread {
             .any(|(j, s)| j != i && s.load(Ordering::Relaxed) == cpu | BUSY)
     }
 
-    /// An allowed CPU other than `cpu` that no other worker last woke on, searched from
-    /// a different place for each worker so that two movers do not pick the same one.
-    fn free_cpu(&self, i: usize, cpu: u32) -> Option<u32> {
+    /// A CPU other than `cpu` that the thread `may` run on and no other worker last woke
+    /// on, searched from a different place for each worker so that two movers do not
+    /// pick the same one.
+    fn free_cpu(&self, i: usize, cpu: u32, may: &dyn Fn(usize) -> bool) -> Option<u32> {
         let n = self.allowed.len();
         let start = i * n / self.seats.len().max(1);
         (0..n)
-            .filter_map(|k| u32::try_from(self.allowed[(start + k) % n]).ok())
+            .map(|k| self.allowed[(start + k) % n])
+            .filter(|&c| may(c))
+            .filter_map(|c| u32::try_from(c).ok())
             .find(|&c| {
                 c != cpu
                     && self
@@ -376,26 +377,29 @@ fn current_cpu() -> Option<u32> {
     None
 }
 
-/// Moves the calling thread to `cpu` (the kernel migrates it before the call returns),
-/// then allows it every CPU of `allowed` again.
+/// Moves the calling thread to the CPU `choose` picks among those its affinity allows
+/// (the kernel migrates it before the call returns), then restores that affinity, so
+/// that an operator's `taskset` or a cpuset change since the start is kept.
 #[cfg(target_os = "linux")]
-fn move_to(cpu: u32, allowed: &[usize]) -> bool {
-    use rustix::thread::{CpuSet, sched_setaffinity};
+fn move_off(choose: impl FnOnce(&dyn Fn(usize) -> bool) -> Option<u32>) -> bool {
+    use rustix::thread::{CpuSet, sched_getaffinity, sched_setaffinity};
+    let Ok(before) = sched_getaffinity(None) else {
+        return false;
+    };
+    let Some(cpu) = choose(&|c| c < CpuSet::MAX_CPU && before.is_set(c)) else {
+        return false;
+    };
     let mut only = CpuSet::new();
     only.set(cpu as usize);
     let moved = sched_setaffinity(None, &only).is_ok();
-    let mut all = CpuSet::new();
-    for &c in allowed {
-        all.set(c);
-    }
-    if let Err(e) = sched_setaffinity(None, &all) {
+    if let Err(e) = sched_setaffinity(None, &before) {
         tracing::warn!(error = %e, "cannot give a worker its CPUs back; it stays on CPU {cpu}");
     }
     moved
 }
 
 #[cfg(not(target_os = "linux"))]
-fn move_to(_: u32, _: &[usize]) -> bool {
+fn move_off(_: impl FnOnce(&dyn Fn(usize) -> bool) -> Option<u32>) -> bool {
     false
 }
 
@@ -575,19 +579,21 @@ mod tests {
         // Worker 2 woke on CPU 1, where worker 0 is busy; CPU 2 is worker 1's, though
         // idle; CPU 1 is its own.
         assert!(s.shared(2, 1));
-        assert_eq!(s.free_cpu(2, 1), Some(3));
+        assert_eq!(s.free_cpu(2, 1, &|_| true), Some(3));
+        // Only where its affinity lets it.
+        assert_eq!(s.free_cpu(2, 1, &|c| c != 3), Some(0));
         // An idle worker's CPU is not shared.
         assert!(!s.shared(2, 2));
         // Every CPU taken: it stays.
         let full = Spread::new(2, vec![0, 1]);
         full.seats[0].store(busy_on(1), Ordering::Relaxed);
-        assert_eq!(full.free_cpu(1, 1), Some(0));
+        assert_eq!(full.free_cpu(1, 1, &|_| true), Some(0));
         full.seats[0].store(busy_on(0), Ordering::Relaxed);
-        assert_eq!(full.free_cpu(1, 0), Some(1));
+        assert_eq!(full.free_cpu(1, 0, &|_| true), Some(1));
         let tight = Spread::new(3, vec![0, 1]);
         tight.seats[0].store(busy_on(0), Ordering::Relaxed);
         tight.seats[1].store(busy_on(1), Ordering::Relaxed);
-        assert_eq!(tight.free_cpu(2, 0), None);
+        assert_eq!(tight.free_cpu(2, 0, &|_| true), None);
     }
 
     /// The move itself, on this machine's CPUs: a thread that wakes on a CPU where
