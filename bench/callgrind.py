@@ -27,6 +27,7 @@ from common import (
     require_binary,
     wait_http,
     wait_slow,
+    wrk_argv,
 )
 
 SECONDS = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 8
@@ -45,7 +46,7 @@ procs = Procs()
 
 def wrk(script, seconds, url=f"http://127.0.0.1:{PROXY_PORT}"):
     out = subprocess.run(
-        ["wrk", "-t1", "-c4", f"-d{seconds}s"] + (["-s", script] if script else []) + [url],
+        wrk_argv(url, 4, seconds, script, threads=1),
         capture_output=True, text=True, check=True,
     ).stdout
     if "Non-2xx" in out:

@@ -16,7 +16,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Procs, hello_nginx, round_order, shipped_off_haproxy  # noqa: E402
+from common import Procs, hello_nginx, round_order, shipped_off_haproxy, wrk_argv  # noqa: E402
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 4
@@ -62,7 +62,7 @@ def main():
         results = {name: [] for name, _, _, _ in targets}
         for r in range(ROUNDS):
             for name, url, script, p in round_order(targets, r):
-                wrk = ["wrk", "-t1", "-c32", f"-d{SECONDS + 2}s"] + (["-s", script] if script else []) + [url]
+                wrk = wrk_argv(url, 32, SECONDS + 2, script, threads=1)
                 load = subprocess.Popen(wrk, stdout=subprocess.DEVNULL)
                 time.sleep(1)
                 results[name].append(shares(sample(p.pid, SECONDS)))

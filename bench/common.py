@@ -162,14 +162,20 @@ def _ms(value, unit):
     return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
 
 
+def wrk_argv(url, conns, seconds, script=None, threads=2):
+    """wrk's command line for `url`: `threads` threads, `conns` connections, `seconds`
+    long, with the Lua `script` when given."""
+    return (["wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds}s"] + (["-s", script] if script else [])
+            + [url])
+
+
 def wrk(url, conns, seconds, script=None, threads=2, count=False):
     """Runs wrk (2 threads unless told); returns (req/s, p50 ms, p99 ms), and with `count`
     also the number of requests wrk completed (for exact per-request counts). Any non-2xx
     aborts."""
-    cmd = ["wrk", f"-t{threads}", f"-c{conns}", f"-d{seconds}s", "--latency"]
-    if script:
-        cmd += ["-s", script]
-    out = subprocess.run(cmd + [url], capture_output=True, text=True, check=True).stdout
+    cmd = wrk_argv(url, conns, seconds, script, threads)
+    cmd.insert(1, "--latency")
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     lat = {p: _ms(v, u) for p, v, u in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)", out, re.M)}
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)

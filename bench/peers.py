@@ -46,6 +46,7 @@ from common import (
     start_sluice,
     wait_http,
     wrk,
+    wrk_argv,
 )
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
@@ -157,7 +158,7 @@ PidFile "{work}/tinyproxy.pid"
         wanted = ONLY.split(",")
         targets = [t for t in targets if t[0] == "direct" or t[3] in wanted]
     for _, url, script, _ in targets:
-        subprocess.run(["wrk", "-t1", "-c4", "-d1s"] + (["-s", script] if script else []) + [url], capture_output=True, check=True)
+        subprocess.run(wrk_argv(url, 4, 1, script, threads=1), capture_output=True, check=True)
     for threads in [1, 2]:
         measure(targets, pids, threads, shipped, [shipped, one])
 

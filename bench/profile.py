@@ -17,7 +17,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Procs, cpu_seconds, hello_nginx, shipped_off_haproxy  # noqa: E402
+from common import Procs, cpu_seconds, hello_nginx, shipped_off_haproxy, wrk_argv  # noqa: E402
 
 SECONDS = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 TOP = int(sys.argv[2]) if len(sys.argv) > 2 else 12
@@ -36,7 +36,7 @@ def main():
         hello_nginx(procs, work, [UPSTREAM])
         targets = shipped_off_haproxy(procs, work, UPSTREAM, PORTS)
         for name, url, script, p in targets:
-            wrk = ["wrk", "-t1", f"-c{CONNS}", f"-d{SECONDS + 2}s"] + (["-s", script] if script else []) + [url]
+            wrk = wrk_argv(url, CONNS, SECONDS + 2, script, threads=1)
             load = subprocess.Popen(wrk, stdout=subprocess.PIPE, text=True)
             subprocess.run(["sleep", "1"])
             data = os.path.join(work, "perf.data")
