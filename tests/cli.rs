@@ -247,16 +247,6 @@ fn worker_cpus(pid: u32) -> Vec<Vec<usize>> {
     workers
 }
 
-/// How many workers a case of the test below starts: `--workers`, else one (a 50m
-/// request, or taskset's one CPU) or one per CPU of ours.
-fn sluice_workers(args: &[&str], n: &str, more: &str) -> usize {
-    match args.iter().position(|a| *a == "--workers") {
-        Some(i) if args.get(i + 1) == Some(&more) => more.parse().unwrap(),
-        Some(_) => n.parse().unwrap(),
-        None => 1,
-    }
-}
-
 /// Workers are pinned one per CPU only when the process's CPUs are shown to be its own
 /// (an exclusive cpuset) or with `--pin-workers on`: an affinity narrowed by `taskset`
 /// inside a wider cgroup is no such proof, whatever the CPU request says. The
@@ -375,7 +365,10 @@ async fn workers_are_pinned_only_to_a_cpuset_of_their_own_or_when_asked() {
         assert!(listening.contains("pinning="), "{listening}");
         // Unpinned workers are kept on different CPUs unless told off, when there are
         // two or more of each.
-        let workers_n = sluice_workers(&args, &n, &more);
+        let workers_n: usize = listening
+            .split_once(" workers=")
+            .and_then(|(_, rest)| rest.split(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no workers= in {listening}"));
         let apart = pinned.is_none()
             && !args.contains(&"off")
             && workers_n >= 2
