@@ -13,7 +13,7 @@ use std::task::Poll;
 use std::time::{Duration, SystemTime};
 
 use http::header::HeaderValue;
-use http::{HeaderMap, Method, Request, Response, Uri, Version};
+use http::{HeaderMap, Method, Request, Response};
 use tokio::time::Instant;
 
 use super::error::ProxyError;
@@ -33,7 +33,7 @@ use crate::upstream::outbound::Outbound;
 use crate::upstream::pinned::PinnedConns;
 use crate::upstream::replay::{ClientFault, Replay};
 use crate::upstream::timer::ConnTimer;
-use crate::upstream::{self, Via};
+use crate::upstream::{self, AttemptHead, RequestHead, Via};
 
 /// Sends `req` (already stripped and addressed to the upstream), which costs `costs`,
 /// under the route's policy.
@@ -55,12 +55,7 @@ pub(crate) fn run<'a>(
 ) -> impl Future<Output = (Result<Response<Body>, ProxyError>, Option<Duration>)> + 'a {
     // Taken apart before the future is built, so that it holds the parts only once.
     let (parts, body) = req.into_parts();
-    let mut head = Head {
-        method: parts.method,
-        uri: parts.uri,
-        version: parts.version,
-        headers: parts.headers,
-    };
+    let mut head = RequestHead::from_parts(parts);
     async move {
         let Some(route) = route else {
             // Unmatched hosts pass through with [defaults] timeouts: no limits, retries or
@@ -73,7 +68,13 @@ pub(crate) fn run<'a>(
                 upstreams,
                 None,
                 p.attempt_timeout,
-                head.into_request(body.for_attempt()),
+                (
+                    AttemptHead {
+                        head: &mut head,
+                        last: true,
+                    },
+                    body.for_attempt(),
+                ),
                 None,
                 // Nothing between the request's arrival and here waits.
                 start,
@@ -238,35 +239,6 @@ fn timed_out(body: &Replay, after: Duration, total: bool) -> ProxyError {
     }
 }
 
-/// What an attempt needs of the request, kept so that it can be rebuilt for a retry.
-struct Head {
-    method: Method,
-    uri: Uri,
-    version: Version,
-    headers: HeaderMap,
-}
-
-impl Head {
-    /// The one attempt of a request that is never retried: moved, not cloned.
-    fn into_request(self, body: Body) -> Request<Body> {
-        let mut r = Request::new(body);
-        *r.method_mut() = self.method;
-        *r.uri_mut() = self.uri;
-        *r.version_mut() = self.version;
-        *r.headers_mut() = self.headers;
-        r
-    }
-
-    fn request(&self, body: Body) -> Request<Body> {
-        let mut r = Request::new(body);
-        *r.method_mut() = self.method.clone();
-        *r.uri_mut() = self.uri.clone();
-        *r.version_mut() = self.version;
-        *r.headers_mut() = self.headers.clone();
-        r
-    }
-}
-
 #[allow(
     clippy::too_many_arguments,
     reason = "what all attempts of one request share"
@@ -275,7 +247,7 @@ async fn retry_loop(
     tries: Tries<'_>,
     upstreams: Option<&PinnedConns>,
     attempts: u32,
-    mut head: Head,
+    mut head: RequestHead,
     body: &Replay,
     start: Instant,
     deadline: Instant,
@@ -314,12 +286,11 @@ async fn retry_loop(
         };
         tries.paid(queued.costs);
         let feedback = permit.as_ref().and_then(Permit::feedback);
-        // The attempt no other can follow (the body cannot be replayed, or it is the last
-        // one allowed) takes the head; the others send a copy and keep it for the next.
-        let (req, kept) = if !body.replayable() || attempt_no >= attempts {
-            (head.into_request(body.for_attempt()), None)
-        } else {
-            (head.request(body.for_attempt()), Some(head))
+        // No attempt can follow when the body cannot be replayed or this is the last one
+        // allowed: a client that needs the head whole may then take it.
+        let sent = AttemptHead {
+            head: &mut head,
+            last: !body.replayable() || attempt_no >= attempts,
         };
         let result = attempt(
             tries.app,
@@ -327,7 +298,7 @@ async fn retry_loop(
             upstreams,
             Some(tries.route),
             tries.policy.attempt_timeout,
-            req,
+            (sent, body.for_attempt()),
             permit,
             admitted,
         )
@@ -369,11 +340,6 @@ async fn retry_loop(
             now,
         ) else {
             return finish(judged.outcome, attempt_no);
-        };
-        // Never empty here: an attempt that took the head allows no retry.
-        head = match kept {
-            Some(h) => h,
-            None => return finish(judged.outcome, attempt_no),
         };
         // The response (and its concurrency permit) goes before we wait.
         drop(judged);
@@ -710,20 +676,21 @@ fn attempt<'a>(
     upstreams: Option<&'a PinnedConns>,
     route: Option<&'a Route>,
     timeout: Duration,
-    req: Request<Body>,
+    (head, body): (AttemptHead<'a>, Body),
     permit: Option<Permit>,
     start: Instant,
 ) -> impl Future<Output = Result<Response<Body>, AttemptError>> + 'a {
-    // The limiter counts the request from when hyper takes it to write (see `Outbound`).
+    // The limiter counts the request from when its connection takes it to write (see
+    // `Outbound`).
     let hook = permit.as_ref().and_then(Permit::send_hook);
-    let req = req.map(|b| Outbound::new(b, hook));
+    let body = Outbound::new(body, hook);
     // `start`: a reading the caller took just before (both callers await the attempt at
     // once), which the send also judges idle connections by: no clock read of its own.
     let via = Via {
         own: upstreams.map(|own| (own, &app.resolver, &config.egress_rules)),
         pooled: app.client_for(config, route.map(|r| r.upstream)),
     };
-    let mut send = upstream::send(via, req, start);
+    let mut send = upstream::send(via, head, body, start);
     // Held while the attempt is out: if the client leaves meanwhile, the provider may still
     // be working on it, and a concurrency limit is the provider's.
     let mut out = Outstanding {

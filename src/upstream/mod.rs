@@ -2,11 +2,12 @@
 //! plain-HTTP connections ([`pinned`], speaking sluice's HTTP/1.1 client side from
 //! [`h1`]), hyper's pooled client for TLS ([`pooled`]), the request body that reports its
 //! hand-over ([`outbound`]) and the replayable one ([`replay`]), the per-connection
-//! timers ([`timer`]), the upstream's side of a switched protocol ([`switched`]), and
+//! timers ([`timer`]), the head every attempt of a request sends ([`head`]), the upstream's side of a switched protocol ([`switched`]), and
 //! [`error`], how one attempt failed, whichever connection carried it.
 
 pub(crate) mod error;
 pub mod h1;
+pub(crate) mod head;
 pub(crate) mod outbound;
 pub(crate) mod pinned;
 pub(crate) mod pooled;
@@ -16,7 +17,6 @@ pub(crate) mod timer;
 
 use std::future::Future;
 
-use http::Request;
 use http::uri::Scheme;
 use tokio::time::Instant;
 use tokio_util::either::Either;
@@ -25,6 +25,7 @@ use std::sync::Arc;
 
 use crate::egress::{Resolver, Rules};
 use error::AttemptError;
+pub(crate) use head::{AttemptHead, RequestHead};
 use outbound::Outbound;
 use pinned::{PinnedConns, UpstreamResponse};
 use pooled::UpstreamClient;
@@ -38,9 +39,10 @@ pub(crate) struct Via<'a> {
     pub(crate) pooled: &'a UpstreamClient,
 }
 
-/// Sends `req` on the connection `via` gives it: a pinned one for `http://` when the
-/// client connection has its own, else the pooled client. `start` is a clock reading the
-/// caller took just before, by which idle connections are judged (no clock read here).
+/// Sends `head` and `body` on the connection `via` gives it: a pinned one for `http://`
+/// when the client connection has its own, else the pooled client. `start` is a clock
+/// reading the caller took just before, by which idle connections are judged (no clock
+/// read here).
 ///
 /// Boxed: the caller holds a pointer rather than the request, and every level above it
 /// on the request path holds the caller's future and is copied whole when it is built,
@@ -48,13 +50,14 @@ pub(crate) struct Via<'a> {
 /// less.
 pub(crate) fn send<'a>(
     via: Via<'a>,
-    req: Request<Outbound>,
+    head: AttemptHead<'a>,
+    body: Outbound,
     start: Instant,
 ) -> impl Future<Output = Result<UpstreamResponse, AttemptError>> + Unpin + 'a {
     match via.own {
-        Some((own, resolver, rules)) if req.uri().scheme() == Some(&Scheme::HTTP) => {
-            Either::Left(Box::pin(own.send((resolver, rules), req, start)))
+        Some((own, resolver, rules)) if head.head.uri.scheme() == Some(&Scheme::HTTP) => {
+            Either::Left(Box::pin(own.send((resolver, rules), head, body, start)))
         }
-        _ => Either::Right(Box::pin(via.pooled.send(req))),
+        _ => Either::Right(Box::pin(via.pooled.send(head.into_request(body)))),
     }
 }

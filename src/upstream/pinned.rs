@@ -25,8 +25,7 @@ use std::future::Future;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use http::uri::PathAndQuery;
-use http::{Request, Response, StatusCode};
+use http::{Response, StatusCode};
 use http_body_util::Either;
 use hyper::body::Incoming;
 use tokio::time::Instant;
@@ -34,6 +33,7 @@ use tokio::time::Instant;
 use super::error::AttemptError;
 use super::h1::Error as H1Error;
 use super::h1::conn::{Conn, Failed, Home, Outgoing, UpstreamBody, exchange};
+use super::head::AttemptHead;
 use super::outbound::Outbound;
 use super::switched::UpstreamSide;
 use super::timer::{ConnTimer, Deadline};
@@ -210,6 +210,13 @@ impl Home for Owner {
     }
 }
 
+/// A request between its connections: not yet encoded (the head is encoded in the first
+/// connection's buffer), or encoded and unsent, for another connection.
+enum Pending {
+    Body(Outbound),
+    Encoded(Box<Outgoing>),
+}
+
 /// An upstream's response, from either upstream client: one of a client's own
 /// connections (left) or the pooled TLS client (right).
 pub(crate) type UpstreamResponse = Response<Either<UpstreamBody<Owner>, Incoming>>;
@@ -236,48 +243,70 @@ impl PinnedConns {
         self.totals.at(at)
     }
 
-    /// Sends `req` (absolute-form `http://` URI) on one of this client's upstream
-    /// connections, adopting an idle one or connecting when it has none. The connection
-    /// goes with the response body, which gives it back once read to its end. `now`:
-    /// a reading the caller took just before (the attempt's start: for an unmatched
-    /// request, its arrival), by which idle connections are judged.
+    /// Sends the request (absolute-form `http://` URI) on one of this client's upstream
+    /// connections, adopting an idle one or connecting when it has none. The head is
+    /// encoded where it lies, once a connection is there; the connection goes with the
+    /// response body, which gives it back once read to its end. `now`: a reading the
+    /// caller took just before (the attempt's start: for an unmatched request, its
+    /// arrival), by which idle connections are judged.
     ///
     /// Not an `async fn`, which would keep a second copy of the request (see
     /// `forward::forward`).
     pub(crate) fn send<'a>(
         &'a self,
         (resolver, rules): (&'a Resolver, &'a Arc<Rules>),
-        mut req: Request<Outbound>,
+        head: AttemptHead<'a>,
+        body: Outbound,
         now: Instant,
     ) -> impl Future<Output = Result<UpstreamResponse, AttemptError>> + 'a {
-        // The request target as an upstream expects it (`/path?query`), the way a client
-        // talking to it directly would write it.
-        let target = req
-            .uri()
-            .path_and_query()
-            .filter(|pq| !pq.as_str().is_empty())
-            .cloned()
-            .unwrap_or_else(|| PathAndQuery::from_static("/"));
-        let asked = req.headers().contains_key(http::header::UPGRADE);
-        let absolute = std::mem::take(req.uri_mut());
-        let mut out = Box::new(Outgoing::new(req, target));
+        // Made here, not in the block: what the block moves from is stored in its future
+        // besides what it moves into.
+        let mut pending = Pending::Body(body);
+        let mut now = now;
         async move {
-            let (host, port) = authority_parts(absolute.authority().map_or("", |a| a.as_str()));
+            let h = &*head.head;
+            let (host, port) = authority_parts(h.uri.authority().map_or("", |a| a.as_str()));
             let host = host.trim_start_matches('[').trim_end_matches(']');
             if host.is_empty() {
                 return Err(AttemptError::Connect("the request has no host".into()));
             }
             let port = port.unwrap_or(80);
-            let mut now = now;
+            let asked = h.headers.contains_key(http::header::UPGRADE);
+            // The request target as an upstream expects it (`/path?query`), the way a
+            // client talking to it directly would write it.
+            let target = match h.uri.path_and_query().map(|pq| pq.as_str()) {
+                Some(pq) if !pq.is_empty() => pq,
+                _ => "/",
+            };
             loop {
-                let ((key, conn), reused) = match self.checkout(host, port, resolver, rules, now) {
-                    Some(found) => (found, true),
-                    // Boxed: connecting is rare next to sending on a kept connection, and
-                    // its future would otherwise size every request's.
-                    None => (
-                        Box::pin(self.connect(resolver, rules, host, port)).await?,
-                        false,
-                    ),
+                let ((key, mut conn), reused) =
+                    match self.checkout(host, port, resolver, rules, now) {
+                        Some(found) => (found, true),
+                        // Boxed: connecting is rare next to sending on a kept connection, and
+                        // its future would otherwise size every request's.
+                        None => (
+                            Box::pin(self.connect(resolver, rules, host, port)).await?,
+                            false,
+                        ),
+                    };
+                let out = match pending {
+                    Pending::Encoded(out) => out,
+                    // Encoded once a connection is there, in its buffer: the body's send
+                    // hook fires as it is read (see `Outbound`).
+                    Pending::Body(body) => {
+                        let head = (&h.method, target, &h.headers);
+                        match Outgoing::new(head, body, conn.take_wire()) {
+                            Ok(out) => Box::new(out),
+                            Err(e) => {
+                                Owner {
+                                    conns: self.clone(),
+                                    key,
+                                }
+                                .take_back(conn);
+                                return Err(AttemptError::from_h1(e));
+                            }
+                        }
+                    }
                 };
                 let owner = Owner {
                     conns: self.clone(),
@@ -304,7 +333,7 @@ impl PinnedConns {
                         error: H1Error::Io(_) | H1Error::Closed(_),
                         unsent: Some(unsent),
                     }) if reused => {
-                        out = unsent;
+                        pending = Pending::Encoded(unsent);
                         // The failed exchange took time: idle connections are judged
                         // by the clock now, not by the attempt's start.
                         now = Instant::now();
@@ -502,14 +531,24 @@ mod tests {
             method: &str,
             body: Body,
         ) -> Result<UpstreamResponse, AttemptError> {
-            let req = Request::builder()
+            let (parts, ()) = http::Request::builder()
                 .method(method)
                 .uri(format!("http://{}/p?q=1", up.addr))
                 .header("host", up.addr.to_string())
-                .body(Outbound::from(body))
-                .unwrap();
+                .body(())
+                .unwrap()
+                .into_parts();
+            let mut head = crate::upstream::head::RequestHead::from_parts(parts);
             self.conns
-                .send((&self.resolver, &self.rules), req, Instant::now())
+                .send(
+                    (&self.resolver, &self.rules),
+                    AttemptHead {
+                        head: &mut head,
+                        last: true,
+                    },
+                    Outbound::from(body),
+                    Instant::now(),
+                )
                 .await
         }
     }

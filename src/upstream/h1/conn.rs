@@ -11,7 +11,7 @@ use std::task::{Context, Poll, ready};
 
 use crate::egress::Counted;
 use bytes::{Bytes, BytesMut};
-use http::{Method, Request, Response};
+use http::{Method, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use tokio::io::AsyncWrite;
 
@@ -58,6 +58,11 @@ impl Conn {
         tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf)
     }
 
+    /// The buffer a request is encoded into (see [`Outgoing::new`]).
+    pub(crate) fn take_wire(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.wire)
+    }
+
     /// Whether an idle connection can take a request: the upstream has neither closed it
     /// nor sent anything unasked (which no request of ours would explain). tokio's
     /// `try_read` makes no system call unless the event loop has seen the socket become
@@ -70,19 +75,17 @@ impl Conn {
     }
 }
 
-/// A request on its way: its head, written once a connection is there (so that the body's
-/// send hook fires then, see `Outbound`), and its body.
+/// A request on its way: its head, encoded once a connection is there (so that the
+/// body's send hook fires then, see `Outbound`), and its body.
 pub(crate) struct Outgoing {
+    /// The request's method, which says whether the response has a body.
     method: Method,
-    target: http::uri::PathAndQuery,
-    headers: http::HeaderMap,
     body: Outbound,
     /// Encoded and not yet written: the head, then body bytes in their framing.
     wire: Vec<u8>,
     /// How far `wire` has been written.
     pos: usize,
-    /// Set when the head is encoded.
-    framing: Option<BodyFraming>,
+    framing: BodyFraming,
     /// Bytes of the body still owed under `Content-Length`.
     owed: u64,
     body_done: bool,
@@ -91,55 +94,52 @@ pub(crate) struct Outgoing {
 }
 
 impl Outgoing {
-    /// `target`: origin-form.
-    pub(crate) fn new(req: Request<Outbound>, target: http::uri::PathAndQuery) -> Outgoing {
-        let (parts, body) = req.into_parts();
-        Outgoing {
-            method: parts.method,
-            target,
-            headers: parts.headers,
+    /// Encodes the head (`target`: origin-form) into `wire`, a connection's buffer
+    /// (see [`Conn::take_wire`]), which it leaves with the connection it ends on.
+    pub(crate) fn new(
+        (method, target, headers): (&Method, &str, &http::HeaderMap),
+        body: Outbound,
+        mut wire: Vec<u8>,
+    ) -> Result<Outgoing, Error> {
+        wire.clear();
+        let empty = body.is_end_stream();
+        let exact = body.size_hint().exact();
+        let framing = encode_request(&mut wire, method, target, headers, (empty, exact))?;
+        Ok(Outgoing {
+            method: method.clone(),
             body,
-            wire: Vec::new(),
+            wire,
             pos: 0,
-            framing: None,
-            owed: 0,
-            body_done: false,
+            framing,
+            owed: match framing {
+                BodyFraming::Length(n) => n,
+                _ => 0,
+            },
+            body_done: framing == BodyFraming::None,
             started: false,
+        })
+    }
+
+    /// `req`, encoded into a buffer of its own, for tests.
+    #[cfg(test)]
+    pub(crate) fn of(req: http::Request<Outbound>, target: &str) -> Box<Outgoing> {
+        let (parts, body) = req.into_parts();
+        match Outgoing::new((&parts.method, target, &parts.headers), body, Vec::new()) {
+            Ok(out) => Box::new(out),
+            Err(e) => panic!("cannot encode the request: {e}"),
         }
     }
 
     /// Returns the connection's encoding buffer once the request is done with it.
-    fn give_back(mut self: Box<Self>, conn: &mut Conn) {
+    fn give_back(&mut self, conn: &mut Conn) {
         self.wire.clear();
-        conn.wire = self.wire;
+        conn.wire = std::mem::take(&mut self.wire);
     }
 
     /// Whether the request can still go on another connection: nothing of it was taken
     /// by a socket.
     pub(crate) fn unsent(&self) -> bool {
         !self.started
-    }
-
-    fn encode(&mut self) -> Result<(), Error> {
-        if self.framing.is_some() {
-            return Ok(());
-        }
-        let empty = self.body.is_end_stream();
-        let exact = self.body.size_hint().exact();
-        let f = encode_request(
-            &mut self.wire,
-            &self.method,
-            self.target.as_str(),
-            &self.headers,
-            (empty, exact),
-        )?;
-        self.framing = Some(f);
-        self.owed = match f {
-            BodyFraming::Length(n) => n,
-            _ => 0,
-        };
-        self.body_done = f == BodyFraming::None;
-        Ok(())
     }
 
     /// Writes as much of the request as the socket takes: the head, then the body,
@@ -192,7 +192,7 @@ impl Outgoing {
             return Ok(());
         }
         match self.framing {
-            Some(BodyFraming::Length(_)) => {
+            BodyFraming::Length(_) => {
                 let n = data.len() as u64;
                 if n > self.owed {
                     return Err(Error::RequestLength);
@@ -200,7 +200,7 @@ impl Outgoing {
                 self.owed -= n;
                 self.wire.extend_from_slice(data);
             }
-            Some(BodyFraming::Chunked) => {
+            BodyFraming::Chunked => {
                 let mut hex = [0u8; 16];
                 let mut i = hex.len();
                 let mut n = data.len();
@@ -229,8 +229,8 @@ impl Outgoing {
     /// client sends none either.
     fn put_end(&mut self) -> Result<(), Error> {
         match self.framing {
-            Some(BodyFraming::Chunked) => self.wire.extend_from_slice(b"0\r\n\r\n"),
-            Some(BodyFraming::Length(_)) if self.owed > 0 => return Err(Error::RequestLength),
+            BodyFraming::Chunked => self.wire.extend_from_slice(b"0\r\n\r\n"),
+            BodyFraming::Length(_) if self.owed > 0 => return Err(Error::RequestLength),
             _ => {}
         }
         self.body_done = true;
@@ -266,12 +266,6 @@ pub(crate) fn exchange<H: Home>(
             error,
             unsent: out.unsent().then_some(out),
         };
-        if out.framing.is_none() {
-            out.wire = std::mem::take(&mut conn.wire);
-        }
-        if let Err(e) = out.encode() {
-            return Err(fail(e, out));
-        }
         let mut write_failed: Option<Error> = None;
         let mut sent = false;
         let head = poll_fn(|cx| {
@@ -438,7 +432,7 @@ impl<H: Home> HttpBody for UpstreamBody<H> {
         if let (Some(req), Some(conn)) = (this.sending.as_mut(), this.conn.as_mut()) {
             match req.poll_write(cx, &mut conn.io) {
                 Poll::Ready(Ok(())) => {
-                    if let Some(req) = this.sending.take() {
+                    if let Some(mut req) = this.sending.take() {
                         req.give_back(conn);
                     }
                 }
@@ -574,12 +568,12 @@ mod tests {
     }
 
     fn request(method: Method, body: crate::body::Body) -> Box<Outgoing> {
-        let req = Request::builder()
+        let req = http::Request::builder()
             .method(method)
             .header("host", "upstream.test")
             .body(Outbound::from(body))
             .unwrap();
-        Box::new(Outgoing::new(req, "/path?q=1".parse().unwrap()))
+        Outgoing::of(req, "/path?q=1")
     }
 
     /// Sends `out` to an upstream answering `reply`; the response's status, its body,
@@ -773,12 +767,12 @@ mod tests {
         });
         let body = http_body_util::BodyExt::boxed_unsync(http_body_util::StreamBody::new(stream));
         let out = {
-            let req = Request::builder()
+            let req = http::Request::builder()
                 .method(Method::PUT)
                 .header("content-length", "1000")
                 .body(Outbound::from(body))
                 .unwrap();
-            Box::new(Outgoing::new(req, "/upload".parse().unwrap()))
+            Outgoing::of(req, "/upload")
         };
         let (status, body, _, home, _) = exchange_with(
             out,

@@ -88,7 +88,7 @@ async fn ours(reply: &'static [u8], close: bool, method: Method) -> Reading {
         .header("host", "upstream.test")
         .body(Outbound::from(empty()))
         .unwrap();
-    let out = Box::new(Outgoing::new(req, "/".parse().unwrap()));
+    let out = Outgoing::of(req, "/");
     let home = Recorder::default();
     let result = match exchange(Conn::new(io), out, home.clone()).await {
         Err(_) => Err(()),
