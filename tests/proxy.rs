@@ -257,6 +257,71 @@ async fn user_info_in_the_url_is_not_forwarded() {
     assert_eq!(seen.header("host"), Some(up.addr.to_string().as_str()));
 }
 
+/// The host is dialled as the URL wrote it: an IPv6 literal in brackets reaches the
+/// upstream on `::1`, and a name in capitals with a trailing dot is resolved as written,
+/// each time on the connection the first request opened.
+#[tokio::test]
+async fn hosts_are_dialled_as_the_url_writes_them() {
+    let listener = tokio::net::TcpListener::bind("[::1]:0")
+        .await
+        .expect("IPv6 loopback");
+    let six = listener.local_addr().unwrap();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    while let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..i]).to_string();
+                        buf.drain(..i + 4);
+                        let host = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("host: "))
+                            .unwrap_or("-")
+                            .to_string();
+                        let ok = format!(
+                            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{host}",
+                            host.len()
+                        );
+                        if s.write_all(ok.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+            });
+        }
+    });
+    let port = six.port();
+    let (up, _) = recording_upstream().await;
+    let proxy = Proxy::start(&format!(
+        "[[upstream]]\nname = \"six\"\nhosts = [\"[::1]:{port}\"]\n"
+    ))
+    .await;
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    for _ in 0..3 {
+        let req = format!("GET http://[::1]:{port}/six HTTP/1.1\r\nHost: [::1]:{port}\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let resp = read_response(&mut s).await;
+        assert_eq!(resp.status, 200, "{}", resp.head);
+        assert_eq!(resp.body, format!("[::1]:{port}").as_bytes());
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection, kept");
+    // `localhost.` in capitals: resolved, dialled and forwarded as the URL has it.
+    let named = format!("LOCALHOST.:{}", up.port());
+    let req = format!("GET http://{named}/n HTTP/1.1\r\nHost: {named}\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let resp = read_response(&mut s).await;
+    assert_eq!(resp.status, 200, "{}", resp.head);
+}
+
 /// `Host` is the URL's authority: a client's own value that disagrees, or a second `Host`
 /// beside the right one, is replaced, never forwarded as it came.
 #[tokio::test]

@@ -357,6 +357,16 @@ impl Limiter {
                 cell.wake_driver(&mut st);
             }
             let slot = st.slot(plan, index);
+            // No one waits and every limit allows it: admitted without the queue, its
+            // channel or a dispatch round. Before the queue's checks, which such a request
+            // always passes (an empty queue has room, and its wait is none).
+            if let Some(seq) = st.bucket.admit_now(slot, costs, now) {
+                let m = st.metrics(slot);
+                m.wait.observe(0.0);
+                let epoch = st.bucket.epoch();
+                let grant = cell.grant(&st, slot, (seq, *costs), now, None, epoch);
+                return Ok(grant.into_permit());
+            }
             let max_wait = st.bucket.families[slot].spec.max_wait;
             let max_wait =
                 deadline.map_or(max_wait, |d| max_wait.min(d.saturating_duration_since(now)));
@@ -367,15 +377,6 @@ impl Limiter {
                     Reject::QueueTimeout { .. } => m.queue_timeout.inc(),
                 }
                 return Err(r.into());
-            }
-            // No one waits and every limit allows it: admitted without the queue, its
-            // channel or a dispatch round.
-            if let Some(seq) = st.bucket.admit_now(slot, costs, now) {
-                let m = st.metrics(slot);
-                m.wait.observe(0.0);
-                let epoch = st.bucket.epoch();
-                let grant = cell.grant(&st, slot, (seq, *costs), now, None, epoch);
-                return Ok(grant.into_permit());
             }
             let (tx, rx) = oneshot::channel();
             let seq = st.bucket.push(slot, tenant, *costs, Waiter { tx }, now);

@@ -27,7 +27,7 @@ use crate::config::{Scheme, Unmatched};
 use crate::limit::costs::Costs;
 use crate::price::{self, BodyView, Declared};
 use crate::route::{Route, authority_parts, normal_host};
-use crate::upstream::pinned::PinnedConns;
+use crate::upstream::pinned::{Own, PinnedConns};
 
 /// Where an absolute-form request is going.
 #[derive(Debug)]
@@ -43,6 +43,9 @@ pub(crate) struct Target {
     /// What goes into `Host`: the URI's host and explicit port, without any userinfo.
     /// Shares the request line's bytes when the URL wrote it that way, as most do.
     pub(crate) host_header: Authority,
+    /// Where the host as the URL wrote it (IPv6 in brackets) is in `host_header`: what a
+    /// connection of the client's own is dialled and kept by.
+    written: (u32, u32),
     /// Shares the request line's bytes rather than copying them.
     pub(crate) path_and_query: PathAndQuery,
 }
@@ -83,7 +86,7 @@ impl Target {
         let (normal, ip) = normal_host(raw_host);
         // The authority as written is the Host value, unless it carries user info (never
         // forwarded) or an empty port.
-        let (host_header, host) = if !text.contains('@') && !text.ends_with(':') {
+        let (host_header, host, written) = if !text.contains('@') && !text.ends_with(':') {
             let host = match normal {
                 // A slice of `text`: its offset is where it starts in the authority
                 // (checked all the same, so that a change elsewhere cannot make it point
@@ -97,13 +100,18 @@ impl Target {
                     ),
                 Cow::Owned(h) => Normal::Own(h),
             };
-            (authority.clone(), host)
+            // With no user info the authority starts with the host.
+            (authority.clone(), host, (0, len32(raw_host)))
         } else {
             let written = match port {
                 Some(p) => format!("{raw_host}:{p}"),
                 None => raw_host.to_string(),
             };
-            (host_value(written)?, Normal::Own(normal.into_owned()))
+            (
+                host_value(written)?,
+                Normal::Own(normal.into_owned()),
+                (0, len32(raw_host)),
+            )
         };
         Ok(Target {
             https: false,
@@ -111,6 +119,7 @@ impl Target {
             ip,
             port: port.unwrap_or(80),
             host_header,
+            written,
             path_and_query: path_and_query(uri),
         })
     }
@@ -129,6 +138,7 @@ impl Target {
             host: Normal::Own(host.to_string()),
             ip: host.parse().ok(),
             port,
+            written: (0, len32(&bare)),
             host_header: host_value(if port == default_port {
                 bare
             } else {
@@ -146,6 +156,18 @@ impl Target {
         }
     }
 
+    /// The host as the URL wrote it, without IPv6 brackets: what the client connection's
+    /// own upstream connections are dialled and kept by (the URI sent names the same).
+    pub(crate) fn written_host(&self) -> &str {
+        let (from, to) = self.written;
+        let h = (self.host_header.as_str())
+            .get(from as usize..to as usize)
+            .unwrap_or("");
+        h.strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(h)
+    }
+
     /// TLS origination: the client asked for http://, the upstream is reached over https
     /// (on 443 unless the URL named a port).
     fn originate_tls(&mut self, explicit_port: bool) {
@@ -158,6 +180,12 @@ impl Target {
     pub(crate) fn path(&self) -> &str {
         self.path_and_query.path()
     }
+}
+
+/// A host's length as [`Target`] keeps it: a request head is far shorter than 4 GiB,
+/// and a length that is not gives an empty host, which is refused.
+fn len32(host: &str) -> u32 {
+    u32::try_from(host.len()).unwrap_or(0)
 }
 
 /// A `Host` value sluice writes itself (user info dropped, a tunnel's target).
@@ -298,10 +326,15 @@ where
             }
             _ => (req, None),
         };
+        let own = upstreams.map(|conns| Own {
+            conns,
+            host: target.written_host(),
+            port: target.port,
+        });
         let (result, waited) = pipeline::run(
             app,
             &config,
-            upstreams,
+            own.as_ref(),
             route.as_ref(),
             (req, costs.as_deref().unwrap_or(&Costs::ONE)),
             max_wait,

@@ -98,14 +98,16 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) -> bool {
 /// RFC 9110 §7.6.3: a proxy adds itself to `Via` on what it forwards, with the version
 /// of the protocol it received the message in.
 pub(crate) fn append_via(headers: &mut HeaderMap, received: http::Version) {
+    // Each a constant: `from_static` called at run time checks every byte again, twice a
+    // request.
     let via = match received {
-        http::Version::HTTP_09 => "0.9 sluice",
-        http::Version::HTTP_10 => "1.0 sluice",
-        http::Version::HTTP_2 => "2 sluice",
-        http::Version::HTTP_3 => "3 sluice",
-        _ => "1.1 sluice",
+        http::Version::HTTP_09 => const { HeaderValue::from_static("0.9 sluice") },
+        http::Version::HTTP_10 => const { HeaderValue::from_static("1.0 sluice") },
+        http::Version::HTTP_2 => const { HeaderValue::from_static("2 sluice") },
+        http::Version::HTTP_3 => const { HeaderValue::from_static("3 sluice") },
+        _ => const { HeaderValue::from_static("1.1 sluice") },
     };
-    headers.append(header::VIA, HeaderValue::from_static(via));
+    headers.append(header::VIA, via);
 }
 
 #[cfg(test)]

@@ -30,7 +30,7 @@ use crate::policy::{Circuit, backoff, classify, hints, is_idempotent, wants_retr
 use crate::route::Route;
 use crate::upstream::error::AttemptError;
 use crate::upstream::outbound::Outbound;
-use crate::upstream::pinned::PinnedConns;
+use crate::upstream::pinned::Own;
 use crate::upstream::replay::{ClientFault, Replay};
 use crate::upstream::timer::ConnTimer;
 use crate::upstream::{self, AttemptHead, RequestHead, Via};
@@ -47,7 +47,7 @@ use crate::upstream::{self, AttemptHead, RequestHead, Via};
 pub(crate) fn run<'a>(
     app: &'a App,
     config: &'a Live,
-    upstreams: Option<&'a PinnedConns>,
+    upstreams: Option<&'a Own<'a>>,
     route: Option<&'a Route>,
     (req, costs): (Request<Body>, &'a Costs),
     max_wait: Option<Duration>,
@@ -140,7 +140,7 @@ pub(crate) fn run<'a>(
         let result = match upstreams {
             Some(own) => {
                 let mut looped = std::pin::pin!(looped);
-                let mut total = own.total_deadline(deadline);
+                let mut total = own.conns.total_deadline(deadline);
                 poll_fn(|cx| match looped.as_mut().poll(cx) {
                     Poll::Ready(r) => Poll::Ready(Some(r)),
                     Poll::Pending => Pin::new(&mut total).poll(cx).map(|()| None),
@@ -245,7 +245,7 @@ fn timed_out(body: &Replay, after: Duration, total: bool) -> ProxyError {
 )]
 async fn retry_loop(
     tries: Tries<'_>,
-    upstreams: Option<&PinnedConns>,
+    upstreams: Option<&Own<'_>>,
     attempts: u32,
     mut head: RequestHead,
     body: &Replay,
@@ -673,7 +673,7 @@ impl Drop for ProbeGuard<'_> {
 fn attempt<'a>(
     app: &'a App,
     config: &'a Live,
-    upstreams: Option<&'a PinnedConns>,
+    upstreams: Option<&'a Own<'a>>,
     route: Option<&'a Route>,
     timeout: Duration,
     (head, body): (AttemptHead<'a>, Body),
@@ -702,7 +702,7 @@ fn attempt<'a>(
         // intercepted tunnel has a timer of its own.
         let own_timer;
         let mut deadline = match upstreams {
-            Some(own) => own.attempt_deadline(start + timeout),
+            Some(own) => own.conns.attempt_deadline(start + timeout),
             None => {
                 own_timer = ConnTimer::new();
                 own_timer.at(start + timeout)

@@ -27,14 +27,14 @@ use crate::egress::{Resolver, Rules};
 use error::AttemptError;
 pub(crate) use head::{AttemptHead, RequestHead};
 use outbound::Outbound;
-use pinned::{PinnedConns, UpstreamResponse};
+use pinned::{Own, UpstreamResponse};
 use pooled::UpstreamClient;
 
 /// The ways one attempt can leave.
 pub(crate) struct Via<'a> {
     /// The client connection's own plain-HTTP connections, with what a new one is dialled
     /// by; `None` inside an intercepted tunnel, whose requests use the pooled client.
-    pub(crate) own: Option<(&'a PinnedConns, &'a Resolver, &'a Arc<Rules>)>,
+    pub(crate) own: Option<(&'a Own<'a>, &'a Resolver, &'a Arc<Rules>)>,
     /// The route's pooled client: TLS, and plain HTTP without connections of its own.
     pub(crate) pooled: &'a UpstreamClient,
 }
@@ -56,7 +56,14 @@ pub(crate) fn send<'a>(
 ) -> impl Future<Output = Result<UpstreamResponse, AttemptError>> + Unpin + 'a {
     match via.own {
         Some((own, resolver, rules)) if head.head.uri.scheme() == Some(&Scheme::HTTP) => {
-            Either::Left(Box::pin(own.send((resolver, rules), head, body, start)))
+            let to = (own.host, own.port);
+            Either::Left(Box::pin(own.conns.send(
+                (resolver, rules),
+                to,
+                head,
+                body,
+                start,
+            )))
         }
         _ => Either::Right(Box::pin(via.pooled.send(head.into_request(body)))),
     }

@@ -38,7 +38,7 @@ use super::outbound::Outbound;
 use super::switched::UpstreamSide;
 use super::timer::{ConnTimer, Deadline};
 use crate::egress::{Resolver, Rules};
-use crate::route::{authority_parts, normalize_host};
+use crate::route::normalize_host;
 
 /// An idle upstream connection older than this is closed rather than reused, by both
 /// kinds of connection: shorter than the common 60 s+ server keep-alive, so we rarely
@@ -122,6 +122,16 @@ pub(crate) struct PinnedConns {
     attempts: ConnTimer,
     /// Times its requests' `total_timeout`, which take turns too.
     totals: ConnTimer,
+}
+
+/// A request's way out on its client connection's own upstream connections: those, and
+/// the host (as the URL wrote it, without brackets) and port it goes to, read once when
+/// the request was routed.
+#[derive(Clone, Copy)]
+pub(crate) struct Own<'a> {
+    pub(crate) conns: &'a PinnedConns,
+    pub(crate) host: &'a str,
+    pub(crate) port: u16,
 }
 
 /// Upstream connections whose client has left, waiting for another client on the same
@@ -243,8 +253,9 @@ impl PinnedConns {
         self.totals.at(at)
     }
 
-    /// Sends the request (absolute-form `http://` URI) on one of this client's upstream
-    /// connections, adopting an idle one or connecting when it has none. The head is
+    /// Sends the request (absolute-form `http://` URI naming `host` and `port`) on one of
+    /// this client's upstream connections to them, adopting an idle one or connecting when
+    /// it has none. The head is
     /// encoded where it lies, once a connection is there; the connection goes with the
     /// response body, which gives it back once read to its end. `now`: a reading the
     /// caller took just before (the attempt's start: for an unmatched request, its
@@ -255,6 +266,7 @@ impl PinnedConns {
     pub(crate) fn send<'a>(
         &'a self,
         (resolver, rules): (&'a Resolver, &'a Arc<Rules>),
+        (host, port): (&'a str, u16),
         head: AttemptHead<'a>,
         body: Outbound,
         now: Instant,
@@ -265,12 +277,9 @@ impl PinnedConns {
         let mut now = now;
         async move {
             let h = &*head.head;
-            let (host, port) = authority_parts(h.uri.authority().map_or("", |a| a.as_str()));
-            let host = host.trim_start_matches('[').trim_end_matches(']');
             if host.is_empty() {
                 return Err(AttemptError::Connect("the request has no host".into()));
             }
-            let port = port.unwrap_or(80);
             let asked = h.headers.contains_key(http::header::UPGRADE);
             // The request target as an upstream expects it (`/path?query`), the way a
             // client talking to it directly would write it.
@@ -539,9 +548,11 @@ mod tests {
                 .unwrap()
                 .into_parts();
             let mut head = crate::upstream::head::RequestHead::from_parts(parts);
+            let host = up.addr.ip().to_string();
             self.conns
                 .send(
                     (&self.resolver, &self.rules),
+                    (&host, up.addr.port()),
                     AttemptHead {
                         head: &mut head,
                         last: true,

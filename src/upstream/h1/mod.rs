@@ -142,8 +142,13 @@ pub fn parse_response(
     let mut headers = HeaderMap::with_capacity(spans.len());
     let mut seen = Fields::default();
     for s in spans.iter() {
-        let name = HeaderName::from_bytes(&bytes[s.name..s.name + s.name_len])
-            .map_err(|_| Error::Framing("invalid header name"))?;
+        let raw = &bytes[s.name..s.name + s.name_len];
+        let name = match common_name(raw) {
+            Some(name) => name,
+            None => {
+                HeaderName::from_bytes(raw).map_err(|_| Error::Framing("invalid header name"))?
+            }
+        };
         if seen.note(&name, &bytes[s.value..s.value + s.value_len]) {
             continue;
         }
@@ -161,6 +166,69 @@ pub fn parse_response(
         framing,
         keep_alive,
     }))
+}
+
+/// The fields origin servers send on most responses, found without
+/// `HeaderName::from_bytes` (which lowers the name into a scratch buffer and then compares
+/// it with each standard name of its length): an eighth of a response head's parse.
+/// `name` is a token, as httparse lets through (RFC 9110 §5.6.2).
+fn common_name(name: &[u8]) -> Option<HeaderName> {
+    use header::*;
+    let candidates: &[(&[u8], HeaderName)] = match name.len() {
+        4 => &[(b"date", DATE), (b"etag", ETAG), (b"vary", VARY)],
+        6 => &[(b"server", SERVER)],
+        7 => &[(b"expires", EXPIRES)],
+        10 => &[(b"connection", CONNECTION), (b"set-cookie", SET_COOKIE)],
+        12 => &[(b"content-type", CONTENT_TYPE)],
+        13 => &[
+            (b"last-modified", LAST_MODIFIED),
+            (b"cache-control", CACHE_CONTROL),
+            (b"accept-ranges", ACCEPT_RANGES),
+        ],
+        14 => &[(b"content-length", CONTENT_LENGTH)],
+        16 => &[(b"content-encoding", CONTENT_ENCODING)],
+        17 => &[(b"transfer-encoding", TRANSFER_ENCODING)],
+        _ => return None,
+    };
+    candidates
+        .iter()
+        .find(|(lower, _)| token_is(name, lower))
+        .map(|(_, h)| h.clone())
+}
+
+/// Whether the token `name` is `lower` (lower-case letters and `-`) in any case, compared
+/// a word at a time. `| 0x20` lowers `A`–`Z`; among token characters no other becomes a
+/// letter or `-` by it, so a token that differs cannot be made to match.
+fn token_is(name: &[u8], lower: &[u8]) -> bool {
+    match name.len() {
+        n if n != lower.len() || n < 4 => false,
+        n if n < 8 => words::<4>(name, lower),
+        _ => words::<8>(name, lower),
+    }
+}
+
+/// `a` and `b` (each at least `W` bytes, `W` at most eight) agree, `| 0x20` applied,
+/// `W` bytes at a time, the last word overlapping the one before.
+fn words<const W: usize>(a: &[u8], b: &[u8]) -> bool {
+    let word = |s: &[u8], at: usize| {
+        let mut x = [0u8; 8];
+        if let (Some(to), Some(from)) = (x.get_mut(..W), s.get(at..at + W)) {
+            to.copy_from_slice(from);
+        }
+        u64::from_le_bytes(x) | 0x2020_2020_2020_2020
+    };
+    let last = a.len().saturating_sub(W);
+    let mut at = 0;
+    loop {
+        let here = at.min(last);
+        if word(a, here) != word(b, here) {
+            return false;
+        }
+        if here == last {
+            return true;
+        }
+        at += W;
+    }
 }
 
 /// Where a header field's name and value are in the head.
@@ -358,6 +426,90 @@ mod tests {
 
     fn head(raw: &str) -> Head {
         parse(raw, Method::GET).unwrap().unwrap()
+    }
+
+    /// Every name the fast path knows, in every case at each position, is the name
+    /// `HeaderName::from_bytes` reads; one changed byte is not.
+    #[test]
+    fn common_names_read_as_http_reads_them() {
+        let known = [
+            "date",
+            "etag",
+            "vary",
+            "server",
+            "expires",
+            "connection",
+            "set-cookie",
+            "content-type",
+            "last-modified",
+            "cache-control",
+            "accept-ranges",
+            "content-length",
+            "content-encoding",
+            "transfer-encoding",
+        ];
+        for name in known {
+            let want = HeaderName::from_bytes(name.as_bytes()).unwrap();
+            assert_eq!(common_name(name.as_bytes()), Some(want.clone()), "{name}");
+            assert_eq!(
+                common_name(name.to_uppercase().as_bytes()),
+                Some(want.clone())
+            );
+            for i in 0..name.len() {
+                let mut b = name.as_bytes().to_vec();
+                b[i] = b[i].to_ascii_uppercase();
+                assert_eq!(common_name(&b), Some(want.clone()), "{name} at {i}");
+                for other in [b'x', b'_', b'0', b'~', b'^'] {
+                    let mut b = name.as_bytes().to_vec();
+                    if b[i] != other {
+                        b[i] = other;
+                        assert_eq!(common_name(&b), None, "{:?}", String::from_utf8_lossy(&b));
+                    }
+                }
+            }
+        }
+        assert_eq!(common_name(b"x-a"), None);
+        assert_eq!(common_name(b""), None);
+    }
+
+    const KNOWN: [&str; 14] = [
+        "date",
+        "etag",
+        "vary",
+        "server",
+        "expires",
+        "connection",
+        "set-cookie",
+        "content-type",
+        "last-modified",
+        "cache-control",
+        "accept-ranges",
+        "content-length",
+        "content-encoding",
+        "transfer-encoding",
+    ];
+
+    proptest::proptest! {
+        /// A known name with its case changed anywhere and a few bytes replaced by any
+        /// token character: the fast path finds exactly what `HeaderName::from_bytes`
+        /// reads when that is a known name, and nothing otherwise.
+        #[test]
+        fn common_name_agrees_with_http(
+            pick in 0..KNOWN.len(),
+            upper in proptest::collection::vec(proptest::bool::ANY, 18),
+            edits in proptest::collection::vec((0..18usize, "[!#$%&'*+.^_`|~0-9A-Za-z-]"), 0..3),
+        ) {
+            let mut b: Vec<u8> = KNOWN[pick].bytes().zip(&upper)
+                .map(|(c, &u)| if u { c.to_ascii_uppercase() } else { c })
+                .collect();
+            for (at, c) in edits {
+                let at = at % b.len();
+                b[at] = c.as_bytes()[0];
+            }
+            let http = HeaderName::from_bytes(&b).unwrap();
+            let known = KNOWN.contains(&http.as_str());
+            proptest::prop_assert_eq!(common_name(&b), known.then_some(http));
+        }
     }
 
     #[test]
