@@ -477,19 +477,22 @@ impl Access<'_> {
     /// The line tracing-subscriber's text format writes without colours.
     fn text(&self, buf: &mut Vec<u8>) {
         buf.extend_from_slice(b"  INFO sluice::access: method=");
-        for (value, next) in [
-            (self.method, &b" host="[..]),
-            (self.host, b" path="),
-            (self.path, b" upstream="),
-            (self.upstream, b" family="),
-            (self.family, b" status="),
+        push_plain(buf, self.method);
+        buf.extend_from_slice(b" host=");
+        push_text(buf, self.host);
+        buf.extend_from_slice(b" path=");
+        push_text(buf, self.path);
+        for (next, value) in [
+            (&b" upstream="[..], self.upstream),
+            (b" family=", self.family),
         ] {
-            push_text(buf, value);
             buf.extend_from_slice(next);
+            push_plain(buf, value);
         }
+        buf.extend_from_slice(b" status=");
         buf.extend_from_slice(itoa::Buffer::new().format(self.status).as_bytes());
         buf.extend_from_slice(b" outcome=");
-        push_text(buf, self.outcome);
+        push_plain(buf, self.outcome);
         buf.extend_from_slice(b" duration_ms=");
         push_millis(buf, self.duration);
         buf.push(b'\n');
@@ -498,24 +501,41 @@ impl Access<'_> {
     /// The object tracing-subscriber's JSON format writes (flattened, target last),
     /// starting after the timestamp's digits.
     fn json(&self, buf: &mut Vec<u8>) {
-        buf.extend_from_slice(b"\",\"level\":\"INFO\",\"method\":");
-        for (value, next) in [
-            (self.method, &b",\"host\":"[..]),
-            (self.host, b",\"path\":"),
-            (self.path, b",\"upstream\":"),
-            (self.upstream, b",\"family\":"),
-            (self.family, b",\"status\":"),
+        buf.extend_from_slice(b"\",\"level\":\"INFO\",\"method\":\"");
+        push_plain(buf, self.method);
+        buf.extend_from_slice(b"\",\"host\":");
+        push_json(buf, self.host);
+        buf.extend_from_slice(b",\"path\":");
+        push_json(buf, self.path);
+        for (next, value) in [
+            (&b",\"upstream\":\""[..], self.upstream),
+            (b"\",\"family\":\"", self.family),
         ] {
-            push_json(buf, value);
             buf.extend_from_slice(next);
+            push_plain(buf, value);
         }
+        buf.extend_from_slice(b"\",\"status\":");
         buf.extend_from_slice(itoa::Buffer::new().format(self.status).as_bytes());
-        buf.extend_from_slice(b",\"outcome\":");
-        push_json(buf, self.outcome);
+        buf.extend_from_slice(b",\"outcome\":\"");
+        push_plain(buf, self.outcome);
+        buf.push(b'"');
         buf.extend_from_slice(b",\"duration_ms\":");
         push_millis(buf, self.duration);
         buf.extend_from_slice(b",\"target\":\"sluice::access\"}\n");
     }
+}
+
+/// A value sluice vouches for, as it is in a text line and inside a JSON string: the
+/// method (a token, RFC 9110 §9.1), upstream and family names (`[A-Za-z0-9_.-]`, as
+/// `config::check_name` holds them) and the outcome (a status code or sluice's own word)
+/// hold no space, quote, backslash or control character, so they need no look at each
+/// byte. Debug builds check.
+fn push_plain(buf: &mut Vec<u8>, s: &str) {
+    debug_assert!(
+        !s.is_empty() && !any_byte(s, |b| !b.is_ascii_graphic() || b == b'"' || b == b'\\'),
+        "{s:?} is not plain"
+    );
+    buf.extend_from_slice(s.as_bytes());
 }
 
 /// A value in a text line. Hosts and paths reach the log as URI text, which has no spaces
