@@ -322,6 +322,30 @@ async fn hosts_are_dialled_as_the_url_writes_them() {
     assert_eq!(resp.status, 200, "{}", resp.head);
 }
 
+/// A request's field map is used again for a later response head on the same client
+/// connection: none of a request's fields reaches a response.
+#[tokio::test]
+async fn a_requests_fields_never_reach_a_response() {
+    let (up, heads) = recording_upstream().await;
+    let proxy = Proxy::start("[[upstream]]\nname = \"up\"\nhosts = [\"127.0.0.1\"]\n").await;
+    let mut s = TcpStream::connect(proxy.addr).await.unwrap();
+    for i in 0..4 {
+        let req = format!(
+            "GET http://{up}/r{i} HTTP/1.1\r\nHost: {up}\r\nX-Client-Only: {i}\r\n\
+             Accept: text/plain\r\nUser-Agent: probe\r\n\r\n"
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let resp = read_response(&mut s).await;
+        assert_eq!(resp.status, 200, "{}", resp.head);
+        assert_eq!(resp.body, b"ok");
+        let head = resp.head.to_ascii_lowercase();
+        for field in ["x-client-only", "accept:", "user-agent", "host:"] {
+            assert!(!head.contains(field), "{field} in response {i}: {head}");
+        }
+    }
+    assert_eq!(heads.lock().len(), 4);
+}
+
 /// `Host` is the URL's authority: a client's own value that disagrees, or a second `Host`
 /// beside the right one, is replaced, never forwarded as it came.
 #[tokio::test]

@@ -89,6 +89,9 @@ pub(crate) fn run<'a>(
                     Err(_) => return (Err(timed_out(&body, p.total_timeout, true)), None),
                 }
             };
+            if let Some(own) = upstreams {
+                own.conns.recycle(std::mem::take(&mut head.headers));
+            }
             return (result.map_err(|e| blame(&body, e)), None);
         };
         let policy = route.policy(&config.config);
@@ -128,7 +131,7 @@ pub(crate) fn run<'a>(
             },
             upstreams,
             attempts,
-            head,
+            &mut head,
             &body,
             start,
             deadline,
@@ -150,6 +153,9 @@ pub(crate) fn run<'a>(
             None => tokio::time::timeout_at(deadline, looped).await.ok(),
         };
         let result = result.unwrap_or_else(|| Err(timed_out(&body, policy.total_timeout, true)));
+        if let Some(own) = upstreams {
+            own.conns.recycle(std::mem::take(&mut head.headers));
+        }
         let limited = crate::limit::Limiter::limited(&config.plans[route.upstream], route);
         (result, limited.then(|| queued.total()))
     }
@@ -247,7 +253,7 @@ async fn retry_loop(
     tries: Tries<'_>,
     upstreams: Option<&Own<'_>>,
     attempts: u32,
-    mut head: RequestHead,
+    head: &mut RequestHead,
     body: &Replay,
     start: Instant,
     deadline: Instant,
@@ -289,7 +295,7 @@ async fn retry_loop(
         // No attempt can follow when the body cannot be replayed or this is the last one
         // allowed: a client that needs the head whole may then take it.
         let sent = AttemptHead {
-            head: &mut head,
+            head: &mut *head,
             last: !body.replayable() || attempt_no >= attempts,
         };
         let result = attempt(

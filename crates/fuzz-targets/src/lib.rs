@@ -189,13 +189,14 @@ pub fn response(data: &[u8]) {
     use sluice::h1::{Framing, parse_response};
 
     // What a response gives: its status, fields, framing and (when chunked) the body's
-    // bytes, or the first error; and how much of the input was left over.
-    fn run(data: &[u8], step: usize) -> (String, usize) {
+    // bytes, or the first error; and how much of the input was left over. `spare`: a map
+    // a previous response left, which must not show through.
+    fn run(data: &[u8], step: usize, mut spare: Option<HeaderMap>) -> (String, usize) {
         let mut buf = BytesMut::new();
         let mut fed = 0;
         let mut spans = Vec::new();
         let head = loop {
-            match parse_response(&mut buf, &Method::GET, &mut spans) {
+            match parse_response(&mut buf, &Method::GET, &mut spans, &mut spare) {
                 Ok(Some(h)) => break h,
                 Ok(None) if fed < data.len() => {
                     let n = step.min(data.len() - fed);
@@ -230,9 +231,20 @@ pub fn response(data: &[u8]) {
         (out, buf.len() + data.len() - fed)
     }
 
-    let whole = run(data, data.len().max(1));
+    let whole = run(data, data.len().max(1), None);
+    let stale = || {
+        let mut m = HeaderMap::new();
+        m.insert("x-stale", HeaderValue::from_static("1"));
+        m.append(http::header::CONTENT_LENGTH, HeaderValue::from_static("9"));
+        Some(m)
+    };
     for step in [1, 2, 7, 64] {
-        assert_eq!(run(data, step), whole, "fed {step} bytes at a time");
+        assert_eq!(run(data, step, None), whole, "fed {step} bytes at a time");
+        assert_eq!(
+            run(data, step, stale()),
+            whole,
+            "fed {step} at a time, a map reused"
+        );
     }
 }
 

@@ -91,6 +91,9 @@ pub(crate) struct Outgoing {
     body_done: bool,
     /// Some of the request reached a socket: it can no longer move to another connection.
     started: bool,
+    /// An emptied map the response head's fields go into, when the client connection had
+    /// one to spare (see `PinnedConns::recycle`).
+    pub(crate) spare: Option<http::HeaderMap>,
 }
 
 impl Outgoing {
@@ -117,6 +120,7 @@ impl Outgoing {
             },
             body_done: framing == BodyFraming::None,
             started: false,
+            spare: None,
         })
     }
 
@@ -283,7 +287,8 @@ pub(crate) fn exchange<H: Home>(
                         Poll::Pending => {}
                     }
                 }
-                match parse_response(&mut conn.buf, &out.method, &mut conn.spans)? {
+                let out = &mut *out;
+                match parse_response(&mut conn.buf, &out.method, &mut conn.spans, &mut out.spare)? {
                     // 100 Continue and 103 Early Hints precede the response; a 101 is
                     // refused by the caller.
                     Some(h) if h.status.is_informational() && h.status != 101 => continue,

@@ -105,6 +105,7 @@ pub fn parse_response(
     buf: &mut BytesMut,
     method: &Method,
     spans: &mut Vec<Span>,
+    spare: &mut Option<HeaderMap>,
 ) -> Result<Option<Head>, Error> {
     if buf.is_empty() {
         return Ok(None);
@@ -139,7 +140,14 @@ pub fn parse_response(
         value_len: h.value.len(),
     }));
     let bytes: Bytes = buf.split_to(len).freeze();
-    let mut headers = HeaderMap::with_capacity(spans.len());
+    let mut headers = match spare.take() {
+        Some(mut map) => {
+            map.clear();
+            map.reserve(spans.len());
+            map
+        }
+        None => HeaderMap::with_capacity(spans.len()),
+    };
     let mut seen = Fields::default();
     for s in spans.iter() {
         let raw = &bytes[s.name..s.name + s.name_len];
@@ -421,7 +429,7 @@ mod tests {
 
     fn parse(raw: &str, method: Method) -> Result<Option<Head>, Error> {
         let mut buf = BytesMut::from(raw.as_bytes());
-        parse_response(&mut buf, &method, &mut Vec::new())
+        parse_response(&mut buf, &method, &mut Vec::new(), &mut None)
     }
 
     fn head(raw: &str) -> Head {
@@ -517,7 +525,7 @@ mod tests {
         let mut buf = BytesMut::from(
             &b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-A: 1\r\nx-a: 2\r\n\r\nok"[..],
         );
-        let h = parse_response(&mut buf, &Method::GET, &mut Vec::new())
+        let h = parse_response(&mut buf, &Method::GET, &mut Vec::new(), &mut None)
             .unwrap()
             .unwrap();
         assert_eq!(h.status, 200);
