@@ -39,7 +39,7 @@ async fn admit_send_answer(l: &Limiter, plan: &Arc<Plan>, route: &Route) {
         if let Some(hook) = permit.send_hook() {
             hook.fire();
         }
-        permit.answered(200);
+        permit.answered(200, tokio::time::Instant::now());
     }
 }
 

@@ -76,7 +76,7 @@ async fn one_request_each(l: &Limiter, keys: std::ops::Range<u64>, family: Optio
             if let Some(hook) = p.send_hook() {
                 hook.fire();
             }
-            p.answered(200);
+            p.answered(200, tokio::time::Instant::now());
         }
     }
 }
@@ -187,7 +187,7 @@ fn the_count_stays_true_while_sweeps_race_requests() {
                 if let Some(hook) = p.send_hook() {
                     hook.fire();
                 }
-                p.answered(200);
+                p.answered(200, tokio::time::Instant::now());
             }
         }
     });

@@ -566,12 +566,11 @@ impl Permit {
         self.ticket.clone().map(Correction)
     }
 
-    /// The response head, with `status`, arrived now: the provider had counted the
-    /// request by then.
-    pub fn answered(&mut self, status: u16) {
+    /// The response head, with `status`, arrived at `now` (a reading just taken): the
+    /// provider had counted the request by then.
+    pub fn answered(&mut self, status: u16, now: Instant) {
         if let Some(t) = self.ticket.take() {
             let mut st = t.cell.lock();
-            let now = Instant::now();
             let mut sent = None;
             match t.phase.load(Ordering::Relaxed) {
                 phase @ (ADMITTED | UNSENT) => {

@@ -45,7 +45,7 @@ fn sent_and_answered(p: &mut Permit) {
     if let Some(hook) = p.send_hook() {
         hook.fire();
     }
-    p.answered(200);
+    p.answered(200, Instant::now());
 }
 
 fn route(family: Option<usize>) -> Route {
@@ -748,14 +748,14 @@ async fn a_429_at_a_limit_edge_is_counted_and_grows_the_margin_up_to_its_max() {
     first.send_hook().unwrap().fire();
     // Answered 150 ms after its send: slower than the margin of 0.
     tokio::time::sleep(Duration::from_millis(150)).await;
-    first.answered(200);
+    first.answered(200, Instant::now());
     drop(first);
     let mut second = l.acquire(&plan, &route(None)).await.unwrap().unwrap();
     // With no margin the permit came back a window after the send, whatever the answer.
     assert_eq!(Instant::now() - t0, Duration::from_secs(1), "at the edge");
     second.send_hook().unwrap().fire();
     tokio::time::sleep(Duration::from_millis(5)).await;
-    second.answered(429);
+    second.answered(429, Instant::now());
     assert_eq!(edge.get(), 1);
     let v = l.snapshot().0;
     assert_eq!(v[0]["limits"][0]["margin"], "150ms", "{v}");
@@ -764,7 +764,7 @@ async fn a_429_at_a_limit_edge_is_counted_and_grows_the_margin_up_to_its_max() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let mut third = l.acquire(&plan, &route(None)).await.unwrap().unwrap();
     third.send_hook().unwrap().fire();
-    third.answered(429);
+    third.answered(429, Instant::now());
     assert_eq!(edge.get(), 1);
 }
 
@@ -778,7 +778,7 @@ async fn without_margin_max_the_margin_never_grows() {
     let plan = l.plans()[0].clone();
     let mut p = l.acquire(&plan, &route(None)).await.unwrap().unwrap();
     p.send_hook().unwrap().fire();
-    p.answered(429);
+    p.answered(429, Instant::now());
     assert_eq!(m.edge_429.with_label_values(&["u", "-"]).get(), 1);
     assert_eq!(l.snapshot().0[0]["limits"][0]["margin"], "10ms");
 }
@@ -1019,7 +1019,7 @@ async fn replicas_sharing_a_store_keep_its_limits() {
                                     hook.fire();
                                 }
                                 tokio::time::sleep(Duration::from_millis(2)).await;
-                                p.answered(200);
+                                p.answered(200, Instant::now());
                             }
                         }
                     }

@@ -82,10 +82,10 @@ pub(crate) fn run<'a>(
             let result = if p.attempt_timeout <= p.total_timeout {
                 // The single attempt's own timer always fires first: a second one would
                 // only cost a timer-wheel insert and removal on every request.
-                once.await
+                once.await.0
             } else {
                 match tokio::time::timeout(p.total_timeout, once).await {
-                    Ok(result) => result,
+                    Ok((result, _)) => result,
                     Err(_) => return (Err(timed_out(&body, p.total_timeout, true)), None),
                 }
             };
@@ -298,7 +298,7 @@ async fn retry_loop(
             head: &mut *head,
             last: !body.replayable() || attempt_no >= attempts,
         };
-        let result = attempt(
+        let (result, now) = attempt(
             tries.app,
             tries.config,
             upstreams,
@@ -309,7 +309,6 @@ async fn retry_loop(
             admitted,
         )
         .await;
-        let now = Instant::now();
         let judged = match result {
             Ok(resp) => {
                 let status = resp.status().as_u16();
@@ -671,6 +670,8 @@ impl Drop for ProbeGuard<'_> {
 
 /// One upstream attempt: response headers within `timeout`, then a body that may not
 /// stall for longer than `timeout` between chunks. Measured per attempt, from `start`.
+/// Returns, with the outcome, when it settled: the one clock reading that the limiter,
+/// the upstream's latency and the retry decision all take the answer's time from.
 #[allow(clippy::manual_async_fn, reason = "see above: arguments stored once")]
 #[allow(
     clippy::too_many_arguments,
@@ -685,7 +686,7 @@ fn attempt<'a>(
     (head, body): (AttemptHead<'a>, Body),
     permit: Option<Permit>,
     start: Instant,
-) -> impl Future<Output = Result<Response<Body>, AttemptError>> + 'a {
+) -> impl Future<Output = (Result<Response<Body>, AttemptError>, Instant)> + 'a {
     // The limiter counts the request from when its connection takes it to write (see
     // `Outbound`).
     let hook = permit.as_ref().and_then(Permit::send_hook);
@@ -719,18 +720,23 @@ fn attempt<'a>(
             Poll::Pending => Pin::new(&mut deadline).poll(cx).map(|()| None),
         })
         .await;
+        let settled = Instant::now();
         // The attempt is settled: its permit is the request's again. On failure it is
         // dropped here: if the request never reached a connection, its rate permits go
         // back (the provider never saw it).
         let mut permit = out.permit.take();
-        let resp = sent.ok_or(AttemptError::Timeout(timeout))??;
+        let resp = match sent {
+            Some(Ok(resp)) => resp,
+            Some(Err(e)) => return (Err(e), settled),
+            None => return (Err(AttemptError::Timeout(timeout)), settled),
+        };
         // Taken before the answer settles the permit's ticket.
         let correction = route
             .filter(|r| reads_actual(config, r) || learns_points(config, r))
             .and(permit.as_ref())
             .and_then(Permit::correction);
         if let Some(p) = permit.as_mut() {
-            p.answered(resp.status().as_u16());
+            p.answered(resp.status().as_u16(), settled);
             if let Some(r) = route
                 && config.upstreams[r.upstream].learn == Learn::Headers
             {
@@ -742,9 +748,10 @@ fn attempt<'a>(
             _ => None,
         };
         let m = config.route_metrics.get(route);
-        m.upstream_duration(start.elapsed().as_secs_f64());
+        m.upstream_duration(settled.saturating_duration_since(start).as_secs_f64());
         m.upstream_responses.inc(resp.status().as_str());
-        Ok(resp.map(|b| ResponseBody::wrap(b, permit, timeout, metered)))
+        let resp = resp.map(|b| ResponseBody::wrap(b, permit, timeout, metered));
+        (Ok(resp), settled)
     }
 }
 
