@@ -328,10 +328,10 @@ impl PinnedConns {
                     // hook fires as it is read (see `Outbound`).
                     Pending::Body(body) => {
                         let head = (&h.method, target, &h.headers);
-                        match Outgoing::new(head, body, conn.take_wire()) {
+                        match Outgoing::new(head, body, conn.take_parked()) {
                             Ok(mut out) => {
                                 out.spare = self.state.lock().spare.take();
-                                Box::new(out)
+                                out
                             }
                             Err(e) => {
                                 Owner {

@@ -32,9 +32,10 @@ pub(crate) struct Conn {
     io: Counted,
     buf: BytesMut,
     spans: Vec<Span>,
-    /// The buffer requests are encoded into, lent to each request in turn so that a
-    /// request head costs no allocation (growing a new one cost four).
-    wire: Vec<u8>,
+    /// The last request's box and the buffer inside it that requests are encoded into,
+    /// lent to each request in turn so that a request costs no allocation for either
+    /// (growing a new buffer cost four).
+    parked: Option<Box<Outgoing>>,
 }
 
 impl Conn {
@@ -44,7 +45,7 @@ impl Conn {
             io,
             buf: BytesMut::new(),
             spans: Vec::new(),
-            wire: Vec::new(),
+            parked: None,
         }
     }
 
@@ -58,9 +59,9 @@ impl Conn {
         tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf)
     }
 
-    /// The buffer a request is encoded into (see [`Outgoing::new`]).
-    pub(crate) fn take_wire(&mut self) -> Vec<u8> {
-        std::mem::take(&mut self.wire)
+    /// The box a request is encoded into (see [`Outgoing::new`]).
+    pub(crate) fn take_parked(&mut self) -> Option<Box<Outgoing>> {
+        self.parked.take()
     }
 
     /// Whether an idle connection can take a request: the upstream has neither closed it
@@ -96,48 +97,75 @@ pub(crate) struct Outgoing {
     pub(crate) spare: Option<http::HeaderMap>,
 }
 
+impl std::fmt::Debug for Outgoing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outgoing")
+            .field("method", &self.method)
+            .field("pos", &self.pos)
+            .field("wire", &self.wire.len())
+            .finish()
+    }
+}
+
 impl Outgoing {
-    /// Encodes the head (`target`: origin-form) into `wire`, a connection's buffer
-    /// (see [`Conn::take_wire`]), which it leaves with the connection it ends on.
+    /// Encodes the head (`target`: origin-form) into `parked`, a connection's box (see
+    /// [`Conn::take_parked`]), or a new one; the box goes back to the connection the
+    /// request ends on.
     pub(crate) fn new(
         (method, target, headers): (&Method, &str, &http::HeaderMap),
         body: Outbound,
-        mut wire: Vec<u8>,
-    ) -> Result<Outgoing, Error> {
-        wire.clear();
+        parked: Option<Box<Outgoing>>,
+    ) -> Result<Box<Outgoing>, Error> {
+        let mut out = parked.unwrap_or_else(|| {
+            Box::new(Outgoing {
+                method: Method::GET,
+                body: Outbound::from(crate::body::empty()),
+                wire: Vec::new(),
+                pos: 0,
+                framing: BodyFraming::None,
+                owed: 0,
+                body_done: true,
+                started: false,
+                spare: None,
+            })
+        });
+        out.wire.clear();
         let empty = body.is_end_stream();
         let exact = body.size_hint().exact();
-        let framing = encode_request(&mut wire, method, target, headers, (empty, exact))?;
-        Ok(Outgoing {
-            method: method.clone(),
-            body,
-            wire,
-            pos: 0,
-            framing,
-            owed: match framing {
-                BodyFraming::Length(n) => n,
-                _ => 0,
-            },
-            body_done: framing == BodyFraming::None,
-            started: false,
-            spare: None,
-        })
+        let framing = encode_request(&mut out.wire, method, target, headers, (empty, exact))?;
+        if out.method != *method {
+            out.method = method.clone();
+        }
+        out.body = body;
+        out.pos = 0;
+        out.framing = framing;
+        out.owed = match framing {
+            BodyFraming::Length(n) => n,
+            _ => 0,
+        };
+        out.body_done = framing == BodyFraming::None;
+        out.started = false;
+        out.spare = None;
+        Ok(out)
     }
 
     /// `req`, encoded into a buffer of its own, for tests.
     #[cfg(test)]
     pub(crate) fn of(req: http::Request<Outbound>, target: &str) -> Box<Outgoing> {
         let (parts, body) = req.into_parts();
-        match Outgoing::new((&parts.method, target, &parts.headers), body, Vec::new()) {
-            Ok(out) => Box::new(out),
+        match Outgoing::new((&parts.method, target, &parts.headers), body, None) {
+            Ok(out) => out,
             Err(e) => panic!("cannot encode the request: {e}"),
         }
     }
 
-    /// Returns the connection's encoding buffer once the request is done with it.
-    fn give_back(&mut self, conn: &mut Conn) {
+    /// Parks the box and its encoding buffer with the connection once the request is
+    /// done with them; the body (ended) goes now, not with the next request.
+    fn give_back(mut self: Box<Self>, conn: &mut Conn) {
         self.wire.clear();
-        conn.wire = std::mem::take(&mut self.wire);
+        self.body = Outbound::from(crate::body::empty());
+        self.spare = None;
+        conn.parked = Some(self);
     }
 
     /// Whether the request can still go on another connection: nothing of it was taken
@@ -437,7 +465,7 @@ impl<H: Home> HttpBody for UpstreamBody<H> {
         if let (Some(req), Some(conn)) = (this.sending.as_mut(), this.conn.as_mut()) {
             match req.poll_write(cx, &mut conn.io) {
                 Poll::Ready(Ok(())) => {
-                    if let Some(mut req) = this.sending.take() {
+                    if let Some(req) = this.sending.take() {
                         req.give_back(conn);
                     }
                 }
