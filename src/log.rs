@@ -398,35 +398,43 @@ impl Drop for Line {
 /// Wall-clock time for a monotonic reading, from a pair of readings of both clocks taken
 /// at most a second earlier: the request's end is already read to time it, and a second
 /// clock read per line was a tenth of the line's cost. A step of the wall clock shows
-/// within a second; a slew (at most 0.5 ms a second) moves a timestamp by less.
+/// within a second; a slew (at most 0.5 ms a second) moves a timestamp by less. The wall
+/// time is kept as the time since the Unix epoch, the form the timestamp is written from:
+/// one difference of monotonic readings and one sum per line.
 #[derive(Default)]
 struct Clock {
-    base: Option<(Instant, SystemTime)>,
+    base: Option<(Instant, Duration)>,
 }
 
 impl Clock {
     const REFRESH: Duration = Duration::from_secs(1);
 
-    /// The wall-clock time at `at`; `read` gives both clocks now, called when the pair
-    /// is missing, older than a second, or later than `at`.
-    fn wall(&mut self, at: Instant, read: impl FnOnce() -> (Instant, SystemTime)) -> SystemTime {
-        let (mono, wall) = match self.base {
-            Some((mono, wall)) if at >= mono && at - mono < Self::REFRESH => (mono, wall),
-            _ => *self.base.insert(read()),
-        };
+    /// The wall-clock time at `at`, since the Unix epoch; `read` gives both clocks now,
+    /// called when the pair is missing, older than a second, or later than `at`.
+    fn wall(&mut self, at: Instant, read: impl FnOnce() -> (Instant, SystemTime)) -> Duration {
+        if let Some((mono, wall)) = self.base
+            && let Some(after) = at.checked_duration_since(mono)
+            && after < Self::REFRESH
+        {
+            return wall + after;
+        }
+        let (mono, wall) = read();
+        // A clock set before 1970 writes the epoch rather than failing the line.
+        let wall = wall
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        self.base = Some((mono, wall));
         match at.checked_duration_since(mono) {
             Some(after) => wall + after,
-            None => wall.checked_sub(mono - at).unwrap_or(wall),
+            None => wall.saturating_sub(mono - at),
         }
     }
 }
 
 impl Line {
-    /// `2026-12-01T20:19:58.394773Z`, UTC with microseconds, as tracing-subscriber writes.
-    fn stamp(&mut self, now: SystemTime) {
-        let since = now
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .unwrap_or_default();
+    /// `2026-12-01T20:19:58.394773Z`, UTC with microseconds, as tracing-subscriber writes,
+    /// for `since` the Unix epoch.
+    fn stamp(&mut self, since: Duration) {
         let secs = since.as_secs();
         if secs != self.second || self.prefix[0] == 0 {
             self.second = secs;
@@ -460,13 +468,17 @@ fn push_padded(buf: &mut Vec<u8>, n: u32, width: usize) {
     buf.extend_from_slice(s.as_bytes());
 }
 
-/// Milliseconds with three decimals (microseconds), e.g. `8.212`.
+/// Milliseconds with three decimals (microseconds), e.g. `8.212`. In 64 bits: the
+/// `u128` of `Duration::as_micros` costs a wide division and formatting.
 fn push_millis(buf: &mut Vec<u8>, d: Duration) {
-    let micros = d.as_micros();
+    let millis = d
+        .as_secs()
+        .saturating_mul(1000)
+        .saturating_add(u64::from(d.subsec_millis()));
     let mut digits = itoa::Buffer::new();
-    buf.extend_from_slice(digits.format(micros / 1000).as_bytes());
+    buf.extend_from_slice(digits.format(millis).as_bytes());
     buf.push(b'.');
-    push_padded(buf, (micros % 1000) as u32, 3);
+    push_padded(buf, d.subsec_micros() % 1000, 3);
 }
 
 // The two formats are written out separately, each field name fused with the separator
@@ -601,7 +613,7 @@ mod tests {
 
     fn stamped(a: &Access<'_>, json: bool) -> String {
         let mut line = Line::default();
-        let at = SystemTime::UNIX_EPOCH + Duration::from_micros(1_796_156_398_394_773);
+        let at = Duration::from_micros(1_796_156_398_394_773);
         if json {
             line.buf.extend_from_slice(b"{\"timestamp\":\"");
             line.stamp(at);
@@ -651,7 +663,7 @@ mod tests {
             (86_400_000_000 + 999_999, "1970-01-02T00:00:00.999999Z"),
         ] {
             line.buf.clear();
-            line.stamp(SystemTime::UNIX_EPOCH + Duration::from_micros(micros));
+            line.stamp(Duration::from_micros(micros));
             assert_eq!(std::str::from_utf8(&line.buf).unwrap(), want);
         }
         line.buf.clear();
@@ -661,26 +673,36 @@ mod tests {
     fn wall_time_follows_the_monotonic_reading_and_is_read_again_each_second() {
         let mut clock = Clock::default();
         let t0 = Instant::now();
-        let w0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_796_156_398);
+        let epoch = Duration::from_secs(1_796_156_398);
+        let w0 = SystemTime::UNIX_EPOCH + epoch;
         let ms = Duration::from_millis;
         // The first line reads both clocks; a pair read just after the request ended
         // puts the end that much earlier.
-        assert_eq!(clock.wall(t0, || (t0 + ms(2), w0)), w0 - ms(2));
+        assert_eq!(clock.wall(t0, || (t0 + ms(2), w0)), epoch - ms(2));
         // Within the second the pair is reused: no read.
-        assert_eq!(clock.wall(t0 + ms(5), || unreachable!()), w0 + ms(3));
+        assert_eq!(clock.wall(t0 + ms(5), || unreachable!()), epoch + ms(3));
         let at = t0 + ms(900);
-        assert_eq!(clock.wall(at, || unreachable!()), w0 + ms(898));
+        assert_eq!(clock.wall(at, || unreachable!()), epoch + ms(898));
         // A second on, or a reading from before the pair, reads again; here the wall
         // clock was stepped back by an hour meanwhile.
-        let stepped = w0 - Duration::from_secs(3600);
+        let hour = Duration::from_secs(3600);
         let at = t0 + ms(2100);
-        assert_eq!(clock.wall(at, || (at, stepped)), stepped);
-        assert_eq!(clock.wall(t0, || (t0, w0)), w0);
+        assert_eq!(clock.wall(at, || (at, w0 - hour)), epoch - hour);
+        assert_eq!(clock.wall(t0, || (t0, w0)), epoch);
+        // A wall clock before 1970 writes the epoch.
+        let mut clock = Clock::default();
+        let before = SystemTime::UNIX_EPOCH - hour;
+        assert_eq!(clock.wall(t0, || (t0, before)), Duration::ZERO);
     }
 
     #[test]
     fn millis_keep_three_decimals() {
-        for (us, want) in [(0, "0.000"), (7, "0.007"), (1_234_567, "1234.567")] {
+        for (us, want) in [
+            (0, "0.000"),
+            (7, "0.007"),
+            (1_234_567, "1234.567"),
+            (86_400_000_999, "86400000.999"),
+        ] {
             let mut b = Vec::new();
             push_millis(&mut b, Duration::from_micros(us));
             assert_eq!(String::from_utf8(b).unwrap(), want);
