@@ -91,8 +91,7 @@ impl Breaker {
                 };
             }
             State::Closed => {
-                self.outcomes.add(if failed { FAILED } else { OK }, now);
-                let [ok, bad] = self.outcomes.totals(now);
+                let [ok, bad] = self.outcomes.add(if failed { FAILED } else { OK }, now);
                 let total = ok + bad;
                 if total >= u64::from(self.policy.min_requests)
                     && bad as f64 >= self.policy.failure_ratio * total as f64
