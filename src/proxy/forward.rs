@@ -15,7 +15,7 @@ use tokio_util::either::Either;
 
 use super::access::{Record, finish};
 use super::error::ProxyError;
-use super::headers::{append_via, strip_hop_by_hop};
+use super::headers::{HopByHop, append_via, strip_hop_by_hop, strip_scanned};
 use super::lifecycle::Lifecycle;
 use super::response::peek;
 use super::{pipeline, upgrade};
@@ -528,10 +528,16 @@ where
 {
     let (mut parts, body) = req.into_parts();
     let received = parts.version;
-    let protocol = upgrade::asked(&parts.headers).filter(|p| upgrade::allowed(p, upgrades));
+    // Most requests carry no `Upgrade`: the scan says so without a lookup.
+    let hop = HopByHop::scan(&parts.headers);
+    let protocol = if hop.upgrade() {
+        upgrade::asked(&parts.headers).filter(|p| upgrade::allowed(p, upgrades))
+    } else {
+        None
+    };
     // `TE: trailers` from an HTTP/2 client (gRPC's, which its server requires) goes on;
     // from HTTP/1.1 it belongs to the client's connection, like every other TE.
-    if strip_hop_by_hop(&mut parts.headers) && received == Version::HTTP_2 {
+    if strip_scanned(&mut parts.headers, hop) && received == Version::HTTP_2 {
         parts
             .headers
             .insert(header::TE, HeaderValue::from_static("trailers"));

@@ -38,21 +38,44 @@ fn fixed_index(name: &str) -> Option<usize> {
     })
 }
 
+/// Which of the fixed hop-by-hop fields a message carries, from one pass over the few
+/// names present (cheap comparisons): each removal, and each other look at one of them,
+/// is a hashed lookup, and most requests have none, most responses only `Connection`.
+#[derive(Clone, Copy)]
+pub(crate) struct HopByHop {
+    present: [bool; FIXED],
+}
+
+impl HopByHop {
+    pub(crate) fn scan(headers: &HeaderMap) -> HopByHop {
+        let mut present = [false; FIXED];
+        for k in headers.keys() {
+            if let Some(i) = fixed_index(k.as_str()) {
+                present[i] = true;
+            }
+        }
+        HopByHop { present }
+    }
+
+    /// Whether the message has an `Upgrade` field.
+    pub(crate) fn upgrade(&self) -> bool {
+        self.present[6]
+    }
+}
+
 /// Removes the fixed hop-by-hop fields and every field that `Connection` names. Returns
 /// whether the message said `TE: trailers` (and only that): the one `TE` value HTTP/2
 /// allows (RFC 9113 §8.2.2), which gRPC requires of every request, and which the
 /// request path passes on.
 #[must_use = "a request's `TE: trailers` is passed on"]
 pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) -> bool {
-    // One pass over the few names present (cheap comparisons) finds which fixed ones are
-    // there; only those are removed, each removal being a hashed lookup. Most requests
-    // have none, most responses only `Connection`.
-    let mut present = [false; FIXED];
-    for k in headers.keys() {
-        if let Some(i) = fixed_index(k.as_str()) {
-            present[i] = true;
-        }
-    }
+    strip_scanned(headers, HopByHop::scan(headers))
+}
+
+/// [`strip_hop_by_hop`], for a message already scanned (and not changed since).
+#[must_use = "a request's `TE: trailers` is passed on"]
+pub(crate) fn strip_scanned(headers: &mut HeaderMap, scanned: HopByHop) -> bool {
+    let present = scanned.present;
     if !present.contains(&true) {
         return false;
     }

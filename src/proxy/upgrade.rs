@@ -20,7 +20,6 @@ use crate::upstream::switched::{Side, UpstreamSide};
 /// The protocols a request asks to switch to: its `Upgrade` field, every line of it
 /// joined, when `Connection` names `upgrade` too.
 pub(crate) fn asked(headers: &HeaderMap) -> Option<HeaderValue> {
-    // One lookup on the path of every request: most carry no `Upgrade`.
     let mut lines = headers.get_all(header::UPGRADE).iter();
     let first = lines.next()?;
     let says_upgrade = headers.get_all(header::CONNECTION).iter().any(|v| {
