@@ -122,13 +122,15 @@ pub fn authority_parts(authority: &str) -> (&str, Option<u16>) {
     // is bracketed. The port follows the last `:` of all, as `Uri::port` reads it.
     let (mut start, mut first_colon, mut last_colon) = (0, None, None);
     for (i, &c) in b.iter().enumerate() {
-        match c {
-            b'@' => (start, first_colon) = (i + 1, None),
-            b':' => {
+        // `:` to `@` in one comparison: letters, digits, `.` and `-` (most of any host)
+        // are outside it.
+        if c.wrapping_sub(b':') <= b'@' - b':' {
+            if c == b'@' {
+                (start, first_colon) = (i + 1, None);
+            } else if c == b':' {
                 first_colon = first_colon.or(Some(i));
                 last_colon = Some(i);
             }
-            _ => {}
         }
     }
     let rest = &authority[start..];
@@ -137,8 +139,29 @@ pub fn authority_parts(authority: &str) -> (&str, Option<u16>) {
     } else {
         &authority[start..first_colon.unwrap_or(b.len())]
     };
-    let port = last_colon.and_then(|i| authority[i + 1..].parse().ok());
+    let port = last_colon.and_then(|i| port_u16(&b[i + 1..]));
     (host, port)
+}
+
+/// A port as `u16::from_str` reads it (decimal digits, leading zeros and one leading `+`
+/// allowed), without its generic radix handling: a port is read on every request.
+fn port_u16(digits: &[u8]) -> Option<u16> {
+    let digits = digits.strip_prefix(b"+").unwrap_or(digits);
+    if digits.is_empty() {
+        return None;
+    }
+    let mut n: u32 = 0;
+    for &d in digits {
+        let d = d.wrapping_sub(b'0');
+        if d > 9 {
+            return None;
+        }
+        n = n * 10 + u32::from(d);
+        if n > u32::from(u16::MAX) {
+            return None;
+        }
+    }
+    u16::try_from(n).ok()
 }
 
 /// The subject a request is counted against: a 128-bit prefix of SHA-256 over the key's
@@ -450,6 +473,21 @@ hosts = ["api.market.example:8080"]
                     "{}", a
                 );
             }
+        }
+    }
+
+    proptest::proptest! {
+        /// The hand-written reading agrees with std's on any text near its form.
+        #[test]
+        fn ports_read_as_std_does(text in "\\+?[0-9]{0,7}|[0-9+ -]{0,7}") {
+            proptest::prop_assert_eq!(port_u16(text.as_bytes()), text.parse::<u16>().ok(), "{}", text);
+        }
+    }
+
+    #[test]
+    fn ports_of_the_edges() {
+        for text in ["0", "65535", "65536", "+80", "++80", "-1", "00080", ""] {
+            assert_eq!(port_u16(text.as_bytes()), text.parse().ok(), "{text}");
         }
     }
 
