@@ -304,7 +304,6 @@ impl PinnedConns {
             if host.is_empty() {
                 return Err(AttemptError::Connect("the request has no host".into()));
             }
-            let asked = h.headers.contains_key(http::header::UPGRADE);
             // The request target as an upstream expects it (`/path?query`), the way a
             // client talking to it directly would write it.
             let target = match h.uri.path_and_query().map(|pq| pq.as_str()) {
@@ -350,8 +349,12 @@ impl PinnedConns {
                 };
                 match exchange(conn, out, owner).await {
                     // The request asked to switch (see `upgrade`): the connection goes to
-                    // the forward path, which joins it to the client's.
-                    Ok(resp) if resp.status() == StatusCode::SWITCHING_PROTOCOLS && asked => {
+                    // the forward path, which joins it to the client's. Looked up only
+                    // for a 101: a lookup on every request's path costs more.
+                    Ok(resp)
+                        if resp.status() == StatusCode::SWITCHING_PROTOCOLS
+                            && h.headers.contains_key(http::header::UPGRADE) =>
+                    {
                         let (mut parts, mut body) = resp.into_parts();
                         if let Some((io, rest)) = body.take_upgraded() {
                             parts.extensions.insert(UpstreamSide::own(io, rest));
