@@ -341,7 +341,11 @@ where
             &config,
             own.as_ref(),
             route.as_ref(),
-            (req, costs.as_deref().unwrap_or(&Costs::ONE)),
+            (
+                req,
+                costs.as_deref().unwrap_or(&Costs::ONE),
+                switching.is_some(),
+            ),
             max_wait,
             start,
         )

@@ -36,7 +36,8 @@ use crate::upstream::timer::ConnTimer;
 use crate::upstream::{self, AttemptHead, RequestHead, Via};
 
 /// Sends `req` (already stripped and addressed to the upstream), which costs `costs`,
-/// under the route's policy.
+/// under the route's policy. `switching`: it asks to switch protocols (`forward::admit`
+/// kept its `Upgrade`), known there without a lookup in its fields.
 /// `max_wait`: the client's `sluice-max-wait`, the most its attempts may wait for
 /// admission in all. `start`: when the request arrived, which the total timeout counts
 /// from. Returns, with the outcome, how long they waited when the route pays a limit.
@@ -49,7 +50,7 @@ pub(crate) fn run<'a>(
     config: &'a Live,
     upstreams: Option<&'a Own<'a>>,
     route: Option<&'a Route>,
-    (req, costs): (Request<Body>, &'a Costs),
+    (req, costs, switching): (Request<Body>, &'a Costs, bool),
     max_wait: Option<Duration>,
     start: Instant,
 ) -> impl Future<Output = (Result<Response<Body>, ProxyError>, Option<Duration>)> + 'a {
@@ -110,7 +111,8 @@ pub(crate) fn run<'a>(
         // which sluice cannot see, and its clients retry by their own policy.
         let safe = (is_idempotent(&head.method)
             || (head.headers.contains_key(&retry.idempotency_header) && !is_grpc(&head.headers)))
-            && !head.headers.contains_key(http::header::UPGRADE);
+            && !switching;
+        debug_assert_eq!(switching, head.headers.contains_key(http::header::UPGRADE));
         let keep = safe && retry.max_attempts > 1;
         // Only a safe request has attempts after the first: an empty body is always
         // there to send again, but a POST without a key may have taken effect.
@@ -339,7 +341,7 @@ async fn retry_loop(
         let Some(delay) = tries.go_again(
             &judged,
             body.replayable() && attempt_no < attempts,
-            deadline.saturating_duration_since(now),
+            deadline,
             || backoff_delay(tries.policy, attempt_no, prev_delay),
             attempt_no,
             now,
@@ -517,17 +519,23 @@ impl<'a> Tries<'a> {
         &self,
         judged: &Judged,
         may_retry: bool,
-        room: Duration,
+        deadline: Instant,
         backoff: impl FnOnce() -> Duration,
         attempt: u32,
         now: Instant,
     ) -> Option<Duration> {
+        let wants_retry = judged.wants_retry;
         let next = Next {
-            wants_retry: judged.wants_retry,
+            wants_retry,
             may_retry,
             hint: judged.hint,
             max_retry_after: self.policy.retry.max_retry_after,
-            room,
+            // Only a retry weighs it: most answers never pay for the difference.
+            room: if wants_retry && may_retry {
+                deadline.saturating_duration_since(now)
+            } else {
+                Duration::ZERO
+            },
         };
         let verdict = next.verdict(backoff);
         let (upstream, family) = self.labels();

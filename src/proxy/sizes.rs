@@ -70,7 +70,15 @@ async fn the_request_paths_futures_stay_within_their_budgets() {
         host: "127.0.0.1",
         port: 1,
     };
-    let f = pipeline::run(&app, &live, Some(&own), None, (req(), &one), None, now);
+    let f = pipeline::run(
+        &app,
+        &live,
+        Some(&own),
+        None,
+        (req(), &one, false),
+        None,
+        now,
+    );
     over.extend(within("pipeline::run", size_of_val(&f), RUN));
     drop(f);
     let (parts, body) = req().into_parts();
