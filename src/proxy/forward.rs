@@ -17,7 +17,7 @@ use super::error::ProxyError;
 use super::headers::{HopByHop, append_via, strip_hop_by_hop, strip_scanned};
 use super::lifecycle::Lifecycle;
 use super::response::peek;
-use super::{pipeline, upgrade};
+use super::{discard, pipeline, upgrade};
 use crate::app::App;
 use crate::app::Live;
 use crate::body::{Body, empty, stream};
@@ -244,7 +244,7 @@ pub(crate) fn intercepted<'a, B>(
     (host, port, https): (&str, u16, bool),
 ) -> impl Future<Output = Response<Body>> + 'a
 where
-    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B: http_body::Body<Data = bytes::Bytes> + Send + Unpin + 'static,
     B::Error: Into<crate::body::BoxError>,
 {
     let start = Instant::now();
@@ -273,7 +273,7 @@ pub(crate) fn route_and_send<'a, B>(
     start: Instant,
 ) -> impl Future<Output = Response<Body>> + 'a
 where
-    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B: http_body::Body<Data = bytes::Bytes> + Send + Unpin + 'static,
     B::Error: Into<crate::body::BoxError>,
 {
     async move {
@@ -285,7 +285,9 @@ where
             Ok(target) => target,
             Err(e) => {
                 let e = std::mem::replace(e, ProxyError::NotProxyRequest);
-                return unaddressable(app, &req, start, e);
+                let resp = unaddressable(app, &req, start, e);
+                discard::rest_of(req);
+                return resp;
             }
         };
         let config = app.config();
@@ -498,17 +500,23 @@ fn admit<B>(
     req: Request<B>,
 ) -> Result<Admitted, ProxyError>
 where
-    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B: http_body::Body<Data = bytes::Bytes> + Send + Unpin + 'static,
     B::Error: Into<crate::body::BoxError>,
 {
-    if route.is_none() && config.proxy.unmatched == Unmatched::Deny {
-        return Err(ProxyError::UnmatchedDenied);
-    }
-    // A literal address is refused before it is queued; names are checked once resolved.
-    if let Some(ip) = target.ip {
-        app.resolver
+    let refused = if route.is_none() && config.proxy.unmatched == Unmatched::Deny {
+        Some(ProxyError::UnmatchedDenied)
+    } else if let Some(ip) = target.ip {
+        // A literal address is refused before it is queued; names are checked once resolved.
+        (app.resolver)
             .check(&config.egress_rules, target.host(), ip, target.port)
-            .map_err(ProxyError::Egress)?;
+            .map_err(ProxyError::Egress)
+            .err()
+    } else {
+        None
+    };
+    if let Some(e) = refused {
+        discard::rest_of(req);
+        return Err(e);
     }
     let priced = route.is_some_and(|r| prices_of(config, r).is_some());
     to_upstream(req, target, &config.proxy.upgrades, priced)
@@ -532,7 +540,7 @@ fn to_upstream<B>(
     priced: bool,
 ) -> Result<Admitted, ProxyError>
 where
-    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B: http_body::Body<Data = bytes::Bytes> + Send + Unpin + 'static,
     B::Error: Into<crate::body::BoxError>,
 {
     let (mut parts, body) = req.into_parts();
@@ -568,7 +576,7 @@ where
     // as the URL has it (as curl and HTTP_PROXY clients do), and rarely `Expect` or
     // `sluice-max-wait`.
     let (mut hosts, mut host_as_url, mut expect, mut declared) = (0, false, false, false);
-    let mut max_wait: Option<std::time::Duration> = None;
+    let mut max_wait: Option<Result<std::time::Duration, ProxyError>> = None;
     for (name, value) in &parts.headers {
         if name == header::HOST {
             hosts += 1;
@@ -576,13 +584,27 @@ where
         } else if name == header::EXPECT {
             expect = true;
         } else if name.as_str() == MAX_WAIT {
-            // Sent twice, the shorter wait holds.
-            let wait = parse_max_wait(value)?;
-            max_wait = Some(max_wait.map_or(wait, |w| w.min(wait)));
+            // Sent twice, the shorter wait holds (and a bad one is refused).
+            let wait = parse_max_wait(value);
+            max_wait = Some(match (max_wait, wait) {
+                (Some(Ok(w)), Ok(wait)) => Ok(w.min(wait)),
+                (Some(Err(e)), _) | (_, Err(e)) => Err(e),
+                (None, Ok(wait)) => Ok(wait),
+            });
         } else if name.as_str() == price::DECLARED {
             declared = true;
         }
     }
+    // Most requests have no body; an empty one is boxed without an allocation. From here
+    // on a refusal drops the body wrapped, and what the client still sends is discarded.
+    let body = if http_body::Body::is_end_stream(&body) {
+        empty()
+    } else if received == Version::HTTP_2 {
+        stream(body)
+    } else {
+        stream(discard::Rest::new(body, expect))
+    };
+    let max_wait = max_wait.transpose()?;
     if declared && !priced {
         parts.headers.remove(price::DECLARED);
     }
@@ -626,12 +648,6 @@ where
         Version::HTTP_2
     } else {
         Version::HTTP_11
-    };
-    // Most requests have no body; an empty one is boxed without an allocation.
-    let body = if http_body::Body::is_end_stream(&body) {
-        empty()
-    } else {
-        stream(body)
     };
     Ok((Request::from_parts(parts, body), max_wait, switching))
 }
