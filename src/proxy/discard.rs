@@ -6,10 +6,12 @@
 //! `http.client` does, sees only a broken pipe). Read to its end, the body also leaves
 //! the connection fit for the client's next request.
 //!
-//! A body that was never read and whose request asked `Expect: 100-continue` is left
-//! alone: its client is waiting for a `100` that does not come, and reading would make
-//! hyper send one.
+//! Two bodies are left alone. One never read whose request asked `Expect: 100-continue`:
+//! its client is waiting for a `100` that does not come, and reading would make hyper
+//! send one. And one whose client stalled ([`forsaking`]): its 408 closes the connection.
 
+use std::cell::Cell;
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -27,6 +29,43 @@ const SILENCE: Duration = Duration::from_secs(5);
 /// How long a body is discarded at most (nginx's `lingering_time`): a client that keeps
 /// sending holds its connection no longer than this after its answer.
 const AT_MOST: Duration = Duration::from_secs(30);
+
+thread_local! {
+    /// Set while [`forsaking`] drops a body.
+    static FORSAKING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Drops `body` without discarding its rest: its client stalled, and its answer (a 408)
+/// closes the connection, as nginx closes one after `client_body_timeout`. The body is
+/// boxed by then, out of reach of its [`Rest`], so the drop is told by the thread it
+/// runs on.
+pub(crate) fn forsaking<T>(body: T) {
+    FORSAKING.set(true);
+    drop(body);
+    FORSAKING.set(false);
+}
+
+/// `reading` (which owns a client's body) within `limit`: on time, its output; else
+/// `None`, and `reading` is dropped as [`forsaking`] drops a body.
+pub(crate) async fn within<F: Future>(limit: Duration, reading: F) -> Option<F::Output> {
+    let mut reading = std::pin::pin!(Some(reading));
+    let mut expiry = std::pin::pin!(tokio::time::sleep(limit));
+    std::future::poll_fn(|cx| {
+        if let Some(r) = reading.as_mut().as_pin_mut()
+            && let Poll::Ready(out) = r.poll(cx)
+        {
+            return Poll::Ready(Some(out));
+        }
+        if expiry.as_mut().poll(cx).is_ready() {
+            FORSAKING.set(true);
+            reading.as_mut().set(None);
+            FORSAKING.set(false);
+            return Poll::Ready(None);
+        }
+        Poll::Pending
+    })
+    .await
+}
 
 /// A client's request body on its way through sluice; dropped before its end, the rest is
 /// read and thrown away by a task of its own (see the module's comment).
@@ -105,7 +144,7 @@ where
             return;
         };
         let waiting_for_100 = self.expect && self.read == Read::Never;
-        if self.read == Read::Done || waiting_for_100 || body.is_end_stream() {
+        if self.read == Read::Done || waiting_for_100 || FORSAKING.get() || body.is_end_stream() {
             return;
         }
         // Outside a runtime (a test dropping a request) there is no client to answer.
@@ -225,6 +264,49 @@ mod tests {
                 .is_err()
         );
         assert_eq!(read.load(Ordering::SeqCst), 0, "Expect, never read: left");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_forsaken_body_is_dropped_unread() {
+        let (tx, body, read) = fed();
+        let mut rest = Rest::new(body, false);
+        tx.send(Ok(Frame::data(Bytes::from_static(b"a"))))
+            .await
+            .unwrap();
+        assert!(rest.frame().await.is_some());
+        forsaking(crate::body::stream(rest));
+        assert!(tx.is_closed(), "dropped at once");
+        assert_eq!(read.load(Ordering::SeqCst), 1);
+        // Only that drop: the next body dropped on this thread is discarded again.
+        let (tx, body, read) = fed();
+        drop(Rest::new(body, false));
+        tx.send(Ok(Frame::data(Bytes::from_static(b"b"))))
+            .await
+            .unwrap();
+        settle().await;
+        assert_eq!(read.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_read_out_of_time_forsakes_its_body_and_one_on_time_gives_its_output() {
+        let (tx, body, _) = fed();
+        let mut rest = Rest::new(body, false);
+        let late = within(Duration::from_secs(1), async move {
+            rest.frame().await.is_some()
+        });
+        assert_eq!(late.await, None);
+        settle().await;
+        assert!(tx.is_closed(), "dropped at once, not discarded");
+
+        let (tx, body, _) = fed();
+        tx.send(Ok(Frame::data(Bytes::from_static(b"a"))))
+            .await
+            .unwrap();
+        let mut rest = Rest::new(body, false);
+        let on_time = within(Duration::from_secs(1), async move {
+            rest.frame().await.is_some()
+        });
+        assert_eq!(on_time.await, Some(true));
     }
 
     #[tokio::test(start_paused = true)]

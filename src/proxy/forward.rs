@@ -427,17 +427,16 @@ async fn price_request(
         ));
     };
     let timeout = route.policy(&config.config).total_timeout;
-    let (prefix, body) =
-        match tokio::time::timeout(timeout, peek(body, most.saturating_add(1))).await {
-            Err(_) => return Err(ProxyError::ClientTimeout(timeout)),
-            Ok(Err(e)) => {
-                return Err(ProxyError::ClientBody(format!(
-                    "the request body broke while sluice read it to price it: {}",
-                    crate::upstream::error::chain(&*e)
-                )));
-            }
-            Ok(Ok(read)) => read,
-        };
+    let (prefix, body) = match discard::within(timeout, peek(body, most.saturating_add(1))).await {
+        None => return Err(ProxyError::ClientTimeout(timeout)),
+        Some(Err(e)) => {
+            return Err(ProxyError::ClientBody(format!(
+                "the request body broke while sluice read it to price it: {}",
+                crate::upstream::error::chain(&*e)
+            )));
+        }
+        Some(Ok(read)) => read,
+    };
     let json = (prefix.len() <= most)
         .then(|| price::json::Json::parse(&prefix).ok())
         .flatten();

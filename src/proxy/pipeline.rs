@@ -16,6 +16,7 @@ use http::header::HeaderValue;
 use http::{HeaderMap, Method, Request, Response};
 use tokio::time::Instant;
 
+use super::discard;
 use super::error::ProxyError;
 use super::response::{Metered, ResponseBody, peek};
 use crate::app::App;
@@ -239,9 +240,13 @@ fn blame(body: &Replay, e: AttemptError) -> ProxyError {
 }
 
 /// A timeout is the client's when it is still sending the body the upstream waits for.
+/// Its 408 closes the connection, and the rest of the body is not waited for.
 fn timed_out(body: &Replay, after: Duration, total: bool) -> ProxyError {
     match (body.waiting_on_client(), total) {
-        (true, _) => ProxyError::ClientTimeout(after),
+        (true, _) => {
+            discard::forsaking(body.forsake());
+            ProxyError::ClientTimeout(after)
+        }
         (false, true) => ProxyError::TotalTimeout(after),
         (false, false) => ProxyError::UpstreamTimeout(after),
     }

@@ -222,6 +222,22 @@ impl Replay {
         }
     }
 
+    /// Gives up on the client's body, which has stalled: what an attempt still reads of
+    /// it is an error, so no upstream takes a cut-off body for a whole one, and the body is
+    /// handed back to be dropped.
+    pub(crate) fn forsake(&self) -> Option<Body> {
+        match self {
+            Replay::Empty => None,
+            Replay::Shared(s) => {
+                let mut st = lock(s);
+                st.fault.get_or_insert_with(|| {
+                    ClientFault::Broken("the client stopped sending".into())
+                });
+                st.source.take()
+            }
+        }
+    }
+
     /// The body is not complete and the last look found the client had not sent more: a
     /// timeout now is the client's.
     pub(crate) fn waiting_on_client(&self) -> bool {
