@@ -506,7 +506,7 @@ where
         Some(ProxyError::UnmatchedDenied)
     } else if let Some(ip) = target.ip {
         // A literal address is refused before it is queued; names are checked once resolved.
-        (app.resolver)
+        app.resolver
             .check(&config.egress_rules, target.host(), ip, target.port)
             .map_err(ProxyError::Egress)
             .err()
