@@ -40,8 +40,13 @@ thread_local! {
 /// boxed by then, out of reach of its [`Rest`], so the drop is told by the thread it
 /// runs on.
 pub(crate) fn forsaking<T>(body: T) {
+    forsaken(|| drop(body));
+}
+
+/// Runs `drop_it`, whose drops of client bodies do not discard.
+fn forsaken(drop_it: impl FnOnce()) {
     FORSAKING.set(true);
-    drop(body);
+    drop_it();
     FORSAKING.set(false);
 }
 
@@ -57,9 +62,7 @@ pub(crate) async fn within<F: Future>(limit: Duration, reading: F) -> Option<F::
             return Poll::Ready(Some(out));
         }
         if expiry.as_mut().poll(cx).is_ready() {
-            FORSAKING.set(true);
-            reading.as_mut().set(None);
-            FORSAKING.set(false);
+            forsaken(|| reading.as_mut().set(None));
             return Poll::Ready(None);
         }
         Poll::Pending
@@ -118,8 +121,8 @@ where
         self.read = match &polled {
             Poll::Ready(Some(Ok(_))) => Read::Some,
             Poll::Ready(_) => Read::Done,
-            Poll::Pending if self.read == Read::Never => Read::Some,
-            Poll::Pending => self.read,
+            // Polled: hyper has sent any `100` the client waits for.
+            Poll::Pending => Read::Some,
         };
         polled
     }
@@ -218,6 +221,12 @@ mod tests {
         (tx, StreamBody::new(Box::pin(stream) as _), read)
     }
 
+    async fn feed(tx: &mpsc::Sender<Item>, chunk: &'static [u8]) {
+        tx.send(Ok(Frame::data(Bytes::from_static(chunk))))
+            .await
+            .unwrap();
+    }
+
     async fn settle() {
         for _ in 0..10 {
             tokio::task::yield_now().await;
@@ -228,15 +237,11 @@ mod tests {
     async fn a_body_dropped_before_its_end_is_read_to_its_end() {
         let (tx, body, read) = fed();
         let mut rest = Rest::new(body, false);
-        tx.send(Ok(Frame::data(Bytes::from_static(b"a"))))
-            .await
-            .unwrap();
+        feed(&tx, b"a").await;
         assert!(rest.frame().await.is_some());
         drop(rest);
         for _ in 0..3 {
-            tx.send(Ok(Frame::data(Bytes::from_static(b"b"))))
-                .await
-                .unwrap();
+            feed(&tx, b"b").await;
         }
         settle().await;
         assert_eq!(read.load(Ordering::SeqCst), 4);
@@ -249,9 +254,7 @@ mod tests {
     async fn an_unread_body_is_discarded_unless_its_client_waits_for_100() {
         let (tx, body, read) = fed();
         drop(Rest::new(body, false));
-        tx.send(Ok(Frame::data(Bytes::from_static(b"a"))))
-            .await
-            .unwrap();
+        feed(&tx, b"a").await;
         settle().await;
         assert_eq!(read.load(Ordering::SeqCst), 1, "no Expect: discarded");
 
@@ -270,9 +273,7 @@ mod tests {
     async fn a_forsaken_body_is_dropped_unread() {
         let (tx, body, read) = fed();
         let mut rest = Rest::new(body, false);
-        tx.send(Ok(Frame::data(Bytes::from_static(b"a"))))
-            .await
-            .unwrap();
+        feed(&tx, b"a").await;
         assert!(rest.frame().await.is_some());
         forsaking(crate::body::stream(rest));
         assert!(tx.is_closed(), "dropped at once");
@@ -280,9 +281,7 @@ mod tests {
         // Only that drop: the next body dropped on this thread is discarded again.
         let (tx, body, read) = fed();
         drop(Rest::new(body, false));
-        tx.send(Ok(Frame::data(Bytes::from_static(b"b"))))
-            .await
-            .unwrap();
+        feed(&tx, b"b").await;
         settle().await;
         assert_eq!(read.load(Ordering::SeqCst), 1);
     }
@@ -299,9 +298,7 @@ mod tests {
         assert!(tx.is_closed(), "dropped at once, not discarded");
 
         let (tx, body, _) = fed();
-        tx.send(Ok(Frame::data(Bytes::from_static(b"a"))))
-            .await
-            .unwrap();
+        feed(&tx, b"a").await;
         let mut rest = Rest::new(body, false);
         let on_time = within(Duration::from_secs(1), async move {
             rest.frame().await.is_some()
