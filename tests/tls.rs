@@ -777,3 +777,97 @@ async fn the_documented_trust_recipes_work() {
         "{out:?}"
     );
 }
+
+/// An upload the upstream answers without reading it, inside interception. Over HTTP/1.1
+/// (curl) the client reads the whole answer. Over HTTP/2 (the `h2` crate, as hyper and
+/// reqwest use it) the client reads the whole answer too, and then its stream is reset
+/// with NO_ERROR (RFC 9113 §8.1): it stops sending, and the stream holds nothing after
+/// its answer. curl 7.88 is not used for HTTP/2 here: it spins on such a reset until its
+/// `--max-time`, and direct to hyper it loses the answer (curl/curl#11165).
+#[tokio::test]
+async fn an_upload_the_upstream_answers_early_ends_over_h1_and_h2() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = tls_upstream(dir.path()).await;
+    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
+    let proxy = Proxy::start(&format!(
+        "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
+         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n\
+         upstream_ca = {:?}\n",
+        up.ca_path
+    ))
+    .await;
+    let upload = dir.path().join("upload");
+    std::fs::write(&upload, vec![b'x'; 8 << 20]).unwrap();
+    let (ok, out, err) = curl(vec![
+        "-sS".to_string(),
+        "--max-time".into(),
+        "30".into(),
+        "--http1.1".into(),
+        "-x".into(),
+        proxy.url(),
+        "--cacert".into(),
+        ca_cert.display().to_string(),
+        "-H".into(),
+        "Expect:".into(),
+        "--data-binary".into(),
+        format!("@{}", upload.display()),
+        "-w".into(),
+        " %{http_code}".into(),
+        format!("https://{}/upload", up.addr),
+    ])
+    .await;
+    assert!(ok && out == "secure hello 200", "HTTP/1.1: {out} {err}");
+
+    let connector = support::certs::connector(&ca_cert, &[b"h2"]);
+    let tunnel = connect_tunnel(proxy.addr, up.addr).await;
+    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let tls = connector.connect(name, tunnel).await.unwrap();
+    let (send, conn) = h2::client::handshake(tls).await.unwrap();
+    tokio::spawn(conn);
+    let mut send = send.ready().await.unwrap();
+    let req = http::Request::post(format!("https://{}/upload", up.addr))
+        .body(())
+        .unwrap();
+    let (resp, mut stream) = send.send_request(req, false).unwrap();
+    // Sends for as long as the window lets it, until the stream is reset.
+    let upload = tokio::spawn(async move {
+        let mut sent = 0usize;
+        loop {
+            stream.reserve_capacity(1 << 14);
+            let room = std::future::poll_fn(|cx| match stream.poll_reset(cx) {
+                std::task::Poll::Ready(reset) => std::task::Poll::Ready(Err(reset)),
+                std::task::Poll::Pending => stream.poll_capacity(cx).map(Ok),
+            })
+            .await;
+            match room {
+                Ok(Some(Ok(n))) => {
+                    let chunk = bytes::Bytes::from(vec![b'x'; n]);
+                    if let Err(e) = stream.send_data(chunk, false) {
+                        return (sent, Err(e));
+                    }
+                    sent += n;
+                }
+                Ok(other) => panic!("the window failed without a reset: {other:?}"),
+                Err(reset) => return (sent, reset),
+            }
+        }
+    });
+    let resp = tokio::time::timeout(Duration::from_secs(10), resp)
+        .await
+        .expect("answered while the upload goes on")
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut got = Vec::new();
+    while let Some(chunk) = body.data().await {
+        got.extend_from_slice(&chunk.unwrap());
+    }
+    assert_eq!(got, b"secure hello");
+    let (sent, reset) = tokio::time::timeout(Duration::from_secs(10), upload)
+        .await
+        .expect("the stream is reset after its answer")
+        .unwrap();
+    eprintln!("HTTP/2: {sent} bytes sent before the reset {reset:?}");
+    assert_eq!(reset.ok(), Some(h2::Reason::NO_ERROR));
+    assert!(sent < 8 << 20, "{sent}");
+}
