@@ -26,9 +26,14 @@ const READ_SIZE: usize = 8 * 1024;
 const WRITE_BATCH: usize = 64 * 1024;
 
 /// An upstream connection between requests: the socket and what was read past the last
-/// response (nothing, on a connection fit for reuse).
+/// response (nothing, on a connection fit for reuse). Boxed: a connection changes hands
+/// several times a request (idle list, exchange, response body, home), and each hand
+/// moves a pointer rather than its 112 bytes; the box is made once per connection.
 #[derive(Debug)]
-pub(crate) struct Conn {
+pub(crate) struct Conn(Box<Parts>);
+
+#[derive(Debug)]
+pub(crate) struct Parts {
     io: Counted,
     buf: BytesMut,
     spans: Vec<Span>,
@@ -38,17 +43,33 @@ pub(crate) struct Conn {
     parked: Option<Box<Outgoing>>,
 }
 
+impl std::ops::Deref for Conn {
+    type Target = Parts;
+
+    fn deref(&self) -> &Parts {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Conn {
+    fn deref_mut(&mut self) -> &mut Parts {
+        &mut self.0
+    }
+}
+
 impl Conn {
     pub(crate) fn new(io: impl Into<Counted>) -> Conn {
         let io = io.into();
-        Conn {
+        Conn(Box::new(Parts {
             io,
             buf: BytesMut::new(),
             spans: Vec::new(),
             parked: None,
-        }
+        }))
     }
+}
 
+impl Parts {
     /// Reads what the socket has into the buffer; `Ok(0)`: the upstream closed. Through
     /// tokio's `AsyncRead`, which remembers a short read, so that the next read waits for
     /// readiness instead of trying the socket first.
@@ -315,7 +336,7 @@ pub(crate) fn exchange<H: Home>(
                         Poll::Pending => {}
                     }
                 }
-                let out = &mut *out;
+                let (out, conn) = (&mut *out, &mut *conn);
                 match parse_response(&mut conn.buf, &out.method, &mut conn.spans, &mut out.spare)? {
                     // 100 Continue and 103 Early Hints precede the response; a 101 is
                     // refused by the caller.
@@ -427,7 +448,10 @@ impl<H> UpstreamBody<H> {
     pub(crate) fn take_upgraded(&mut self) -> Option<(Counted, BytesMut)> {
         self.sending = None;
         self.home = None;
-        self.conn.take().map(|c| (c.io, c.buf))
+        self.conn.take().map(|c| {
+            let Parts { io, buf, .. } = *c.0;
+            (io, buf)
+        })
     }
 }
 
