@@ -15,6 +15,9 @@ pub(super) struct Rolling {
     slot: u64,
     /// Index (in slot lengths since `base`) of the newest slot written.
     head: u64,
+    /// Where the newest slot ends: until then a count goes to it as it is, without the
+    /// difference of instants (about 40 instructions) that finds its index.
+    head_ends: Instant,
     counts: [[u64; 2]; SLOTS],
     /// The sum of `counts`, kept as slots fill and clear: the breaker reads it after
     /// every answer.
@@ -28,12 +31,16 @@ impl Rolling {
             base: now,
             slot: nanos(slot),
             head: 0,
+            head_ends: now + slot,
             counts: [[0; 2]; SLOTS],
             sum: [0; 2],
         }
     }
 
     fn advance(&mut self, now: Instant) -> usize {
+        if now < self.head_ends {
+            return (self.head % SLOTS as u64) as usize;
+        }
         let idx = nanos(now.saturating_duration_since(self.base)) / self.slot;
         if idx > self.head {
             let stale = (idx - self.head).min(SLOTS as u64);
@@ -43,6 +50,8 @@ impl Rolling {
                 self.sum = [self.sum[0] - old[0], self.sum[1] - old[1]];
             }
             self.head = idx;
+            let ends = Duration::from_nanos(idx.saturating_add(1).saturating_mul(self.slot));
+            self.head_ends = self.base.checked_add(ends).unwrap_or(now);
         }
         (self.head % SLOTS as u64) as usize
     }

@@ -235,12 +235,12 @@ impl Gcra {
     }
 
     pub(super) fn answered(&mut self, id: Id, now: Instant) {
-        let Some((last, before, latest, w)) = self.last else {
+        // Only the last send can be re-folded: ones after it were folded on top of it.
+        let Some((_, before, latest, w)) = self.last.filter(|l| l.0 == id) else {
             return;
         };
         let r = self.scaled(now);
-        // Only the last send can be re-folded: ones after it were folded on top of it.
-        if last == id && r < latest {
+        if r < latest {
             self.tat = before.max(r) + u128::from(w) * self.per_ns;
             self.last = Some((id, before, r, w));
         }
