@@ -33,6 +33,8 @@ from common import (
 SECONDS = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 8
 TOP = "--top" in sys.argv or "--self" in sys.argv
 HAPROXY = "--haproxy" in sys.argv
+# CONNS=256: wrk's connections (4 by default).
+CONNS = int(os.environ.get("CONNS", "4"))
 HAPROXY_PORT = 13139
 SELF = "--self" in sys.argv
 NGINX_PORT, NGINX_PORT_MATCHED = 18090, 18091
@@ -46,7 +48,7 @@ procs = Procs()
 
 def wrk(script, seconds, url=f"http://127.0.0.1:{PROXY_PORT}"):
     out = subprocess.run(
-        wrk_argv(url, 4, seconds, script, threads=1),
+        wrk_argv(url, CONNS, seconds, script, threads=1),
         capture_output=True, text=True, check=True,
     ).stdout
     if "Non-2xx" in out:

@@ -3,6 +3,7 @@
 # two builds on a noisy machine. Installs valgrind from Debian's packages when missing.
 # Usage: bench/callgrind.sh [seconds=8] [--top|--self] [--haproxy]
 # --haproxy also counts haproxy (one thread, no log) in front of the same upstream.
+# CONNS=<n> sets wrk's connections (4 by default).
 # SLUICE_BIN=<path> measures another build (an older commit's, for a before/after figure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
