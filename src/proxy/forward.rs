@@ -317,22 +317,27 @@ where
         };
         // Not a `match` around the await: its scrutinee (the request, 240 bytes) would
         // stay in the future while the upstream answers.
-        let (req, max_wait, switching) = match admit(app, &config, route.as_ref(), target, req) {
+        let (mut req, max_wait, switching) = match admit(app, &config, route.as_ref(), target, req)
+        {
             Ok(admitted) => admitted,
             Err(e) => return done(Err(e)),
         };
         // A priced family's request learns its cost first (boxed: the rarer path, whose
-        // future would otherwise size every request's).
-        let priced = route.as_ref().and_then(|r| prices_of(&config, r));
-        let (req, costs) = match (priced, route.as_ref()) {
-            (Some(prices), Some(r)) => {
-                match Box::pin(price_request((app, &config), r, prices, req, target.path())).await {
-                    Ok((req, costs)) => (req, Some(Box::new(costs))),
-                    Err(e) => return done(Err(e)),
+        // future would otherwise size every request's). The request is put back where it
+        // was: one that is not priced is not moved again.
+        let mut costs = None;
+        if let (Some(prices), Some(r)) =
+            (route.as_ref().and_then(|r| prices_of(&config, r)), &route)
+        {
+            req = match Box::pin(price_request((app, &config), r, prices, req, target.path())).await
+            {
+                Ok((req, c)) => {
+                    costs = Some(Box::new(c));
+                    req
                 }
-            }
-            _ => (req, None),
-        };
+                Err(e) => return done(Err(e)),
+            };
+        }
         let own = upstreams.map(|conns| Own {
             conns,
             host: target.written_host(),
