@@ -656,12 +656,14 @@ where
     Ok((Request::from_parts(parts, body), max_wait, switching))
 }
 
-fn from_upstream(resp: Response<Body>) -> Response<Body> {
-    let (mut parts, body) = resp.into_parts();
+fn from_upstream(mut resp: Response<Body>) -> Response<Body> {
+    // In place: taken apart and put together, the response was copied twice.
+    let version = resp.version();
+    let headers = resp.headers_mut();
     // A response's TE means nothing (RFC 9110 §10.1.4 defines it for requests).
-    let _ = strip_hop_by_hop(&mut parts.headers);
-    append_via(&mut parts.headers, parts.version);
-    Response::from_parts(parts, body)
+    let _ = strip_hop_by_hop(headers);
+    append_via(headers, version);
+    resp
 }
 
 #[cfg(test)]
