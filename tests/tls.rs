@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use support::Proxy;
-use support::certs::tls_upstream;
+use support::certs::{h2_tunnel, intercepting, tls_upstream};
 use support::connect_tunnel;
 use tokio::time::Instant;
 
@@ -36,15 +36,11 @@ fn strs(v: &[&str]) -> Vec<String> {
 async fn intercepted_https_is_limited_like_plain_http_over_h1_and_h2() {
     let dir = tempfile::tempdir().unwrap();
     let up = tls_upstream(dir.path()).await;
-    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
-    let proxy = Proxy::start(
-        &format!(
-            "[tls]\nca_cert = {:?}\nca_key = {:?}\n\
-             [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\nupstream_ca = {:?}\n\
-             [[upstream.family]]\nname = \"items\"\npaths = [\"/v1/**\"]\n\
-             limits = [{{ kind = \"sliding_window\", permits = 3, window = \"1s\" }}]\n",
-            ca_cert, ca_key, up.ca_path
-        ),
+    let (proxy, ca_cert) = intercepting(
+        dir.path(),
+        &up,
+        "[[upstream.family]]\nname = \"items\"\npaths = [\"/v1/**\"]\n\
+         limits = [{ kind = \"sliding_window\", permits = 3, window = \"1s\" }]\n",
     )
     .await;
     let url = format!("https://{}/v1/items", up.addr);
@@ -189,13 +185,7 @@ async fn a_tunnel_to_an_unmatched_host_still_works() {
 async fn reqwest_with_the_ca_added_over_http1_and_http2() {
     let dir = tempfile::tempdir().unwrap();
     let up = tls_upstream(dir.path()).await;
-    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
-    let proxy = Proxy::start(&format!(
-        "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
-         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\nupstream_ca = {:?}\n",
-        up.ca_path
-    ))
-    .await;
+    let (proxy, ca_cert) = intercepting(dir.path(), &up, "").await;
     let ca = reqwest::Certificate::from_pem(&std::fs::read(&ca_cert).unwrap()).unwrap();
     for http2 in [false, true] {
         let mut b = reqwest::Client::builder()
@@ -430,14 +420,12 @@ async fn intercepted_clients_offering_http_1_0_or_no_alpn_are_served() {
 async fn expect_100_continue_inside_interception_over_h1_and_h2() {
     let dir = tempfile::tempdir().unwrap();
     let up = tls_upstream(dir.path()).await;
-    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
-    let proxy = Proxy::start(&format!(
-        "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
-         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n\
-         upstream_ca = {:?}\nmax_wait = \"100ms\"\n\
-         limits = [{{ kind = \"fixed_window\", permits = 2, window = \"1m\" }}]\n",
-        up.ca_path
-    ))
+    let (proxy, ca_cert) = intercepting(
+        dir.path(),
+        &up,
+        "max_wait = \"100ms\"\n\
+         limits = [{ kind = \"fixed_window\", permits = 2, window = \"1m\" }]\n",
+    )
     .await;
     let upload = dir.path().join("upload");
     std::fs::write(&upload, vec![b'x'; 200_000]).unwrap();
@@ -499,19 +487,9 @@ async fn expect_100_continue_inside_interception_over_h1_and_h2() {
 async fn a_rapid_reset_flood_inside_interception_is_bounded() {
     let dir = tempfile::tempdir().unwrap();
     let up = tls_upstream(dir.path()).await;
-    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
-    let proxy = Proxy::start(&format!(
-        "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
-         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n\
-         upstream_ca = {:?}\n",
-        up.ca_path
-    ))
-    .await;
-    let connector = support::certs::connector(&ca_cert, &[b"h2"]);
+    let (proxy, ca_cert) = intercepting(dir.path(), &up, "").await;
     let target = up.addr;
-    let tunnel = connect_tunnel(proxy.addr, target).await;
-    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
-    let tls = connector.connect(name, tunnel).await.unwrap();
+    let tls = h2_tunnel(proxy.addr, &ca_cert, target).await;
     let (mut send, conn) = h2::client::handshake(tls).await.unwrap();
     let conn = tokio::spawn(conn);
     let mut sent = 0;
@@ -673,13 +651,7 @@ fn runs(program: &str, arg: &str) -> bool {
 async fn the_documented_trust_recipes_work() {
     let dir = tempfile::tempdir().unwrap();
     let up = tls_upstream(dir.path()).await;
-    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
-    let proxy = Proxy::start(&format!(
-        "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
-         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\nupstream_ca = {:?}\n",
-        up.ca_path
-    ))
-    .await;
+    let (proxy, ca_cert) = intercepting(dir.path(), &up, "").await;
     let url = format!("https://{}/recipe", up.addr);
     let blocking = |mut cmd: Command| async move {
         tokio::task::spawn_blocking(move || cmd.output().unwrap())
@@ -788,14 +760,7 @@ async fn the_documented_trust_recipes_work() {
 async fn an_upload_the_upstream_answers_early_ends_over_h1_and_h2() {
     let dir = tempfile::tempdir().unwrap();
     let up = tls_upstream(dir.path()).await;
-    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
-    let proxy = Proxy::start(&format!(
-        "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
-         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n\
-         upstream_ca = {:?}\n",
-        up.ca_path
-    ))
-    .await;
+    let (proxy, ca_cert) = intercepting(dir.path(), &up, "").await;
     let upload = dir.path().join("upload");
     std::fs::write(&upload, vec![b'x'; 8 << 20]).unwrap();
     let (ok, out, err) = curl(vec![
@@ -818,10 +783,7 @@ async fn an_upload_the_upstream_answers_early_ends_over_h1_and_h2() {
     .await;
     assert!(ok && out == "secure hello 200", "HTTP/1.1: {out} {err}");
 
-    let connector = support::certs::connector(&ca_cert, &[b"h2"]);
-    let tunnel = connect_tunnel(proxy.addr, up.addr).await;
-    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
-    let tls = connector.connect(name, tunnel).await.unwrap();
+    let tls = h2_tunnel(proxy.addr, &ca_cert, up.addr).await;
     let (send, conn) = h2::client::handshake(tls).await.unwrap();
     tokio::spawn(conn);
     let mut send = send.ready().await.unwrap();

@@ -299,19 +299,9 @@ async fn extended_connect_is_not_offered_inside_intercepted_h2() {
     support::crypto();
     let dir = tempfile::tempdir().unwrap();
     let up = support::certs::tls_upstream(dir.path()).await;
-    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.path().join("ca")).unwrap();
-    let proxy = Proxy::start(&format!(
-        "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
-         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n\
-         upstream_ca = {:?}\n",
-        up.ca_path
-    ))
-    .await;
+    let (proxy, ca_cert) = support::certs::intercepting(dir.path(), &up, "").await;
     let target = up.addr;
-    let tunnel = connect_tunnel(proxy.addr, target).await;
-    let connector = support::certs::connector(&ca_cert, &[b"h2"]);
-    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
-    let tls = connector.connect(name, tunnel).await.unwrap();
+    let tls = support::certs::h2_tunnel(proxy.addr, &ca_cert, target).await;
     let (mut send, conn) = hyper::client::conn::http2::handshake(
         hyper_util::rt::TokioExecutor::new(),
         hyper_util::rt::TokioIo::new(tls),

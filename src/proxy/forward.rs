@@ -326,8 +326,8 @@ where
         // future would otherwise size every request's). The request is put back where it
         // was: one that is not priced is not moved again.
         let mut costs = None;
-        if let (Some(prices), Some(r)) =
-            (route.as_ref().and_then(|r| prices_of(&config, r)), &route)
+        if let Some(r) = &route
+            && let Some(prices) = prices_of(&config, r)
         {
             req = match Box::pin(price_request((app, &config), r, prices, req, target.path())).await
             {

@@ -138,3 +138,30 @@ pub fn connector(ca: &Path, alpn: &[&[u8]]) -> tokio_rustls::TlsConnector {
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     tokio_rustls::TlsConnector::from(Arc::new(config))
 }
+
+/// sluice intercepting HTTPS to 127.0.0.1 (upstream `secure`), with a new CA of its own
+/// in `dir/ca` and `up`'s CA trusted for the upstream; `more` goes on the upstream's table
+/// (its own keys, then families). Returns the proxy and its CA certificate.
+pub async fn intercepting(dir: &Path, up: &TlsUpstream, more: &str) -> (crate::Proxy, PathBuf) {
+    let (ca_cert, ca_key) = sluice::write_new_ca(&dir.join("ca")).unwrap();
+    let proxy = crate::Proxy::start(&format!(
+        "[tls]\nca_cert = {ca_cert:?}\nca_key = {ca_key:?}\n\
+         [[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\ntls = \"intercept\"\n\
+         upstream_ca = {:?}\n{more}",
+        up.ca_path
+    ))
+    .await;
+    (proxy, ca_cert)
+}
+
+/// TLS to `target` through a CONNECT tunnel of `proxy`, trusting only `ca`, with `h2`
+/// agreed by ALPN: what an HTTP/2 client of an intercepted upstream speaks over.
+pub async fn h2_tunnel(
+    proxy: SocketAddr,
+    ca: &Path,
+    target: SocketAddr,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let tunnel = crate::connect_tunnel(proxy, target).await;
+    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    connector(ca, &[b"h2"]).connect(name, tunnel).await.unwrap()
+}
