@@ -24,6 +24,7 @@ from common import Procs, hello_nginx, round_order, shipped_off_haproxy, wrk
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 SECONDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 THREADS = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+CONNS = int(os.environ.get("CONNS", "32"))
 UP, SHIPPED, OFF, HAPROXY, ADMIN = 18480, 18481, 18482, 18483, 18484
 SWITCH = re.compile(r"prev_comm=(.+?) prev_pid=(\d+) .*?prev_state=(\S+) ==> next_comm=(.+?) next_pid=(\d+)")
 
@@ -64,11 +65,11 @@ def main():
         data = os.path.join(work, "sched.data")
         for r in range(ROUNDS):
             for name, url, script, p in round_order(targets, r):
-                wrk(url, 32, 1, script, THREADS)
+                wrk(url, CONNS, 1, script, THREADS)
                 rec = subprocess.Popen(["perf", "record", "-q", "-a", "-e", "sched:sched_switch", "-o", data],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(0.5)
-                rps, _, _, n = wrk(url, 32, SECONDS, script, THREADS, count=True)
+                rps, _, _, n = wrk(url, CONNS, SECONDS, script, THREADS, count=True)
                 rec.send_signal(2)
                 rec.wait()
                 row = {k: v / n * 1000 for k, v in switches(data, p.pid).items()}
@@ -83,7 +84,7 @@ def report(rows):
     names = list(rows)
     keys = sorted({k for rs in rows.values() for r in rs for k in r if k != "rps"},
                   key=lambda k: -statistics.median(r.get(k, 0) for r in rows[names[0]]))
-    print(f"wrk -t{THREADS} -c32, {ROUNDS} rounds x {SECONDS} s; context switches per 1000 requests, "
+    print(f"wrk -t{THREADS} -c{CONNS}, {ROUNDS} rounds x {SECONDS} s; context switches per 1000 requests, "
           "machine-wide, medians")
     print("| | " + " | ".join(names) + " |")
     print("| --- |" + " --- |" * len(names))

@@ -4,7 +4,7 @@
 # why (it slept, or a woken task preempted it). sluice as shipped, sluice with the log
 # off, and haproxy with as many threads. Installs haproxy and perf from Debian's
 # packages when missing. Loopback only.
-# Usage: bench/switches.sh [rounds=4] [seconds=3] [wrk threads=2]
+# Usage: [CONNS=32] bench/switches.sh [rounds=4] [seconds=3] [wrk threads=2]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/prepare.sh
