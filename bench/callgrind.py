@@ -33,7 +33,7 @@ from common import (
 SECONDS = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 8
 TOP = "--top" in sys.argv or "--self" in sys.argv
 HAPROXY = "--haproxy" in sys.argv
-# CONNS=256: wrk's connections (4 by default).
+# CONNS: wrk's connections (4 by default).
 CONNS = int(os.environ.get("CONNS", "4"))
 HAPROXY_PORT = 13139
 SELF = "--self" in sys.argv

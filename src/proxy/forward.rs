@@ -657,7 +657,7 @@ where
 }
 
 fn from_upstream(mut resp: Response<Body>) -> Response<Body> {
-    // In place: taken apart and put together, the response was copied twice.
+    // In place: taking it apart and putting it together would copy it twice.
     let version = resp.version();
     let headers = resp.headers_mut();
     // A response's TE means nothing (RFC 9110 §10.1.4 defines it for requests).
