@@ -13,9 +13,11 @@ WORKDIR /src
 ENV CARGO_PROFILE_RELEASE_DEBUG=0 \
     CARGO_PROFILE_RELEASE_STRIP=symbols
 # The workspace: its manifest, lock file and every member (cargo reads them all before
-# it builds one binary), and the bench target the manifest declares. scripts/check-image
-# builds this stage's layout without a container engine.
+# it builds one binary), the bench target the manifest declares, and the build flags in
+# .cargo/config.toml. scripts/check-image builds this stage's layout without a container
+# engine.
 COPY Cargo.toml Cargo.lock ./
+COPY .cargo ./.cargo
 COPY benches ./benches
 COPY crates ./crates
 COPY src ./src

@@ -102,6 +102,7 @@ impl Workers {
                 .name(format!("sluice-worker-{i}"))
                 .spawn(move || {
                     crate::log::batch_thread();
+                    crate::upstream::turn::enroll(rt.handle());
                     let _ = pinned_tx.send(cpu.is_some_and(pin_to));
                     drop(pinned_tx);
                     rt.block_on(done.cancelled())
@@ -507,7 +508,9 @@ fn handle(
             // otherwise size every plain request's future.
             Box::pin(connect::tunnel(&conn.app, &conn.lc, req, conn.peer)).await
         } else {
-            forward::forward(&conn.app, &conn.lc, &conn.upstreams, req).await
+            let resp = forward::forward(&conn.app, &conn.lc, &conn.upstreams, req).await;
+            crate::upstream::turn::write_in_turn().await;
+            resp
         })
     }
 }

@@ -2,8 +2,10 @@
 //! plain-HTTP connections ([`pinned`], speaking sluice's HTTP/1.1 client side from
 //! [`h1`]), hyper's pooled client for TLS ([`pooled`]), the request body that reports its
 //! hand-over ([`outbound`]) and the replayable one ([`replay`]), the per-connection
-//! timers ([`timer`]), the head every attempt of a request sends ([`head`]), the upstream's side of a switched protocol ([`switched`]), and
-//! [`error`], how one attempt failed, whichever connection carried it.
+//! timers ([`timer`]), the head every attempt of a request sends ([`head`]), the
+//! upstream's side of a switched protocol ([`switched`]), the order of a busy worker's
+//! writes ([`turn`]), and [`error`], how one attempt failed, whichever connection carried
+//! it.
 
 pub(crate) mod error;
 pub mod h1;
@@ -14,6 +16,7 @@ pub(crate) mod pooled;
 pub(crate) mod replay;
 pub(crate) mod switched;
 pub(crate) mod timer;
+pub(crate) mod turn;
 
 use std::future::Future;
 

@@ -347,6 +347,7 @@ impl PinnedConns {
                     conns: self.clone(),
                     key,
                 };
+                super::turn::write_in_turn().await;
                 match exchange(conn, out, owner).await {
                     // The request asked to switch (see `upgrade`): the connection goes to
                     // the forward path, which joins it to the client's. Looked up only
