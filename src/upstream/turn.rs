@@ -1,13 +1,13 @@
-//! The order of a busy worker's socket writes: while other connections wait to run on the
-//! worker, or other requests are already held back, a request waits for the runtime's next
-//! look at its sockets before it is written, to its upstream or back to its client. A busy
-//! worker so reads every connection that is ready, then writes what it read in one run,
-//! as haproxy's event loop does.
+//! The order of a busy worker's socket writes: while several other tasks wait to run on
+//! the worker (`HOLD_FROM`), or other requests are already held back, a request waits
+//! for the runtime's next look at its sockets before it is written, to its upstream or
+//! back to its client. A busy worker so reads every connection that is ready, then writes
+//! what it read in one run, as haproxy's event loop does.
 //!
 //! Why: on loopback a write wakes the reader at the far end, and a reader woken early
 //! finds one request, answers it and sleeps again. Written in runs, a busy worker's
 //! requests reach the upstream together and it answers them in one wake. At 256
-//! connections this is about 3% of the rate (docs/BENCHMARKS.md, "Reads before writes").
+//! connections this is 3–6% of the rate (docs/BENCHMARKS.md, "Reads before writes").
 //!
 //! A held request keeps what it holds (its limiter permits, its upstream connection)
 //! while the worker runs the rest of its queue, looks at its sockets once and gives each
@@ -30,6 +30,13 @@ thread_local! {
     static HELD: Cell<u32> = const { Cell::new(0) };
 }
 
+/// Tasks queued behind a request that start a round of held writes. Holding costs the
+/// request a second poll and the worker an extra look at its sockets (about 1.9k
+/// instructions a held request under callgrind with two connections a worker, 14% of a
+/// matched request when every one was held), repaid only when enough writes go together.
+#[cfg(tokio_unstable)]
+const HOLD_FROM: usize = 4;
+
 /// Makes the calling thread's writes take their turn. Called on a worker thread, before
 /// it drives `rt`, a current-thread runtime (whose one queue is worker 0's).
 pub(crate) fn enroll(rt: &tokio::runtime::Handle) {
@@ -41,15 +48,15 @@ pub(crate) fn enroll(rt: &tokio::runtime::Handle) {
     let _ = rt;
 }
 
-/// Called before a write: on an enrolled thread, waits while other tasks are queued or
-/// other requests held. tokio runs a yielded task after its next look at the sockets, so
-/// the held writes go together, after every read the worker had ready. Alone, a request
-/// writes at once.
+/// Called before a write: on an enrolled thread, waits while `HOLD_FROM` or more tasks
+/// are queued or other requests held. tokio runs a yielded task after its next look at
+/// the sockets, so the held writes go together, after every read the worker had ready.
+/// Alone, or behind a few, a request writes at once.
 pub(crate) async fn write_in_turn() {
     #[cfg(tokio_unstable)]
     if QUEUE.with(|q| {
         q.get()
-            .is_some_and(|m| HELD.get() > 0 || m.worker_local_queue_depth(0) > 0)
+            .is_some_and(|m| HELD.get() > 0 || m.worker_local_queue_depth(0) >= HOLD_FROM)
     }) {
         let _held = Held::new();
         tokio::task::yield_now().await;
@@ -104,16 +111,22 @@ mod tests {
             rt
         }
 
-        /// Alone, a request writes at once; with a task queued, or another request held,
-        /// it waits; a held request dropped no longer holds the others back.
+        /// Alone, or behind fewer than `HOLD_FROM` queued tasks, a request writes at once;
+        /// behind `HOLD_FROM`, or with another request held, it waits; a held request
+        /// dropped no longer holds the others back.
         #[test]
         fn a_request_waits_only_behind_others() {
             runtime().block_on(async {
                 assert!(write_in_turn().now_or_never().is_some(), "alone");
-                let queued = tokio::spawn(async {});
+                let few: Vec<_> = (1..HOLD_FROM).map(|_| tokio::spawn(async {})).collect();
+                assert!(write_in_turn().now_or_never().is_some(), "a few queued");
+                let more = tokio::spawn(async {});
                 let mut first = Box::pin(write_in_turn());
-                assert!((&mut first).now_or_never().is_none(), "a task queued");
-                queued.await.unwrap();
+                assert!((&mut first).now_or_never().is_none(), "HOLD_FROM queued");
+                for t in few {
+                    t.await.unwrap();
+                }
+                more.await.unwrap();
                 assert!(
                     write_in_turn().now_or_never().is_none(),
                     "nothing queued, another request held"
@@ -126,12 +139,14 @@ mod tests {
             });
         }
 
-        /// Connections ready together: every one is read before any is written.
+        /// Connections ready together, more than `HOLD_FROM`: every one is read before any
+        /// is written, the last ones too, queued behind fewer.
         #[test]
         fn a_busy_workers_writes_follow_its_reads() {
+            const CONNS: usize = HOLD_FROM + 2;
             let seen = Arc::new(Mutex::new(Vec::new()));
             runtime().block_on(async {
-                let conns: Vec<_> = (0..4)
+                let conns: Vec<_> = (0..CONNS)
                     .map(|i| {
                         let seen = seen.clone();
                         tokio::spawn(async move {
@@ -147,10 +162,10 @@ mod tests {
             });
             let mut seen = seen.lock().clone();
             // tokio wakes yielded tasks in an order of its own.
-            seen[4..].sort();
-            let want: Vec<String> = (0..4)
+            seen[CONNS..].sort();
+            let want: Vec<String> = (0..CONNS)
                 .map(|i| format!("read {i}"))
-                .chain((0..4).map(|i| format!("write {i}")))
+                .chain((0..CONNS).map(|i| format!("write {i}")))
                 .collect();
             assert_eq!(seen, want);
         }
