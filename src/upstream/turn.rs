@@ -19,13 +19,13 @@
 //! replaces the file's flags) writes every request at once, as it is read.
 
 #[cfg(tokio_unstable)]
-use std::cell::{Cell, OnceCell};
+use std::cell::{Cell, RefCell};
 
 #[cfg(tokio_unstable)]
 thread_local! {
     /// The metrics of the current-thread runtime this thread drives, set by [`enroll`]:
     /// they hold the length of its queue of tasks ready to run.
-    static QUEUE: OnceCell<tokio::runtime::RuntimeMetrics> = const { OnceCell::new() };
+    static QUEUE: RefCell<Option<tokio::runtime::RuntimeMetrics>> = const { RefCell::new(None) };
     /// Requests held back on this thread until the runtime's next look at its sockets.
     static HELD: Cell<u32> = const { Cell::new(0) };
 }
@@ -37,13 +37,12 @@ thread_local! {
 #[cfg(tokio_unstable)]
 const HOLD_FROM: usize = 4;
 
-/// Makes the calling thread's writes take their turn. Called on a worker thread, before
-/// it drives `rt`, a current-thread runtime (whose one queue is worker 0's).
+/// Makes the calling thread's writes take their turn behind `rt`'s queue. Called on a
+/// worker thread, before it drives `rt`, a current-thread runtime (whose one queue is
+/// worker 0's); a thread that goes on to drive another runtime enrolls again.
 pub(crate) fn enroll(rt: &tokio::runtime::Handle) {
     #[cfg(tokio_unstable)]
-    QUEUE.with(|q| {
-        let _ = q.set(rt.metrics());
-    });
+    QUEUE.with_borrow_mut(|q| *q = Some(rt.metrics()));
     #[cfg(not(tokio_unstable))]
     let _ = rt;
 }
@@ -54,8 +53,8 @@ pub(crate) fn enroll(rt: &tokio::runtime::Handle) {
 /// Alone, or behind a few, a request writes at once.
 pub(crate) async fn write_in_turn() {
     #[cfg(tokio_unstable)]
-    if QUEUE.with(|q| {
-        q.get()
+    if QUEUE.with_borrow(|q| {
+        q.as_ref()
             .is_some_and(|m| HELD.get() > 0 || m.worker_local_queue_depth(0) >= HOLD_FROM)
     }) {
         let _held = Held::new();
@@ -137,6 +136,13 @@ mod tests {
                     "the held one dropped"
                 );
             });
+        }
+
+        /// A thread that drives a second runtime waits behind that runtime's queue.
+        #[test]
+        fn a_thread_follows_the_runtime_it_enrolled_last() {
+            drop(runtime());
+            a_request_waits_only_behind_others();
         }
 
         /// Connections ready together, more than `HOLD_FROM`: every one is read before any
