@@ -454,18 +454,31 @@ impl Line {
             );
             self.prefix = p;
         }
+        let mut rest = [b'Z'; 7];
+        rest[..6].copy_from_slice(&digits::<6>(since.subsec_micros()));
         self.buf.extend_from_slice(&self.prefix);
-        push_padded(&mut self.buf, since.subsec_micros(), 6);
-        self.buf.push(b'Z');
+        self.buf.extend_from_slice(&rest);
     }
 }
 
-/// `n` in decimal, left-padded with zeros to `width` digits.
-fn push_padded(buf: &mut Vec<u8>, n: u32, width: usize) {
-    let mut digits = itoa::Buffer::new();
-    let s = digits.format(n);
-    buf.extend(std::iter::repeat_n(b'0', width.saturating_sub(s.len())));
-    buf.extend_from_slice(s.as_bytes());
+/// The last `W` decimal digits of `n`, zero-padded: a fixed width needs neither a
+/// formatter nor padding, and the divisions by ten unroll into multiplications.
+fn digits<const W: usize>(mut n: u32) -> [u8; W] {
+    let mut out = [b'0'; W];
+    for d in out.iter_mut().rev() {
+        *d = b'0' + (n % 10) as u8;
+        n /= 10;
+    }
+    out
+}
+
+/// A status code: three digits (RFC 9110 §15), anything else as it is.
+fn push_status(buf: &mut Vec<u8>, status: u16) {
+    if (100..1000).contains(&status) {
+        buf.extend_from_slice(&digits::<3>(u32::from(status)));
+    } else {
+        buf.extend_from_slice(itoa::Buffer::new().format(status).as_bytes());
+    }
 }
 
 /// Milliseconds with three decimals (microseconds), e.g. `8.212`. In 64 bits: the
@@ -475,10 +488,9 @@ fn push_millis(buf: &mut Vec<u8>, d: Duration) {
         .as_secs()
         .saturating_mul(1000)
         .saturating_add(u64::from(d.subsec_millis()));
-    let mut digits = itoa::Buffer::new();
-    buf.extend_from_slice(digits.format(millis).as_bytes());
-    buf.push(b'.');
-    push_padded(buf, d.subsec_micros() % 1000, 3);
+    buf.extend_from_slice(itoa::Buffer::new().format(millis).as_bytes());
+    let [a, b, c] = digits::<3>(d.subsec_micros() % 1000);
+    buf.extend_from_slice(&[b'.', a, b, c]);
 }
 
 // The two formats are written out separately, each field name fused with the separator
@@ -502,7 +514,7 @@ impl Access<'_> {
             push_plain(buf, value);
         }
         buf.extend_from_slice(b" status=");
-        buf.extend_from_slice(itoa::Buffer::new().format(self.status).as_bytes());
+        push_status(buf, self.status);
         buf.extend_from_slice(b" outcome=");
         push_plain(buf, self.outcome);
         buf.extend_from_slice(b" duration_ms=");
@@ -527,7 +539,7 @@ impl Access<'_> {
             push_plain(buf, value);
         }
         buf.extend_from_slice(b"\",\"status\":");
-        buf.extend_from_slice(itoa::Buffer::new().format(self.status).as_bytes());
+        push_status(buf, self.status);
         buf.extend_from_slice(b",\"outcome\":\"");
         push_plain(buf, self.outcome);
         buf.push(b'"');
@@ -705,6 +717,27 @@ mod tests {
         ] {
             let mut b = Vec::new();
             push_millis(&mut b, Duration::from_micros(us));
+            assert_eq!(String::from_utf8(b).unwrap(), want);
+        }
+    }
+
+    #[test]
+    fn microseconds_and_statuses_keep_their_width() {
+        for (us, want) in [(42, "000042"), (0, "000000"), (999_999, "999999")] {
+            let mut line = Line::default();
+            line.stamp(Duration::from_micros(1_796_156_398_000_000 + us));
+            let text = String::from_utf8(std::mem::take(&mut line.buf)).unwrap();
+            assert_eq!(text, format!("2026-12-01T20:19:58.{want}Z"));
+        }
+        for (status, want) in [
+            (200, "200"),
+            (100, "100"),
+            (999, "999"),
+            (99, "99"),
+            (1000, "1000"),
+        ] {
+            let mut b = Vec::new();
+            push_status(&mut b, status);
             assert_eq!(String::from_utf8(b).unwrap(), want);
         }
     }
