@@ -266,10 +266,12 @@ limits = [{{ kind = "token_bucket", rate = 100000000, per = "1s", burst = 100000
     return path
 
 
-def haproxy_config(work, name, port, upstream_port, threads, bind="", server=""):
+def haproxy_config(work, name, port, upstream_port, threads, bind="", server="", frontend=()):
     """A haproxy config with its defaults (no log, `http-reuse safe`): `threads` threads
     listening on 127.0.0.1:`port` in front of 127.0.0.1:`upstream_port`; `bind` and
-    `server` add options to those lines (TLS, say). Returns its path."""
+    `server` add options to those lines (TLS, say), `frontend` lines to its frontend.
+    Returns its path."""
+    rules = "".join(f"  {line}\n" for line in frontend)
     path = os.path.join(work, name)
     with open(path, "w") as f:
         f.write(f"""global
@@ -281,7 +283,7 @@ defaults
   timeout server 30s
 frontend fe
   bind 127.0.0.1:{port} {bind}
-  default_backend be
+{rules}  default_backend be
 backend be
   server s1 127.0.0.1:{upstream_port} {server}
 """)
