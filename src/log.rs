@@ -164,6 +164,7 @@ pub fn install(queue: usize) -> std::io::Result<Guard> {
     if SINK.set(sink).is_err() {
         return Ok(Guard { started: false });
     }
+    widen_pipe(&std::io::stderr(), PIPE_BYTES);
     let spawned = std::thread::Builder::new()
         .name("sluice-log".into())
         .spawn(|| {
@@ -180,6 +181,25 @@ pub fn install(queue: usize) -> std::io::Result<Guard> {
     }
     Ok(Guard { started: true })
 }
+
+/// What a pipe on stderr is widened to: a busy proxy's batch of [`LINGER`] (about 150 KiB
+/// at 80k requests a second) fits in it, so the writer hands it over in one `write(2)`
+/// instead of blocking until the reader has taken the first 64 KiB (Linux's default),
+/// and a reader that stalls for tens of milliseconds costs no line. 1 MiB is the most an
+/// unprivileged process may ask for by default (`/proc/sys/fs/pipe-max-size`).
+const PIPE_BYTES: usize = 1 << 20;
+
+/// Widens `out` to `bytes` when it is a narrower pipe; anything else (a file, a
+/// terminal, a pipe someone made wider, a refusal) is left as it is.
+#[cfg(target_os = "linux")]
+fn widen_pipe(out: &impl std::os::fd::AsFd, bytes: usize) {
+    if rustix::pipe::fcntl_getpipe_size(out).is_ok_and(|n| n < bytes) {
+        let _ = rustix::pipe::fcntl_setpipe_size(out, bytes);
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn widen_pipe(_: &impl std::os::fd::AsFd, _: usize) {}
 
 /// tracing-subscriber's writer: its lines go through the same buffer as access lines, so
 /// the two never interleave within a line and keep their order.
@@ -740,6 +760,38 @@ mod tests {
             push_status(&mut b, status);
             assert_eq!(String::from_utf8(b).unwrap(), want);
         }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_pipe_on_stderr_is_widened_and_nothing_else_is_touched() {
+        use rustix::pipe::{fcntl_getpipe_size, fcntl_setpipe_size};
+        let max: usize = std::fs::read_to_string("/proc/sys/fs/pipe-max-size")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(PIPE_BYTES);
+        let (_reader, writer) = std::io::pipe().unwrap();
+        let before = fcntl_getpipe_size(&writer).unwrap();
+        assert!(before < PIPE_BYTES);
+        widen_pipe(&writer, PIPE_BYTES);
+        let after = fcntl_getpipe_size(&writer).unwrap();
+        // Beyond the system's maximum only a privileged process may go; a refusal leaves
+        // the pipe as it was.
+        assert!(
+            after == PIPE_BYTES || (max < PIPE_BYTES && after == before),
+            "{before} -> {after}, max {max}"
+        );
+
+        // A pipe its creator made wider than asked for stays as wide.
+        let (_reader, writer) = std::io::pipe().unwrap();
+        let wide = fcntl_setpipe_size(&writer, 256 << 10).unwrap();
+        widen_pipe(&writer, 128 << 10);
+        assert_eq!(fcntl_getpipe_size(&writer).unwrap(), wide);
+
+        // A file is no pipe: left as it is, without an error.
+        let file = tempfile::tempfile().unwrap();
+        widen_pipe(&file, PIPE_BYTES);
+        assert!(fcntl_getpipe_size(&file).is_err());
     }
 
     fn test_sink(max_lines: usize) -> Sink {
