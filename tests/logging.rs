@@ -19,29 +19,6 @@ fn config_for(dir: &std::path::Path, up: &Upstream) -> std::path::PathBuf {
     )
 }
 
-/// An upstream that answers every request `200 ok` and keeps nothing: the test-support
-/// one records each request and scans the record on every answer, which thousands of
-/// long paths make quadratic.
-async fn plain_upstream() -> std::net::SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(|_| async {
-                    let ok = http_body_util::Full::new(bytes::Bytes::from_static(b"ok"));
-                    Ok::<_, std::convert::Infallible>(hyper::Response::new(ok))
-                });
-                let io = hyper_util::rt::TokioIo::new(tcp);
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(io, svc)
-                    .await;
-            });
-        }
-    });
-    addr
-}
-
 /// The binary on `path` with its stderr piped to the test (a `Sluice` reads the whole
 /// pipe itself; these tests hold it or read it as it comes).
 fn spawn_piped(
@@ -88,10 +65,9 @@ async fn every_access_line_reaches_the_pipe_by_the_end_of_a_sigterm() {
 #[tokio::test]
 async fn a_stalled_log_pipe_never_blocks_a_request() {
     crypto();
-    let up = plain_upstream().await;
+    let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let upstream = format!("[[upstream]]\nname = \"api\"\nhosts = [\"{up}\"]\n");
-    let path = binary_config(dir.path(), &upstream);
+    let path = config_for(dir.path(), &up);
     // stderr held, never read after the "listening" line: the pipe (widened to 1 MiB by
     // sluice) fills after about 900 lines of a KiB each.
     let (mut child, mut stderr, _reaper) = spawn_piped(&path, &[("SLUICE_LOG_QUEUE", "1000")]);
@@ -110,7 +86,7 @@ async fn a_stalled_log_pipe_never_blocks_a_request() {
         let tasks: Vec<_> = (0..4)
             .map(|_| {
                 let client = client_via(port);
-                let url = format!("http://{up}/{}", "a".repeat(1024));
+                let url = up.url(&format!("/{}", "a".repeat(1024)));
                 tokio::spawn(async move {
                     for _ in 0..1000 {
                         let r = client.get(&url).send().await.unwrap();

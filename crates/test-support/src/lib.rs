@@ -226,16 +226,6 @@ async fn respond(req: Request<Incoming>, seen: &Mutex<Vec<Seen>>) -> Response<Te
     });
     let path = req.uri().path().to_string();
     let head_only = req.method() == http::Method::HEAD;
-    // By path: over HTTP/2 the URI is in absolute form.
-    let nth = seen
-        .lock()
-        .iter()
-        .filter(|x| {
-            x.uri
-                .parse::<http::Uri>()
-                .is_ok_and(|u| u.path() == path.as_str())
-        })
-        .count();
     let mut parts = path.trim_start_matches('/').splitn(2, '/');
     let (head, arg) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let mut resp = match head {
@@ -325,6 +315,18 @@ async fn respond(req: Request<Incoming>, seen: &Mutex<Vec<Seen>>) -> Response<Te
             // Like most APIs, it reads the request before it answers: an answer before the
             // body has arrived is another scenario (sluice relays it at once).
             let _ = req.into_body().collect().await;
+            // Its turn among the requests for this path: by path, since over HTTP/2 the
+            // URI is in absolute form. Counted here only: a scan of every request seen
+            // would make a test of thousands of requests quadratic.
+            let nth = seen
+                .lock()
+                .iter()
+                .filter(|x| {
+                    x.uri
+                        .parse::<http::Uri>()
+                        .is_ok_and(|u| u.path() == path.as_str())
+                })
+                .count();
             return scripted(arg, nth).await;
         }
         "status" => {
