@@ -348,9 +348,17 @@ impl ImageRoot {
         let root = tempfile::tempdir().unwrap();
         let dir = root.path().to_path_buf();
         set_mode(&dir, 0o755);
-        // The binary, where the image has it.
+        // The binary, where the image has it. Copied by `cp`, not `std::fs::copy`: a
+        // copy made here holds a writable descriptor that a child forked by a test on
+        // another thread inherits until its exec, and while any process holds one,
+        // executing the file fails with ETXTBSY. `cp` has exited before we exec.
         let bin = dir.join("sluice");
-        std::fs::copy(env!("CARGO_BIN_EXE_sluice"), &bin).unwrap();
+        let cp = std::process::Command::new("cp")
+            .arg(env!("CARGO_BIN_EXE_sluice"))
+            .arg(&bin)
+            .status()
+            .unwrap();
+        assert!(cp.success(), "cp: {cp}");
         set_mode(&bin, 0o755);
         ImageRoot {
             _root: root,
