@@ -22,6 +22,8 @@
 //! - [`explain`]: `sluice explain`, through the same routing code.
 //! - [`log`]: the access line and the buffer every stderr line goes through; process-wide,
 //!   as stderr is.
+//! - [`clock`]: the monotonic clock as the request path reads it, once per task poll on a
+//!   worker.
 //! - [`admin`] and [`metrics`]: the operator's side; [`reload`]: the file watcher and
 //!   SIGHUP, which with `POST /reload` end in [`app::App::reload`].
 //! - [`app::App`]: the state every part shares (the live config with its router, plans
@@ -36,6 +38,7 @@
 pub(crate) mod admin;
 pub(crate) mod app;
 pub(crate) mod body;
+pub(crate) mod clock;
 pub(crate) mod cluster;
 pub(crate) mod config;
 pub(crate) mod cpus;

@@ -432,7 +432,7 @@ impl Feedback {
     /// success.
     pub(crate) fn report(self, refused: bool) {
         let mut st = self.cell.lock();
-        let now = Instant::now();
+        let now = crate::clock::now();
         let rates = st.bucket.adapt(self.family, refused, self.admitted, now);
         // Named only for the log line of a cut, the rarer outcome.
         let cut = rates
@@ -480,7 +480,7 @@ impl Permit {
                 id: Id::MAX,
                 epoch: self.epoch,
                 phase: AtomicU8::new(ADMITTED),
-                admitted: Instant::now(),
+                admitted: crate::clock::now(),
                 sent_after: AtomicU64::new(0),
                 edge: None,
                 costs: *costs,
@@ -624,7 +624,7 @@ impl Drop for Permit {
         if self.holds {
             st.bucket.release(self.family, self.epoch);
         }
-        self.cell.changed(&mut st, Instant::now());
+        self.cell.changed(&mut st, crate::clock::now());
         drop(st);
         if let Some(g) = unsent.as_ref().and_then(|t| t.global.as_ref()) {
             g.unsent();
@@ -679,7 +679,7 @@ impl Correction {
         if t.phase.load(Ordering::Relaxed) == UNSENT {
             return;
         }
-        let now = Instant::now();
+        let now = crate::clock::now();
         for &(unit, w) in actual {
             let was = t.costs.of(unit);
             st.bucket
@@ -701,7 +701,7 @@ impl Correction {
     pub(crate) fn learn_in(&self, a: crate::policy::announced::Announced, unit: u8) {
         let t = &self.0;
         let mut st = t.cell.lock();
-        let now = Instant::now();
+        let now = crate::clock::now();
         st.bucket.learn_in(a, unit, now);
         t.cell.changed(&mut st, now);
     }
@@ -715,7 +715,7 @@ impl SendHook {
     pub fn fire(self) {
         let t = &self.0;
         let mut st = t.cell.lock();
-        let now = Instant::now();
+        let now = crate::clock::now();
         let epoch = match t.phase.load(Ordering::Relaxed) {
             ADMITTED => Some(t.epoch),
             // Its permit was already given back, but the provider will see it: count it.

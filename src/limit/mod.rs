@@ -272,7 +272,7 @@ impl Limiter {
         at: Place<'_>,
     ) -> Result<Option<Permit>, LimitError> {
         let (index, deadline, costs) = (at.index, at.deadline, at.costs);
-        let start = Instant::now();
+        let start = crate::clock::now();
         let Some(mut permit) = self.wait(cell.clone(), plan, at).await? else {
             return Ok(None);
         };
@@ -282,7 +282,7 @@ impl Limiter {
             return Ok(Some(permit));
         };
         let family = &plan.spec.families[index];
-        let admitted = Instant::now();
+        let admitted = crate::clock::now();
         let shared = cell.shared(&store);
         // The family's shared limits in the partition's live plan (it follows every
         // reload), those of the plan it was routed under if a reload removed the family.
@@ -351,7 +351,7 @@ impl Limiter {
         }
         let (mut rx, family, seq, max_wait) = {
             let mut st = cell.lock();
-            let now = Instant::now();
+            let now = crate::clock::now();
             if st.catch_up(plan, now) {
                 cell.dispatch(&mut st, now);
                 cell.wake_driver(&mut st);

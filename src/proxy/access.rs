@@ -61,7 +61,7 @@ pub(crate) fn finish(
     if share < 1.0 && rand::random::<f64>() >= share {
         return resp;
     }
-    let now = Instant::now();
+    let now = crate::clock::now();
     crate::log::access(&crate::log::Access {
         method: method.as_str(),
         host,

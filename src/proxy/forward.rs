@@ -216,7 +216,7 @@ pub(crate) fn forward<'a>(
     upstreams: &'a PinnedConns,
     req: Request<Incoming>,
 ) -> impl Future<Output = Response<Body>> + 'a {
-    let start = Instant::now();
+    let start = crate::clock::now();
     let target = Target::from_uri(req.uri());
     route_and_send(app, Some(upstreams), lc, req, target, start)
 }
@@ -247,7 +247,7 @@ where
     B: http_body::Body<Data = bytes::Bytes> + Send + Unpin + 'static,
     B::Error: Into<crate::body::BoxError>,
 {
-    let start = Instant::now();
+    let start = crate::clock::now();
     // A tunnel leads to one origin: a CONNECT inside it asks for another tunnel, which
     // the origin (in authority-form, where it would lose its port) cannot give.
     let target = if req.method() == Method::CONNECT {

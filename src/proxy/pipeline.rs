@@ -208,7 +208,7 @@ impl Waiting<'_> {
     /// Ends the wait now, and returns now: the attempt starts from the same reading.
     fn end(mut self) -> Instant {
         self.ended = true;
-        let now = Instant::now();
+        let now = crate::clock::now();
         self.add(now);
         now
     }
@@ -223,7 +223,7 @@ impl Waiting<'_> {
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         if !self.ended {
-            self.add(Instant::now());
+            self.add(crate::clock::now());
         }
     }
 }
@@ -270,7 +270,7 @@ async fn retry_loop(
     let mut prev_delay = tries.policy.retry.backoff.base;
     let mut attempt_no = 1u32;
     loop {
-        let now = Instant::now();
+        let now = crate::clock::now();
         let mut probe = ProbeGuard {
             circuit: tries.circuit(),
             armed: match tries.circuit().with(|b| b.admit(now)) {
@@ -733,7 +733,7 @@ fn attempt<'a>(
             Poll::Pending => Pin::new(&mut deadline).poll(cx).map(|()| None),
         })
         .await;
-        let settled = Instant::now();
+        let settled = crate::clock::now();
         // The attempt is settled: its permit is the request's again. On failure it is
         // dropped here: if the request never reached a connection, its rate permits go
         // back (the provider never saw it).
@@ -874,7 +874,7 @@ impl Drop for Outstanding {
         let Some(permit) = self.permit.take() else {
             return;
         };
-        if !permit.holds_concurrency() || Instant::now() >= self.until {
+        if !permit.holds_concurrency() || crate::clock::now() >= self.until {
             return;
         }
         // A runtime is there whenever a request's future is dropped, but for the very

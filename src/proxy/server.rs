@@ -78,6 +78,7 @@ impl Workers {
         for i in 0..count {
             let mut rt = tokio::runtime::Builder::new_current_thread();
             rt.enable_all();
+            crate::clock::per_poll(&mut rt);
             // The worker's log lines go to the writer when it has nothing left to run
             // (see `log::batch_thread`).
             match spread.clone() {
@@ -368,7 +369,7 @@ async fn serve_connection(
                 status,
                 outcome,
                 duration: Duration::ZERO,
-                at: tokio::time::Instant::now(),
+                at: crate::clock::now(),
             });
         }
         tracing::debug!(%peer, error = %e, "client connection ended with an error");

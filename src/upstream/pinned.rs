@@ -214,7 +214,7 @@ impl Home for Owner {
         let idle = Idle {
             key,
             conn,
-            since: Instant::now(),
+            since: crate::clock::now(),
         };
         let mut st = conns.state.lock();
         if st.left {
@@ -376,7 +376,7 @@ impl PinnedConns {
                         pending = Pending::Encoded(unsent);
                         // The failed exchange took time: idle connections are judged
                         // by the clock now, not by the attempt's start.
-                        now = Instant::now();
+                        now = crate::clock::now();
                     }
                     Err(failed) => return Err(AttemptError::from_h1(failed.error)),
                 }
@@ -589,7 +589,7 @@ mod tests {
                         last: true,
                     },
                     Outbound::from(body),
-                    Instant::now(),
+                    crate::clock::now(),
                 )
                 .await
         }

@@ -95,7 +95,7 @@ impl ConnTimer {
 )]
 impl hyper::rt::Timer for ConnTimer {
     fn sleep(&self, duration: Duration) -> Pin<Box<dyn hyper::rt::Sleep>> {
-        Box::pin(self.at(Instant::now() + duration))
+        Box::pin(self.at(crate::clock::now() + duration))
     }
 
     fn sleep_until(&self, deadline: std::time::Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {
@@ -103,7 +103,7 @@ impl hyper::rt::Timer for ConnTimer {
     }
 
     fn now(&self) -> std::time::Instant {
-        Instant::now().into_std()
+        crate::clock::now().into_std()
     }
 }
 
