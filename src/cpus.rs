@@ -365,7 +365,18 @@ impl Spread {
     }
 }
 
-#[cfg(target_os = "linux")]
+/// Asked at every wake-up of a worker. glibc (2.35 and later) reads the CPU from the
+/// thread's rseq area, with no system call on any architecture; rustix asks the vDSO on
+/// x86 and makes a system call on aarch64, whose vDSO has no `getcpu`.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+fn current_cpu() -> Option<u32> {
+    // SAFETY: no arguments and no memory of ours; -1 on failure.
+    let cpu = unsafe { libc::sched_getcpu() };
+    u32::try_from(cpu).ok().filter(|&c| c < NOWHERE)
+}
+
+#[cfg(all(target_os = "linux", not(target_env = "gnu")))]
 fn current_cpu() -> Option<u32> {
     u32::try_from(rustix::thread::sched_getcpu())
         .ok()
