@@ -583,7 +583,8 @@ async fn sentinel_fails_over_and_sluice_follows() {
 
 /// A Redis Cluster of three masters with a replica each: one master is killed under
 /// load, the Cluster promotes its replica, and sluice, told only seed nodes, follows the
-/// slot to the new master: back on Redis, no key over its limit, every request answered.
+/// slot to the new master: back on Redis, every request answered, no key over its limit
+/// but for what asynchronous replication loses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_cluster_master_failing_over() {
     let _shared = ALONE.read().await;
@@ -658,13 +659,36 @@ async fn a_redis_cluster_master_failing_over() {
             }
             back = back.max(promoted.elapsed());
         }
-        (promoted - killed, back)
+        (killed, promoted - killed, back)
     };
-    let (answers, (took, back)) = tokio::join!(load, failover);
+    let (answers, (killed, took, back)) = tokio::join!(load, failover);
+    let arrivals = fleet.arrivals(t0);
+    let over_limit: usize = arrivals
+        .values()
+        .map(|a| over(3, Duration::from_secs(1), a))
+        .sum();
     eprintln!(
         "the Cluster promoted a replica {took:?} after its master was killed; \
-         sluice back on Redis {back:?} after that"
+         sluice back on Redis {back:?} after that; {over_limit} arrivals over the limit"
     );
+    // Which gap an arrival over the limit came through shows in when it came and from
+    // which replica: printed, as a rare event is seen only in a CI log.
+    for (key, a) in &arrivals {
+        if over(3, Duration::from_secs(1), a) > 0 {
+            let seen: Vec<String> = fleet
+                .upstream
+                .seen()
+                .iter()
+                .filter(|s| s.at >= t0 && s.header("x-key") == Some(key.as_str()))
+                .map(|s| {
+                    let since = s.at.saturating_duration_since(killed).as_secs_f64()
+                        - killed.saturating_duration_since(s.at).as_secs_f64();
+                    format!("{since:+.3}s r{}", s.header("x-replica").unwrap_or("-"))
+                })
+                .collect();
+            eprintln!("key {key} over its limit; arrivals since the kill: {seen:?}");
+        }
+    }
     assert!(
         back < Duration::from_secs(3),
         "followed within open_for + 2 s"
@@ -673,13 +697,11 @@ async fn a_redis_cluster_master_failing_over() {
         answers.iter().all(|a| a.0 == 200 || a.0 == 429),
         "every request answered"
     );
-    for (key, a) in &fleet.arrivals(t0) {
-        assert_eq!(
-            over(3, Duration::from_secs(1), a),
-            0,
-            "key {key} over its limit"
-        );
-    }
+    // A failover opens two gaps docs/cluster.md names ("When Redis fails"): reservations
+    // the killed master acknowledged in its last moments but had not replicated, and a
+    // replica's local share while the other, whose breaker follows its own calls, is
+    // back on Redis. At most a few; none in nearly every run.
+    assert!(over_limit <= 2, "{over_limit} over the limit");
     // Back on Redis, and every key served in the last seconds.
     let late = fleet.arrivals(t0 + Duration::from_secs(11));
     assert_eq!(late.len(), keys.len(), "every key served at the end");
