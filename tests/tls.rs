@@ -160,6 +160,64 @@ async fn tls_origination_for_plain_http_requests() {
     assert_eq!(up.seen.lock().len(), 1);
 }
 
+/// A request for the server as a whole (`OPTIONS *`, RFC 9112 §3.2.4) inside an
+/// intercepted tunnel reaches the origin as such, over HTTP/1.1 and HTTP/2, and only
+/// OPTIONS may ask for `*`.
+#[tokio::test]
+async fn options_asterisk_inside_interception_reaches_the_origin() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = tls_upstream(dir.path()).await;
+    let (proxy, ca_cert) = intercepting(dir.path(), &up, "").await;
+    let url = format!("https://{}/", up.addr);
+    for version in ["--http1.1", "--http2"] {
+        let (ok, out, err) = curl(strs(&[
+            "-sS",
+            "--max-time",
+            "10",
+            version,
+            "-x",
+            &proxy.url(),
+            "--cacert",
+            ca_cert.to_str().unwrap(),
+            "-X",
+            "OPTIONS",
+            "--request-target",
+            "*",
+            &url,
+        ]))
+        .await;
+        assert!(ok, "{version}: {err}");
+        assert_eq!(out, "secure hello", "{version}");
+        let last = up.seen.lock().last().map(|s| s.1.clone());
+        assert!(
+            last.as_deref().is_some_and(|l| l.ends_with(" *")),
+            "{version}: the origin saw {last:?}"
+        );
+    }
+    let seen = up.seen.lock().len();
+    let (ok, out, err) = curl(strs(&[
+        "-sS",
+        "--max-time",
+        "10",
+        "--http1.1",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "-x",
+        &proxy.url(),
+        "--cacert",
+        ca_cert.to_str().unwrap(),
+        "--request-target",
+        "*",
+        &url,
+    ]))
+    .await;
+    assert!(ok, "{err}");
+    assert_eq!(out, "400", "GET * is refused");
+    assert_eq!(up.seen.lock().len(), seen, "and never reaches the origin");
+}
+
 #[tokio::test]
 async fn a_tunnel_to_an_unmatched_host_still_works() {
     let dir = tempfile::tempdir().unwrap();

@@ -29,7 +29,7 @@ use crate::route::{Route, authority_parts, normal_host};
 use crate::upstream::pinned::{Own, PinnedConns};
 
 /// Where an absolute-form request is going.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Target {
     /// Whether the upstream is reached over TLS (intercepted tunnels, `scheme = "https"`).
     pub(crate) https: bool,
@@ -51,7 +51,7 @@ pub(crate) struct Target {
 
 /// The normalised host: where it is in `host_header` when the URL wrote it in normal form
 /// already (no allocation for it), else its own text.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 enum Normal {
     Within(usize, usize),
     Own(String),
@@ -123,18 +123,19 @@ impl Target {
         })
     }
 
-    /// The target of a request inside an intercepted tunnel to `host:port`.
+    /// The target of the requests inside a tunnel to `host:port` (their path aside).
     /// `https`: TLS inside the tunnel (interception), else plain HTTP sent through it.
-    fn in_tunnel(host: &str, port: u16, uri: &Uri, https: bool) -> Result<Target, ProxyError> {
+    fn in_tunnel(host: &str, port: u16, https: bool) -> Result<Target, ProxyError> {
         let bare = if host.contains(':') {
             format!("[{host}]")
         } else {
             host.to_string()
         };
+        let at = usize::from(bare.len() != host.len());
         let default_port = if https { 443 } else { 80 };
         Ok(Target {
             https,
-            host: Normal::Own(host.to_string()),
+            host: Normal::Within(at, at + host.len()),
             ip: host.parse().ok(),
             port,
             written: (0, len32(&bare)),
@@ -143,7 +144,7 @@ impl Target {
             } else {
                 format!("{bare}:{port}")
             })?,
-            path_and_query: path_and_query(uri),
+            path_and_query: PathAndQuery::from_static("/"),
         })
     }
 
@@ -237,27 +238,59 @@ fn unaddressable<B>(app: &App, req: &Request<B>, start: Instant, e: ProxyError) 
 /// A request inside a tunnel to `host:port`: intercepted (`https`, sent on over verified
 /// TLS) or plain HTTP a client sent through CONNECT; routed and limited exactly like a
 /// request to the forward proxy.
+/// A request inside a tunnel, to `target` (from [`Tunnel::target`]).
 pub(crate) fn intercepted<'a, B>(
     app: &'a App,
     lc: &'a Lifecycle,
     req: Request<B>,
-    (host, port, https): (&str, u16, bool),
+    target: Result<Target, ProxyError>,
 ) -> impl Future<Output = Response<Body>> + 'a
 where
     B: http_body::Body<Data = bytes::Bytes> + Send + Unpin + 'static,
     B::Error: Into<crate::body::BoxError>,
 {
-    let start = crate::clock::now();
-    // A tunnel leads to one origin: a CONNECT inside it asks for another tunnel, which
-    // the origin (in authority-form, where it would lose its port) cannot give.
-    let target = if req.method() == Method::CONNECT {
-        Err(ProxyError::BadRequest(
-            "CONNECT inside a tunnel: send it to the proxy".into(),
-        ))
-    } else {
-        Target::in_tunnel(host, port, req.uri(), https)
-    };
-    route_and_send(app, None, lc, req, target, start)
+    route_and_send(app, None, lc, req, target, crate::clock::now())
+}
+
+/// Where every request inside one tunnel goes, worked out once for the tunnel: a request
+/// adds its path, and copies nothing else. `None`: the tunnel's host cannot be a `Host`
+/// value, and each request inside is answered 400.
+#[derive(Clone)]
+pub(crate) struct Tunnel(Option<Target>);
+
+impl Tunnel {
+    /// To `host:port`, over TLS when `https` (interception), else plain HTTP.
+    pub(crate) fn new(host: &str, port: u16, https: bool) -> Tunnel {
+        Tunnel(Target::in_tunnel(host, port, https).ok())
+    }
+
+    /// Where `req` goes.
+    pub(crate) fn target<B>(&self, req: &Request<B>) -> Result<Target, ProxyError> {
+        // A tunnel leads to one origin: a CONNECT inside it asks for another tunnel,
+        // which the origin (in authority-form, where it would lose its port) cannot give.
+        if req.method() == Method::CONNECT {
+            return Err(ProxyError::BadRequest(
+                "CONNECT inside a tunnel: send it to the proxy".into(),
+            ));
+        }
+        let path_and_query = path_and_query(req.uri());
+        // The asterisk-form names the server as a whole, for OPTIONS alone (RFC 9112
+        // §3.2.4).
+        if path_and_query == "*" && req.method() != Method::OPTIONS {
+            return Err(ProxyError::BadRequest(
+                "`*` is a request target for OPTIONS only".into(),
+            ));
+        }
+        match &self.0 {
+            Some(t) => Ok(Target {
+                path_and_query,
+                ..t.clone()
+            }),
+            None => Err(ProxyError::BadRequest(
+                "the URL's host is not a valid Host value".into(),
+            )),
+        }
+    }
 }
 
 /// `upstreams`: the client connection's own plain-HTTP upstream connections, when it has
@@ -640,9 +673,17 @@ where
             .path_and_query()
             .is_some_and(|p| *p == target.path_and_query);
     if !unchanged {
-        let scheme = if target.https { "https" } else { "http" };
-        parts.uri = format!("{scheme}://{}{}", target.host_header, target.path_and_query)
-            .parse()
+        // From its parts, each already checked: written out and parsed again, it would
+        // cost a formatting and a second parse of every byte.
+        let mut uri = http::uri::Parts::default();
+        uri.scheme = Some(if target.https {
+            http::uri::Scheme::HTTPS
+        } else {
+            http::uri::Scheme::HTTP
+        });
+        uri.authority = Some(target.host_header.clone());
+        uri.path_and_query = Some(target.path_and_query.clone());
+        parts.uri = Uri::from_parts(uri)
             .map_err(|_| ProxyError::BadRequest("the URL cannot be forwarded".into()))?;
     }
     // HTTP/1.1 to upstreams (the pooled client speaks HTTP/2 over TLS where ALPN agrees),

@@ -43,14 +43,14 @@ const MAX_LOCAL_RESETS: usize = 1024;
 const LINGER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Serves the HTTP/2 connection `io` until the client closes it, the drain asks it to
-/// finish, or an error ends it: intercepted (TLS terminated, `h2` agreed by ALPN; `tls`,
-/// and the upstream is spoken to over TLS), or h2c with prior knowledge found in a
-/// CONNECT tunnel (`tls` false, and so the upstream).
+/// finish, or an error ends it: intercepted (TLS terminated, `h2` agreed by ALPN, and
+/// the upstream is spoken to over TLS), or h2c with prior knowledge found in a CONNECT
+/// tunnel (plain, and so the upstream), as `tunnel` says.
 pub(crate) async fn serve<I>(
     app: std::sync::Arc<App>,
     lc: Lifecycle,
     io: I,
-    (host, port, tls): (String, u16, bool),
+    tunnel: forward::Tunnel,
 ) -> Result<(), h2::Error>
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -70,6 +70,7 @@ where
     let (idle, send_timeout) = (config.proxy.tunnel_idle_timeout, config.proxy.send_timeout);
     drop(config);
     let streams = Arc::new(Streams::default());
+    let tunnel = Arc::new(tunnel);
     // Since when no stream has been open; `None` while one is. PINGs and SETTINGS do
     // not count: a connection holds a slot for its streams, not for its liveliness.
     let mut quiet_since = Some(tokio::time::Instant::now());
@@ -117,21 +118,13 @@ where
         };
         let (req, respond) = next?;
         quiet_since = None;
-        let (app, stream_lc, host) = (app.clone(), lc.clone(), host.clone());
+        let (app, stream_lc, tunnel) = (app.clone(), lc.clone(), tunnel.clone());
         let open = streams.clone().enter();
         // Boxed: the stream's future is over 4 KiB, and tokio's task moves what it is
         // given whole, at the spawn and again as the task completes; a box is moved as a
         // pointer (bench/h2.sh, docs/BENCHMARKS.md "HTTP/2 through interception").
         lc.tracker.spawn(Box::pin(async move {
-            answer(
-                &app,
-                &stream_lc,
-                req,
-                respond,
-                (&host, port, tls),
-                send_timeout,
-            )
-            .await;
+            answer(&app, &stream_lc, req, respond, &tunnel, send_timeout).await;
             drop(open);
         }));
     }
@@ -183,7 +176,7 @@ async fn answer(
     lc: &Lifecycle,
     req: Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
-    to: (&str, u16, bool),
+    tunnel: &forward::Tunnel,
     send_timeout: std::time::Duration,
 ) {
     let expects = req
@@ -198,7 +191,8 @@ async fn answer(
         trailers: false,
         received: received.clone(),
     });
-    let mut forwarded = pin!(forward::intercepted(app, lc, req, to));
+    let target = tunnel.target(&req);
+    let mut forwarded = pin!(forward::intercepted(app, lc, req, target));
     let mut continued = !expects;
     let resp = loop {
         tokio::select! {

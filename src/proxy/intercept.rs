@@ -181,11 +181,12 @@ pub(crate) async fn serve(
         Err(_) => return failed("client TLS handshake timed out", format!("{handshake:?}")),
     };
 
+    let tunnel = forward::Tunnel::new(&host, port, true);
     if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
         // HTTP/2 is served with the h2 crate, for `100 Continue` (see `h2server`).
         let stop = lc.stop.clone();
         tokio::select! {
-            result = super::h2server::serve(app.clone(), lc.clone(), tls, (host, port, true)) => {
+            result = super::h2server::serve(app.clone(), lc.clone(), tls, tunnel) => {
                 if let Err(e) = result {
                     tracing::debug!(client = %peer, error = %e, "intercepted connection ended with an error");
                 }
@@ -199,10 +200,8 @@ pub(crate) async fn serve(
     }
     let (svc_app, svc_lc) = (app.clone(), lc.clone());
     let svc = service_fn(move |req: Request<Incoming>| {
-        let (app, lc, host) = (svc_app.clone(), svc_lc.clone(), host.clone());
-        async move {
-            Ok::<_, Infallible>(forward::intercepted(&app, &lc, req, (&host, port, true)).await)
-        }
+        let (app, lc, target) = (svc_app.clone(), svc_lc.clone(), tunnel.target(&req));
+        async move { Ok::<_, Infallible>(forward::intercepted(&app, &lc, req, target).await) }
     });
     // Without a timer hyper skips its header-read timeout silently. With upgrades: a
     // WebSocket handshake inside the tunnel switches like a plain one. HTTP/2 is agreed
@@ -247,10 +246,11 @@ pub(crate) async fn serve_plain<I>(
         since,
         last: last.clone(),
     };
+    let tunnel = forward::Tunnel::new(&host, port, false);
     if h2 {
         let stop = lc.stop.clone();
         tokio::select! {
-            result = super::h2server::serve(app.clone(), lc.clone(), io, (host, port, false)) => {
+            result = super::h2server::serve(app.clone(), lc.clone(), io, tunnel) => {
                 if let Err(e) = result {
                     tracing::debug!(client = %peer, error = %e, "h2c tunnel ended with an error");
                 }
@@ -264,10 +264,8 @@ pub(crate) async fn serve_plain<I>(
     }
     let (svc_app, svc_lc) = (app.clone(), lc.clone());
     let svc = service_fn(move |req: Request<Incoming>| {
-        let (app, lc, host) = (svc_app.clone(), svc_lc.clone(), host.clone());
-        async move {
-            Ok::<_, Infallible>(forward::intercepted(&app, &lc, req, (&host, port, false)).await)
-        }
+        let (app, lc, target) = (svc_app.clone(), svc_lc.clone(), tunnel.target(&req));
+        async move { Ok::<_, Infallible>(forward::intercepted(&app, &lc, req, target).await) }
     });
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())
