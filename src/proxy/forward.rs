@@ -235,10 +235,9 @@ fn unaddressable<B>(app: &App, req: &Request<B>, start: Instant, e: ProxyError) 
     finish(&config, &record, Err(e))
 }
 
-/// A request inside a tunnel to `host:port`: intercepted (`https`, sent on over verified
-/// TLS) or plain HTTP a client sent through CONNECT; routed and limited exactly like a
-/// request to the forward proxy.
-/// A request inside a tunnel, to `target` (from [`Tunnel::target`]).
+/// A request inside a tunnel, to `target` (from [`Tunnel::target`]): intercepted (sent
+/// on over verified TLS) or plain HTTP a client sent through CONNECT; routed and limited
+/// exactly like a request to the forward proxy.
 pub(crate) fn intercepted<'a, B>(
     app: &'a App,
     lc: &'a Lifecycle,
