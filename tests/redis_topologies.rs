@@ -584,7 +584,7 @@ async fn sentinel_fails_over_and_sluice_follows() {
 /// A Redis Cluster of three masters with a replica each: one master is killed under
 /// load, the Cluster promotes its replica, and sluice, told only seed nodes, follows the
 /// slot to the new master: back on Redis, every request answered, no key over its limit
-/// but for what asynchronous replication loses.
+/// but for the few arrivals the gaps of a failover allow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_cluster_master_failing_over() {
     let _shared = ALONE.read().await;
