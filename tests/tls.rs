@@ -169,23 +169,15 @@ async fn options_asterisk_inside_interception_reaches_the_origin() {
     let up = tls_upstream(dir.path()).await;
     let (proxy, ca_cert) = intercepting(dir.path(), &up, "").await;
     let url = format!("https://{}/", up.addr);
+    let via_proxy = |args: &[&str]| {
+        let mut all = strs(&["-sS", "--max-time", "10", "-x", &proxy.url(), "--cacert"]);
+        all.push(ca_cert.display().to_string());
+        all.extend(strs(args));
+        all.extend(strs(&["--request-target", "*", &url]));
+        curl(all)
+    };
     for version in ["--http1.1", "--http2"] {
-        let (ok, out, err) = curl(strs(&[
-            "-sS",
-            "--max-time",
-            "10",
-            version,
-            "-x",
-            &proxy.url(),
-            "--cacert",
-            ca_cert.to_str().unwrap(),
-            "-X",
-            "OPTIONS",
-            "--request-target",
-            "*",
-            &url,
-        ]))
-        .await;
+        let (ok, out, err) = via_proxy(&[version, "-X", "OPTIONS"]).await;
         assert!(ok, "{version}: {err}");
         assert_eq!(out, "secure hello", "{version}");
         let last = up.seen.lock().last().map(|s| s.1.clone());
@@ -195,24 +187,7 @@ async fn options_asterisk_inside_interception_reaches_the_origin() {
         );
     }
     let seen = up.seen.lock().len();
-    let (ok, out, err) = curl(strs(&[
-        "-sS",
-        "--max-time",
-        "10",
-        "--http1.1",
-        "-o",
-        "/dev/null",
-        "-w",
-        "%{http_code}",
-        "-x",
-        &proxy.url(),
-        "--cacert",
-        ca_cert.to_str().unwrap(),
-        "--request-target",
-        "*",
-        &url,
-    ]))
-    .await;
+    let (ok, out, err) = via_proxy(&["--http1.1", "-o", "/dev/null", "-w", "%{http_code}"]).await;
     assert!(ok, "{err}");
     assert_eq!(out, "400", "GET * is refused");
     assert_eq!(up.seen.lock().len(), seen, "and never reaches the origin");
