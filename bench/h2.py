@@ -10,7 +10,8 @@ neither pays for it alone. The upstream is nginx over TLS, HTTP/1.1, `return 200
 sluice runs as shipped (the bundled config plus one intercepted upstream, an access line
 per request, stderr through a pipe); haproxy with as many threads as sluice has workers,
 its defaults otherwise, no log. Rounds interleave; medians of rounds: req/s, p50 and p99
-from h2load's per-request log, and the proxy's CPU per request (socat's not counted).
+from h2load's per-request log, and the proxy's CPU and context switches (every thread's,
+voluntary and preempted) per request; socat's are not counted.
 
 `--instructions` counts instead: sluice alone under callgrind (one worker, as shipped
 otherwise), 2,000 requests uncounted, then N (default 10,000) over 2 connections of 8
@@ -33,6 +34,7 @@ from common import (  # noqa: E402
     Procs,
     callgrind_counts,
     callgrind_dump,
+    context_switches,
     cpu_seconds,
     family_pids,
     haproxy_config,
@@ -182,21 +184,24 @@ upstream_ca = "{ca}"
             for name, port, pid in round_order(targets, r):
                 pids = family_pids(pid)
                 before = cpu_seconds(pids)
+                switched = sum(context_switches(pids))
                 t0 = time.monotonic()
                 rate, p50, p99 = h2load(port, os.path.join(work, "h2load.log"))
-                # CPU over the whole h2load run, warm-up second included.
+                # CPU and switches over the whole h2load run, warm-up second included.
                 cpu = cpu_seconds(pids) - before
+                switched = sum(context_switches(pids)) - switched
                 elapsed = time.monotonic() - t0
-                results[name].append((rate, p50, p99, cpu / (rate * elapsed) * 1e6))
+                results[name].append((rate, p50, p99, cpu / (rate * elapsed) * 1e6,
+                                      switched / (rate * elapsed)))
                 print(f"round {r + 1} {name}: {rate:.0f} req/s", file=sys.stderr)
         print(f"\nh2load -c{CONNS} -m{STREAMS}, {ROUNDS} rounds × {SECONDS} s interleaved; medians (min–max)\n")
-        print("| target | req/s | p50 ms | p99 ms | proxy CPU µs per request |")
-        print("| --- | --- | --- | --- | --- |")
+        print("| target | req/s | p50 ms | p99 ms | proxy CPU µs per request | proxy's context switches per request |")
+        print("| --- | --- | --- | --- | --- | --- |")
         for name, _, _ in targets:
             cols = list(zip(*results[name]))
             cell = lambda v, f: f"{f.format(statistics.median(v))} ({f.format(min(v))}–{f.format(max(v))})"  # noqa: E731
             print(f"| {name} | {cell(cols[0], '{:.0f}')} | {cell(cols[1], '{:.2f}')} | {cell(cols[2], '{:.2f}')} | "
-                  f"{cell(cols[3], '{:.1f}')} |")
+                  f"{cell(cols[3], '{:.1f}')} | {cell(cols[4], '{:.3f}')} |")
     finally:
         procs.stop_all()
         shutil.rmtree(work, ignore_errors=True)

@@ -12,6 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use sluice::Workers;
+use support::certs::tls_upstream;
 use support::{Proxy, Upstream, eventually, get, read_response};
 
 #[tokio::test]
@@ -173,6 +174,49 @@ limits = [{ kind = "token_bucket", rate = 40, per = "1s", burst = 1 }]
         TcpStream::connect(proxy.addr).await.is_err(),
         "the listener is closed after the drain"
     );
+    drop(workers);
+}
+
+/// TLS upstreams are pooled per worker: a client on another worker opens a connection of
+/// its own rather than take one whose task runs on the first worker's event loop, and
+/// each worker's later requests reuse its own.
+#[tokio::test]
+async fn pooled_tls_connections_are_kept_per_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = tls_upstream(dir.path()).await;
+    let workers = Workers::start(2, None, None).unwrap().0;
+    let proxy = Proxy::on_workers(
+        &format!(
+            "[[upstream]]\nname = \"secure\"\nhosts = [\"127.0.0.1\"]\nscheme = \"https\"\nupstream_ca = {:?}\n",
+            up.ca_path
+        ),
+        &workers,
+    )
+    .await;
+    let url = |path: &str| format!("http://{}{path}", up.addr);
+    // The first connection goes to worker 0, the second, while the first is open, to
+    // worker 1 (the worker with the fewest).
+    let mut first = TcpStream::connect(proxy.addr).await.unwrap();
+    assert_eq!(get(&mut first, &url("/a"), false).await.status, 200);
+    let mut second = TcpStream::connect(proxy.addr).await.unwrap();
+    assert_eq!(get(&mut second, &url("/b"), false).await.status, 200);
+    assert_eq!(
+        up.connections.load(Ordering::SeqCst),
+        2,
+        "the second worker opened a connection of its own"
+    );
+    for _ in 0..3 {
+        assert_eq!(get(&mut first, &url("/c"), false).await.status, 200);
+        assert_eq!(get(&mut second, &url("/d"), false).await.status, 200);
+    }
+    assert_eq!(
+        up.connections.load(Ordering::SeqCst),
+        2,
+        "each worker reused its own"
+    );
+    assert_eq!(up.seen.lock().len(), 8);
+    drop((first, second));
+    drop(proxy);
     drop(workers);
 }
 

@@ -1,6 +1,8 @@
 //! The pooled upstream client: hyper-util's client over the egress [`Connector`], so every
 //! pooled connection has passed the egress rules.
 
+use std::sync::Arc;
+
 use http::Request;
 use http_body_util::Either;
 use hyper_rustls::HttpsConnector;
@@ -13,8 +15,22 @@ use super::pinned::UpstreamResponse;
 use super::switched::UpstreamSide;
 use crate::egress::{Connector, EgressError, Resolver};
 
+/// Pools per worker. hyper-util runs each connection it pools as a task on the runtime
+/// that opened it, and a request hands its work to that task through a channel: with one
+/// pool for all workers, a request on one worker that took a connection another opened
+/// woke that worker to write and read for it, and was woken back, several thread
+/// switches a request (docs/BENCHMARKS.md, "HTTP/2 through interception"). Kept per
+/// worker, as Envoy keeps its pools per worker thread, a connection is used on the
+/// thread it runs on; an upstream sees up to one pool's connections per worker.
 #[derive(Clone)]
 pub(crate) struct UpstreamClient {
+    /// One set per worker, by `worker_index`, and a last one for every other thread
+    /// (and workers started after this client was built).
+    per_worker: Arc<[Clients]>,
+}
+
+/// The clients of one worker.
+struct Clients {
     inner: Client<HttpsConnector<Connector>, Outbound>,
     /// For requests that ask to switch protocols (`Upgrade`): HTTP/1.1 only, since the
     /// mechanism does not exist in HTTP/2, and no pool, since the connection leaves.
@@ -25,46 +41,20 @@ pub(crate) struct UpstreamClient {
 }
 
 impl UpstreamClient {
-    /// A pooled client for http:// and https:// upstreams (HTTP/2 when the upstream
-    /// offers it by ALPN), trusting what `tls` trusts.
+    /// Pooled clients for http:// and https:// upstreams (HTTP/2 when the upstream
+    /// offers it by ALPN), trusting what `tls` trusts, for each worker started so far.
     pub(crate) fn new(resolver: Resolver, tls: rustls::ClientConfig) -> UpstreamClient {
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls.clone())
-            .https_or_http()
-            .enable_http1()
-            .enable_http2()
-            .wrap_connector(Connector(resolver.clone()));
-        let inner = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .timer(TokioTimer::new())
-            .pool_idle_timeout(super::pinned::IDLE_TIMEOUT)
-            .build(https);
-        let h2c = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .timer(TokioTimer::new())
-            .pool_idle_timeout(super::pinned::IDLE_TIMEOUT)
-            .http2_only(true)
-            .build(
-                hyper_rustls::HttpsConnectorBuilder::new()
-                    .with_tls_config(tls.clone())
-                    .https_or_http()
-                    .enable_http2()
-                    .wrap_connector(Connector(resolver.clone())),
-            );
-        let http1 = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(Connector(resolver));
-        let upgrading = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(0)
-            .timer(TokioTimer::new())
-            .build(http1);
+        let sets = crate::proxy::server::worker_slots() + 1;
         UpstreamClient {
-            inner,
-            upgrading,
-            h2c,
+            per_worker: (0..sets).map(|_| Clients::new(&resolver, &tls)).collect(),
         }
+    }
+
+    /// The calling thread's clients.
+    fn here(&self) -> &Clients {
+        let last = self.per_worker.len() - 1;
+        let i = crate::proxy::server::worker_index().map_or(last, |i| i.min(last));
+        &self.per_worker[i]
     }
 
     /// The response; the pool keeps its connections (compare `PinnedConns::send`).
@@ -80,14 +70,15 @@ impl UpstreamClient {
     ) -> Result<UpstreamResponse, AttemptError> {
         req.headers_mut().remove(http::header::HOST);
         let asked = req.headers().contains_key(http::header::UPGRADE);
+        let clients = self.here();
         let client = if asked {
-            &self.upgrading
+            &clients.upgrading
         } else if req.version() == http::Version::HTTP_2
             && req.uri().scheme() == Some(&http::uri::Scheme::HTTP)
         {
-            &self.h2c
+            &clients.h2c
         } else {
-            &self.inner
+            &clients.inner
         };
         let mut resp = client.request(req).await.map_err(|e| {
             if crate::egress::is_local_failure(&e) {
@@ -113,5 +104,47 @@ impl UpstreamClient {
             resp.extensions_mut().insert(side);
         }
         Ok(resp.map(Either::Right))
+    }
+}
+
+impl Clients {
+    fn new(resolver: &Resolver, tls: &rustls::ClientConfig) -> Clients {
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls.clone())
+            .https_or_http()
+            .enable_http1()
+            .enable_http2()
+            .wrap_connector(Connector(resolver.clone()));
+        let inner = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
+            .pool_idle_timeout(super::pinned::IDLE_TIMEOUT)
+            .build(https);
+        let h2c = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
+            .pool_idle_timeout(super::pinned::IDLE_TIMEOUT)
+            .http2_only(true)
+            .build(
+                hyper_rustls::HttpsConnectorBuilder::new()
+                    .with_tls_config(tls.clone())
+                    .https_or_http()
+                    .enable_http2()
+                    .wrap_connector(Connector(resolver.clone())),
+            );
+        let http1 = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls.clone())
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(Connector(resolver.clone()));
+        let upgrading = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(0)
+            .timer(TokioTimer::new())
+            .build(http1);
+        Clients {
+            inner,
+            upgrading,
+            h2c,
+        }
     }
 }

@@ -5,6 +5,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -76,6 +77,8 @@ pub struct TlsUpstream {
     pub addr: SocketAddr,
     pub ca_path: PathBuf,
     pub seen: Arc<Mutex<Vec<(Instant, String)>>>,
+    /// Connections accepted so far.
+    pub connections: Arc<AtomicUsize>,
 }
 
 pub async fn tls_upstream(dir: &Path) -> TlsUpstream {
@@ -85,12 +88,14 @@ pub async fn tls_upstream(dir: &Path) -> TlsUpstream {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let s = seen.clone();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let (s, accepted) = (seen.clone(), connections.clone());
     tokio::spawn(async move {
         loop {
             let Ok((tcp, _)) = listener.accept().await else {
                 return;
             };
+            accepted.fetch_add(1, Ordering::SeqCst);
             let (acceptor, s) = (acceptor.clone(), s.clone());
             tokio::spawn(async move {
                 let Ok(tls) = acceptor.accept(tcp).await else {
@@ -118,6 +123,7 @@ pub async fn tls_upstream(dir: &Path) -> TlsUpstream {
         addr,
         ca_path,
         seen,
+        connections,
     }
 }
 
