@@ -6,13 +6,46 @@
 //! Guaranteed container), or a host that runs nothing else when asked. A narrowed
 //! affinity alone proves nothing: the static CPU manager's shared pool and `taskset`
 //! narrow it too, and neighbours run on those CPUs.
+//!
+//! Also which worker a thread is ([`worker_index`]), for what is kept per worker.
 
 use std::cell::Cell;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
+
+thread_local! {
+    /// The index of the worker this thread is, `usize::MAX` on any other thread.
+    static WORKER: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+/// The most workers started at once in this process so far.
+static MOST_WORKERS: AtomicUsize = AtomicUsize::new(0);
+
+/// Called before `count` workers start.
+pub(crate) fn starting_workers(count: usize) {
+    MOST_WORKERS.fetch_max(count, Ordering::Relaxed);
+}
+
+/// Called on worker `i`'s thread, before it runs anything.
+pub(crate) fn this_is_worker(i: usize) {
+    WORKER.set(i);
+}
+
+/// Which worker the calling thread is, if it is one: the index of its slot in what is
+/// kept per worker (see `upstream::pooled`).
+pub(crate) fn worker_index() -> Option<usize> {
+    let i = WORKER.get();
+    (i != usize::MAX).then_some(i)
+}
+
+/// How many workers this process has started at once (at most): the slots to keep for
+/// what is kept per worker. 0 before any started.
+pub(crate) fn worker_slots() -> usize {
+    MOST_WORKERS.load(Ordering::Relaxed)
+}
 
 /// What the process may use, read once at start.
 #[derive(Debug, Clone)]

@@ -41,27 +41,6 @@ pub(crate) const MAX_HEAD_BYTES: usize = 64 * 1024;
 // hyper's default, left implicit on purpose, since naming any limit makes hyper allocate
 // and fill a header index array for every request instead of using the stack.
 
-thread_local! {
-    /// The index of the worker this thread is, `usize::MAX` on any other thread.
-    static WORKER: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
-}
-
-/// The most workers started at once in this process so far.
-static MOST_WORKERS: AtomicUsize = AtomicUsize::new(0);
-
-/// Which worker the calling thread is, if it is one: the index of its slot in what is
-/// kept per worker (see `upstream::pooled`).
-pub(crate) fn worker_index() -> Option<usize> {
-    let i = WORKER.get();
-    (i != usize::MAX).then_some(i)
-}
-
-/// How many workers this process has started at once (at most): the slots to keep for
-/// what is kept per worker. 0 before any started.
-pub(crate) fn worker_slots() -> usize {
-    MOST_WORKERS.load(Ordering::Relaxed)
-}
-
 /// Single-threaded runtimes on their own threads, one per core by default, that serve
 /// client connections. Dropping it stops them (after the server has drained).
 pub struct Workers {
@@ -84,7 +63,7 @@ impl Workers {
         spread: Option<Vec<usize>>,
     ) -> io::Result<(Workers, Option<Vec<usize>>)> {
         let count = count.max(1);
-        MOST_WORKERS.fetch_max(count, Ordering::Relaxed);
+        crate::cpus::starting_workers(count);
         let cpus = cpus.filter(|c| c.len() >= count);
         let done = CancellationToken::new();
         let mut workers = Workers {
@@ -124,7 +103,7 @@ impl Workers {
             let thread = std::thread::Builder::new()
                 .name(format!("sluice-worker-{i}"))
                 .spawn(move || {
-                    WORKER.set(i);
+                    crate::cpus::this_is_worker(i);
                     crate::log::batch_thread();
                     crate::upstream::turn::enroll(rt.handle());
                     let _ = pinned_tx.send(cpu.is_some_and(pin_to));

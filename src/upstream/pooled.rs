@@ -44,7 +44,7 @@ impl UpstreamClient {
     /// Pooled clients for http:// and https:// upstreams (HTTP/2 when the upstream
     /// offers it by ALPN), trusting what `tls` trusts, for each worker started so far.
     pub(crate) fn new(resolver: Resolver, tls: rustls::ClientConfig) -> UpstreamClient {
-        let sets = crate::proxy::server::worker_slots() + 1;
+        let sets = crate::cpus::worker_slots() + 1;
         UpstreamClient {
             per_worker: (0..sets).map(|_| Clients::new(&resolver, &tls)).collect(),
         }
@@ -53,7 +53,7 @@ impl UpstreamClient {
     /// The calling thread's clients.
     fn here(&self) -> &Clients {
         let last = self.per_worker.len() - 1;
-        let i = crate::proxy::server::worker_index().map_or(last, |i| i.min(last));
+        let i = crate::cpus::worker_index().map_or(last, |i| i.min(last));
         &self.per_worker[i]
     }
 
