@@ -1304,6 +1304,46 @@ async fn an_http2_client_that_never_reads_does_not_hold_the_drain() {
     drop(s);
 }
 
+/// A drain lets an HTTP/2 stream already in flight finish: its response arrives whole
+/// after the GOAWAY, then the connection ends and the drain with it.
+#[tokio::test]
+async fn an_http2_stream_in_flight_finishes_during_the_drain() {
+    let up = Upstream::start_h2c().await;
+    let mut proxy = Proxy::start(&format!(
+        "drain_timeout = \"10s\"\n[[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n",
+        up.addr.port()
+    ))
+    .await;
+    let (client, conn) = h2c_through(proxy.addr, up.addr, &h2::client::Builder::new()).await;
+    let driver = tokio::spawn(conn);
+    let mut client = client.ready().await.unwrap();
+    let (resp, _) = client
+        .send_request(h2_get(up.addr, "/slow/700"), true)
+        .unwrap();
+    while up.seen().is_empty() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    proxy.shutdown();
+    let resp = tokio::time::timeout(Duration::from_secs(5), resp)
+        .await
+        .expect("the response came")
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut got = Vec::new();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.unwrap();
+        let _ = body.flow_control().release_capacity(chunk.len());
+        got.extend_from_slice(&chunk);
+    }
+    assert_eq!(got, b"slow");
+    tokio::time::timeout(Duration::from_secs(10), proxy.task.take().unwrap())
+        .await
+        .expect("the drain finishes")
+        .unwrap();
+    let _ = tokio::time::timeout(Duration::from_secs(5), driver).await;
+}
+
 /// Probes keep answering whatever idle connections are held: 8 from 127.0.0.1 itself
 /// (what exec probes and port-forward use) and 16 more from other loopback addresses
 /// fill every loopback place, yet each of 30 probes from 127.0.0.1 answers, since a

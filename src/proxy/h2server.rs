@@ -19,6 +19,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use h2::server::SendResponse;
 use h2::{Reason, RecvStream, SendStream};
 use http::{HeaderMap, Request, Response, StatusCode, header};
@@ -69,8 +71,10 @@ where
     let config = app.config();
     let (idle, send_timeout) = (config.proxy.tunnel_idle_timeout, config.proxy.send_timeout);
     drop(config);
-    let streams = Arc::new(Streams::default());
-    let tunnel = Arc::new(tunnel);
+    // The streams being answered, polled by this connection's task rather than each by
+    // a task of its own: a stream borrows the connection's `App`, lifecycle and tunnel,
+    // where a task needed clones of them, counters that every worker's connections share.
+    let mut answering = FuturesUnordered::new();
     // Since when no stream has been open; `None` while one is. PINGs and SETTINGS do
     // not count: a connection holds a slot for its streams, not for its liveliness.
     let mut quiet_since = Some(tokio::time::Instant::now());
@@ -82,18 +86,11 @@ where
     loop {
         let quiet_until = quiet_since.map(|t| t + idle);
         let next = tokio::select! {
-            next = conn.accept() => next,
-            _ = drain.cancelled(), if !draining => {
-                // GOAWAY: streams already open finish, no new ones start.
-                conn.graceful_shutdown();
-                draining = true;
-                if streams.open() == 0 {
-                    close_at = Some(tokio::time::Instant::now() + CLOSE_GRACE);
-                }
-                continue;
-            }
-            () = streams.changed.notified() => {
-                if streams.open() == 0 {
+            // Streams before the connection, so that what they queued in this turn goes
+            // out in the connection's next write, together.
+            biased;
+            Some(()) = answering.next(), if !answering.is_empty() => {
+                if answering.is_empty() {
                     let now = tokio::time::Instant::now();
                     quiet_since = Some(now);
                     if draining {
@@ -102,8 +99,18 @@ where
                 }
                 continue;
             }
+            next = conn.accept() => next,
+            _ = drain.cancelled(), if !draining => {
+                // GOAWAY: streams already open finish, no new ones start.
+                conn.graceful_shutdown();
+                draining = true;
+                if answering.is_empty() {
+                    close_at = Some(tokio::time::Instant::now() + CLOSE_GRACE);
+                }
+                continue;
+            }
             () = sleep_until_some(quiet_until), if close_at.is_none() => {
-                if streams.open() == 0 {
+                if answering.is_empty() {
                     tracing::debug!(?idle, "HTTP/2 connection without a stream for the idle timeout: closed");
                     conn.graceful_shutdown();
                     close_at = Some(tokio::time::Instant::now() + CLOSE_GRACE);
@@ -118,48 +125,12 @@ where
         };
         let (req, respond) = next?;
         quiet_since = None;
-        let (app, stream_lc, tunnel) = (app.clone(), lc.clone(), tunnel.clone());
-        let open = streams.clone().enter();
-        // Boxed: the stream's future is over 4 KiB, and tokio's task moves what it is
-        // given whole, at the spawn and again as the task completes; a box is moved as a
-        // pointer (bench/h2.sh, docs/BENCHMARKS.md "HTTP/2 through interception").
-        lc.tracker.spawn(Box::pin(async move {
-            answer(&app, &stream_lc, req, respond, &tunnel, send_timeout).await;
-            drop(open);
-        }));
+        answering.push(answer(&app, &lc, req, respond, &tunnel, send_timeout));
     }
 }
 
 /// How long a connection with no stream left may take to end after its GOAWAY.
 const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// The streams of one connection being answered now, and a wake-up when one ends.
-#[derive(Default)]
-struct Streams {
-    open: std::sync::atomic::AtomicUsize,
-    changed: tokio::sync::Notify,
-}
-
-impl Streams {
-    fn open(&self) -> usize {
-        self.open.load(Ordering::Acquire)
-    }
-
-    fn enter(self: Arc<Self>) -> OpenStream {
-        self.open.fetch_add(1, Ordering::AcqRel);
-        OpenStream(self)
-    }
-}
-
-/// One stream being answered; its end (however it ends) is counted and told.
-struct OpenStream(Arc<Streams>);
-
-impl Drop for OpenStream {
-    fn drop(&mut self) {
-        self.0.open.fetch_sub(1, Ordering::AcqRel);
-        self.0.changed.notify_one();
-    }
-}
 
 /// Resolves at `at`, or never when there is none.
 async fn sleep_until_some(at: Option<tokio::time::Instant>) {
