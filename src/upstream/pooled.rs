@@ -16,11 +16,11 @@ use super::switched::UpstreamSide;
 use crate::egress::{Connector, EgressError, Resolver};
 
 /// Pools per worker. hyper-util runs each connection it pools as a task on the runtime
-/// that opened it, and a request hands its work to that task through a channel: with one
-/// pool for all workers, a request on one worker that took a connection another opened
-/// woke that worker to write and read for it, and was woken back, several thread
-/// switches a request (docs/BENCHMARKS.md, "HTTP/2 through interception"). Kept per
-/// worker, as Envoy keeps its pools per worker thread, a connection is used on the
+/// that opened it, and a request hands its work to that task through a channel: were one
+/// pool shared by the workers, a request on one worker taking a connection another
+/// opened would wake that worker to write and read for it and be woken back, several
+/// thread switches a request (docs/BENCHMARKS.md, "HTTP/2 through interception"). Kept
+/// per worker, as Envoy keeps its pools per worker thread, a connection is used on the
 /// thread it runs on; an upstream sees up to one pool's connections per worker.
 #[derive(Clone)]
 pub(crate) struct UpstreamClient {
