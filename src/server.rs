@@ -13,7 +13,6 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::admin;
 use crate::app::App;
@@ -142,11 +141,7 @@ impl Server {
             reloads,
             workers,
         } = self;
-        let lc = Lifecycle {
-            tracker: TaskTracker::new(),
-            drain: CancellationToken::new(),
-            stop: CancellationToken::new(),
-        };
+        let lc = Lifecycle::new();
         let admin_task = tokio::spawn(admin::serve(app.clone(), admin, lc.stop.clone()));
         let sweeper = tokio::spawn(sweep_idle_partitions(app.clone(), lc.stop.clone()));
         let sampler = tokio::spawn(sample_status(app.clone(), lc.stop.clone()));
@@ -190,7 +185,7 @@ impl Server {
         accepting.cancel();
         let _ = accept.await; // the listener is closed: new connections are refused
 
-        lc.drain.cancel();
+        lc.start_drain();
         lc.tracker.close();
         if tokio::time::timeout(config.proxy.drain_timeout, lc.tracker.wait())
             .await

@@ -67,7 +67,9 @@ where
         .max_local_error_reset_streams(Some(MAX_LOCAL_RESETS))
         .handshake::<_, Bytes>(io)
         .await?;
-    let drain = lc.drain.child_token();
+    let drain = lc.drain_child();
+    let mut cancelled = pin!(drain.cancelled());
+    let mut watch = lc.watch();
     let config = app.config();
     let (idle, send_timeout) = (config.proxy.tunnel_idle_timeout, config.proxy.send_timeout);
     drop(config);
@@ -100,7 +102,7 @@ where
                 continue;
             }
             next = conn.accept() => next,
-            _ = drain.cancelled(), if !draining => {
+            () = poll_fn(|cx| watch.poll(cancelled.as_mut(), cx)), if !draining => {
                 // GOAWAY: streams already open finish, no new ones start.
                 conn.graceful_shutdown();
                 draining = true;

@@ -42,11 +42,7 @@ async fn the_request_paths_futures_stay_within_their_budgets() {
     let app = App::builder(config).build().unwrap();
     let live = app.config();
     let upstreams = PinnedConns::new(Arc::new(IdleConns::default()), 0);
-    let lc = Lifecycle {
-        tracker: tokio_util::task::TaskTracker::new(),
-        drain: tokio_util::sync::CancellationToken::new(),
-        stop: tokio_util::sync::CancellationToken::new(),
-    };
+    let lc = Lifecycle::new();
     let req = || {
         Request::builder()
             .uri("http://127.0.0.1:1/v1/orders")
