@@ -250,6 +250,94 @@ async fn reqwest_with_the_ca_added_over_http1_and_http2() {
     assert_eq!(up.seen.lock().len(), 2);
 }
 
+/// Inside interception, a request's attempt and total deadlines run on its tunnel's
+/// shared timer: each request to an upstream that never answers gets its 504 at its own
+/// deadline, neither early nor never. Over HTTP/1.1 one after another on a keep-alive
+/// connection, over HTTP/2 side by side on one connection, started 200 ms apart, and
+/// with each kind of deadline the one that runs out.
+#[tokio::test]
+async fn intercepted_requests_time_out_on_their_own_deadlines_over_h1_and_h2() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = tls_upstream(dir.path()).await;
+    let (proxy, ca_cert) = intercepting(
+        dir.path(),
+        &up,
+        "attempt_timeout = \"600ms\"\nretry = { max_attempts = 1 }\n\
+         [[upstream.family]]\nname = \"short\"\npaths = [\"/total/**\"]\n\
+         attempt_timeout = \"5s\"\ntotal_timeout = \"400ms\"\n",
+    )
+    .await;
+    let ca = reqwest::Certificate::from_pem(&std::fs::read(&ca_cert).unwrap()).unwrap();
+    for http2 in [false, true] {
+        let b = reqwest::Client::builder()
+            .proxy(reqwest::Proxy::all(proxy.url()).unwrap())
+            .tls_certs_only([ca.clone()]);
+        let client = if http2 {
+            b.http2_prior_knowledge()
+        } else {
+            b.http1_only()
+        }
+        .build()
+        .unwrap();
+        let one = |path: &'static str, after: u64| {
+            let (client, url) = (client.clone(), format!("https://{}{path}", up.addr));
+            async move {
+                tokio::time::sleep(Duration::from_millis(after)).await;
+                let t0 = Instant::now();
+                let resp = tokio::time::timeout(Duration::from_secs(20), client.get(url).send())
+                    .await
+                    .unwrap_or_else(|_| panic!("{path}: no answer in 20 s"))
+                    .unwrap();
+                let reason = resp.headers()["sluice-reason"]
+                    .to_str()
+                    .unwrap()
+                    .to_string();
+                (resp.status().as_u16(), reason, t0.elapsed())
+            }
+        };
+        let runs = if http2 {
+            let (a, b, c) = tokio::join!(
+                one("/stall/a", 0),
+                one("/stall/b", 200),
+                one("/total/stall", 100)
+            );
+            vec![a, b, c]
+        } else {
+            vec![
+                one("/stall/a", 0).await,
+                one("/total/stall", 0).await,
+                one("/stall/b", 0).await,
+            ]
+        };
+        for (i, (status, reason, took)) in runs.into_iter().enumerate() {
+            let (want, least) = if i == (if http2 { 2 } else { 1 }) {
+                ("total_timeout", 400)
+            } else {
+                ("upstream_timeout", 600)
+            };
+            assert_eq!(
+                (status, reason.as_str()),
+                (504, want),
+                "http2 {http2}, #{i}"
+            );
+            assert!(
+                took >= Duration::from_millis(least) && took < Duration::from_secs(10),
+                "http2 {http2}, #{i}: {want} after {took:?}"
+            );
+        }
+        let resp = client
+            .get(format!("https://{}/after", up.addr))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            resp.status(),
+            200,
+            "http2 {http2}: the connection still serves"
+        );
+    }
+}
+
 /// `generate_ca`: sluice makes its CA at start, keeps the key to itself, and writes the
 /// CA and a bundle (public roots + CA) where the application can read them; a client
 /// that trusts only that bundle gets intercepted HTTPS through. A reload that leaves

@@ -26,7 +26,9 @@ use crate::config::{Scheme, Unmatched};
 use crate::limit::costs::Costs;
 use crate::price::{self, BodyView, Declared};
 use crate::route::{Route, authority_parts, normal_host};
+use crate::upstream::Way;
 use crate::upstream::pinned::{Own, PinnedConns};
+use crate::upstream::timer::Timers;
 
 /// Where an absolute-form request is going.
 #[derive(Debug, Clone)]
@@ -219,7 +221,7 @@ pub(crate) fn forward<'a>(
 ) -> impl Future<Output = Response<Body>> + 'a {
     let start = crate::clock::now();
     let target = Target::from_uri(req.uri());
-    route_and_send(app, Some(upstreams), lc, req, target, start)
+    route_and_send(app, Lent::Own(upstreams), lc, req, target, start)
 }
 
 /// The answer to a request whose target cannot be read.
@@ -237,10 +239,11 @@ fn unaddressable<B>(app: &App, req: &Request<B>, start: Instant, e: ProxyError) 
 
 /// A request inside a tunnel, to `target` (from [`Tunnel::target`]): intercepted (sent
 /// on over verified TLS) or plain HTTP a client sent through CONNECT; routed and limited
-/// exactly like a request to the forward proxy.
+/// exactly like a request to the forward proxy. `timers`: the tunnel's.
 pub(crate) fn intercepted<'a, B>(
     app: &'a App,
     lc: &'a Lifecycle,
+    timers: &'a Timers,
     req: Request<B>,
     target: Result<Target, ProxyError>,
 ) -> impl Future<Output = Response<Body>> + 'a
@@ -248,7 +251,23 @@ where
     B: http_body::Body<Data = bytes::Bytes> + Send + Unpin + 'static,
     B::Error: Into<crate::body::BoxError>,
 {
-    route_and_send(app, None, lc, req, target, crate::clock::now())
+    route_and_send(
+        app,
+        Lent::Tunnel(timers),
+        lc,
+        req,
+        target,
+        crate::clock::now(),
+    )
+}
+
+/// What a client connection lends each of its requests: its own plain-HTTP upstream
+/// connections (and their timers), or inside a tunnel, whose requests take the pooled
+/// client, the tunnel's timers.
+#[derive(Clone, Copy)]
+pub(crate) enum Lent<'a> {
+    Own(&'a PinnedConns),
+    Tunnel(&'a Timers),
 }
 
 /// Where every request inside one tunnel goes, worked out once for the tunnel: a request
@@ -292,13 +311,12 @@ impl Tunnel {
     }
 }
 
-/// `upstreams`: the client connection's own plain-HTTP upstream connections, when it has
-/// them (not inside an intercepted tunnel, whose upstream is reached over TLS); `lc`: its
-/// lifecycle, which a switched protocol (see `upgrade`) lives in.
+/// `lent`: what the client connection lends its requests; `lc`: its lifecycle, which a
+/// switched protocol (see `upgrade`) lives in.
 #[allow(clippy::manual_async_fn, reason = "see above: arguments stored once")]
 pub(crate) fn route_and_send<'a, B>(
     app: &'a App,
-    upstreams: Option<&'a PinnedConns>,
+    lent: Lent<'a>,
     lc: &'a Lifecycle,
     req: Request<B>,
     mut target: Result<Target, ProxyError>,
@@ -370,15 +388,22 @@ where
                 Err(e) => return done(Err(e)),
             };
         }
-        let own = upstreams.map(|conns| Own {
-            conns,
-            host: target.written_host(),
-            port: target.port,
-        });
+        let own;
+        let way = match lent {
+            Lent::Own(conns) => {
+                own = Own {
+                    conns,
+                    host: target.written_host(),
+                    port: target.port,
+                };
+                Way::Own(&own)
+            }
+            Lent::Tunnel(timers) => Way::Tunnel(timers),
+        };
         let (result, waited) = pipeline::run(
             app,
             &config,
-            own.as_ref(),
+            way,
             route.as_ref(),
             (
                 req,

@@ -32,6 +32,7 @@ use super::forward;
 use super::lifecycle::Lifecycle;
 use crate::app::App;
 use crate::body::{Body, BoxError};
+use crate::upstream::timer::Timers;
 
 /// hyper's defaults for its HTTP/2 server, kept so that the limits the hardening review
 /// probed (CONTINUATION floods, rapid reset) stay what they were.
@@ -70,6 +71,8 @@ where
     let drain = lc.drain_child();
     let mut cancelled = pin!(drain.cancelled());
     let mut watch = lc.watch();
+    // The deadlines of all its streams' requests, on one tokio timer.
+    let timers = Timers::new();
     let config = app.config();
     let (idle, send_timeout) = (config.proxy.tunnel_idle_timeout, config.proxy.send_timeout);
     drop(config);
@@ -127,7 +130,15 @@ where
         };
         let (req, respond) = next?;
         quiet_since = None;
-        answering.push(answer(&app, &lc, req, respond, &tunnel, send_timeout));
+        answering.push(answer(
+            &app,
+            &lc,
+            req,
+            respond,
+            &tunnel,
+            &timers,
+            send_timeout,
+        ));
     }
 }
 
@@ -150,6 +161,7 @@ async fn answer(
     req: Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
     tunnel: &forward::Tunnel,
+    timers: &Timers,
     send_timeout: std::time::Duration,
 ) {
     let expects = req
@@ -165,7 +177,7 @@ async fn answer(
         received: received.clone(),
     });
     let target = tunnel.target(&req);
-    let mut forwarded = pin!(forward::intercepted(app, lc, req, target));
+    let mut forwarded = pin!(forward::intercepted(app, lc, timers, req, target));
     let mut continued = !expects;
     let resp = loop {
         tokio::select! {

@@ -22,7 +22,7 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::upgrade::Upgraded;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use rustls::ServerConfig;
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
@@ -34,6 +34,7 @@ use super::forward;
 use super::lifecycle::Lifecycle;
 use crate::app::App;
 use crate::tls::provider;
+use crate::upstream::timer::{ConnTimer, Timers};
 
 /// Serves one leaf whatever the client asks for: it was chosen for this connection.
 struct OneLeaf(Arc<CertifiedKey>);
@@ -198,21 +199,10 @@ pub(crate) async fn serve(
         }
         return;
     }
-    let (svc_app, svc_lc) = (app.clone(), lc.clone());
-    let svc = service_fn(move |req: Request<Incoming>| {
-        let (app, lc, target) = (svc_app.clone(), svc_lc.clone(), tunnel.target(&req));
-        async move { Ok::<_, Infallible>(forward::intercepted(&app, &lc, req, target).await) }
-    });
-    // Without a timer hyper skips its header-read timeout silently. With upgrades: a
-    // WebSocket handshake inside the tunnel switches like a plain one. HTTP/2 is agreed
-    // by ALPN only (RFC 9113 §3.2), so a client that offered none speaks HTTP/1.
-    let conn = http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(super::lifecycle::HEADER_READ_TIMEOUT)
-        .serve_connection(TokioIo::new(tls), svc)
-        .with_upgrades();
+    // HTTP/2 is agreed by ALPN only (RFC 9113 §3.2), so a client that offered none
+    // speaks HTTP/1.
     tokio::select! {
-        result = lc.until_drained(conn) => {
+        result = serve_http1(app.clone(), &lc, tls, tunnel) => {
             if let Err(e) = result {
                 tracing::debug!(client = %peer, error = %e, "intercepted connection ended with an error");
             }
@@ -221,6 +211,52 @@ pub(crate) async fn serve(
             tracing::debug!(client = %peer, "intercepted connection idle: closed");
         }
     }
+}
+
+/// What the HTTP/1.1 requests inside one tunnel share: a request clones this `Arc`
+/// rather than the app and the lifecycle, whose tokens every worker's connections share.
+struct Inside {
+    app: Arc<App>,
+    lc: Lifecycle,
+    tunnel: forward::Tunnel,
+    /// Its requests' deadlines.
+    timers: Timers,
+}
+
+/// Serves the HTTP/1.1 requests inside a tunnel with hyper until the drain. On a
+/// [`ConnTimer`], as the proxy's own connections are: without a timer hyper skips its
+/// header-read timeout silently, and a tokio timer per request is a wheel insertion and
+/// removal each time. With upgrades: a WebSocket handshake inside the tunnel switches
+/// like a plain one.
+async fn serve_http1<I>(
+    app: Arc<App>,
+    lc: &Lifecycle,
+    io: I,
+    tunnel: forward::Tunnel,
+) -> Result<(), hyper::Error>
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let inside = Arc::new(Inside {
+        app,
+        lc: lc.clone(),
+        tunnel,
+        timers: Timers::new(),
+    });
+    let svc = service_fn(move |req: Request<Incoming>| {
+        let inside = inside.clone();
+        async move {
+            let target = inside.tunnel.target(&req);
+            let resp = forward::intercepted(&inside.app, &inside.lc, &inside.timers, req, target);
+            Ok::<_, Infallible>(resp.await)
+        }
+    });
+    let conn = http1::Builder::new()
+        .timer(ConnTimer::new())
+        .header_read_timeout(super::lifecycle::HEADER_READ_TIMEOUT)
+        .serve_connection(TokioIo::new(io), svc)
+        .with_upgrades();
+    lc.until_drained(conn).await
 }
 
 /// Plain HTTP a client sent through a CONNECT tunnel to `host:port` (see
@@ -262,18 +298,8 @@ pub(crate) async fn serve_plain<I>(
         }
         return;
     }
-    let (svc_app, svc_lc) = (app.clone(), lc.clone());
-    let svc = service_fn(move |req: Request<Incoming>| {
-        let (app, lc, target) = (svc_app.clone(), svc_lc.clone(), tunnel.target(&req));
-        async move { Ok::<_, Infallible>(forward::intercepted(&app, &lc, req, target).await) }
-    });
-    let conn = http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(super::lifecycle::HEADER_READ_TIMEOUT)
-        .serve_connection(TokioIo::new(io), svc)
-        .with_upgrades();
     tokio::select! {
-        result = lc.until_drained(conn) => {
+        result = serve_http1(app.clone(), &lc, io, tunnel) => {
             if let Err(e) = result {
                 tracing::debug!(client = %peer, error = %e, "plain HTTP tunnel ended with an error");
             }

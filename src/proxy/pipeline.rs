@@ -31,10 +31,8 @@ use crate::policy::{Circuit, backoff, classify, hints, is_idempotent, wants_retr
 use crate::route::Route;
 use crate::upstream::error::AttemptError;
 use crate::upstream::outbound::Outbound;
-use crate::upstream::pinned::Own;
 use crate::upstream::replay::{ClientFault, Replay};
-use crate::upstream::timer::ConnTimer;
-use crate::upstream::{self, AttemptHead, RequestHead, Via};
+use crate::upstream::{self, AttemptHead, RequestHead, Via, Way};
 
 /// Sends `req` (already stripped and addressed to the upstream), which costs `costs`,
 /// under the route's policy. `switching`: it asks to switch protocols (`forward::admit`
@@ -49,7 +47,7 @@ use crate::upstream::{self, AttemptHead, RequestHead, Via};
 pub(crate) fn run<'a>(
     app: &'a App,
     config: &'a Live,
-    upstreams: Option<&'a Own<'a>>,
+    way: Way<'a>,
     route: Option<&'a Route>,
     (req, costs, switching): (Request<Body>, &'a Costs, bool),
     max_wait: Option<Duration>,
@@ -67,7 +65,7 @@ pub(crate) fn run<'a>(
             let once = attempt(
                 app,
                 config,
-                upstreams,
+                way,
                 None,
                 p.attempt_timeout,
                 (
@@ -91,7 +89,7 @@ pub(crate) fn run<'a>(
                     Err(_) => return (Err(timed_out(&body, p.total_timeout, true)), None),
                 }
             };
-            if let Some(own) = upstreams {
+            if let Some(own) = way.own() {
                 own.conns.recycle(std::mem::take(&mut head.headers));
             }
             return (result.map_err(|e| blame(&body, e)), None);
@@ -132,7 +130,7 @@ pub(crate) fn run<'a>(
                 route,
                 policy,
             },
-            upstreams,
+            way,
             attempts,
             &mut head,
             &body,
@@ -140,23 +138,20 @@ pub(crate) fn run<'a>(
             deadline,
             &queued,
         );
-        // On the client connection's own timer where there is one: a tokio timer per
-        // request would be a timer-wheel insertion and removal each time, about 800
-        // instructions (docs/BENCHMARKS.md, "CPU per request").
-        let result = match upstreams {
-            Some(own) => {
-                let mut looped = std::pin::pin!(looped);
-                let mut total = own.conns.total_deadline(deadline);
-                poll_fn(|cx| match looped.as_mut().poll(cx) {
-                    Poll::Ready(r) => Poll::Ready(Some(r)),
-                    Poll::Pending => Pin::new(&mut total).poll(cx).map(|()| None),
-                })
-                .await
-            }
-            None => tokio::time::timeout_at(deadline, looped).await.ok(),
+        // On the client connection's own timer: a tokio timer per request would be a
+        // timer-wheel insertion and removal each time, about 800 instructions
+        // (docs/BENCHMARKS.md, "CPU per request").
+        let result = {
+            let mut looped = std::pin::pin!(looped);
+            let mut total = way.total_deadline(deadline);
+            poll_fn(|cx| match looped.as_mut().poll(cx) {
+                Poll::Ready(r) => Poll::Ready(Some(r)),
+                Poll::Pending => Pin::new(&mut total).poll(cx).map(|()| None),
+            })
+            .await
         };
         let result = result.unwrap_or_else(|| Err(timed_out(&body, policy.total_timeout, true)));
-        if let Some(own) = upstreams {
+        if let Some(own) = way.own() {
             own.conns.recycle(std::mem::take(&mut head.headers));
         }
         let limited = crate::limit::Limiter::limited(&config.plans[route.upstream], route);
@@ -258,7 +253,7 @@ fn timed_out(body: &Replay, after: Duration, total: bool) -> ProxyError {
 )]
 async fn retry_loop(
     tries: Tries<'_>,
-    upstreams: Option<&Own<'_>>,
+    way: Way<'_>,
     attempts: u32,
     head: &mut RequestHead,
     body: &Replay,
@@ -308,7 +303,7 @@ async fn retry_loop(
         let (result, now) = attempt(
             tries.app,
             tries.config,
-            upstreams,
+            way,
             Some(tries.route),
             tries.policy.attempt_timeout,
             (sent, body.for_attempt()),
@@ -693,7 +688,7 @@ impl Drop for ProbeGuard<'_> {
 fn attempt<'a>(
     app: &'a App,
     config: &'a Live,
-    upstreams: Option<&'a Own<'a>>,
+    way: Way<'a>,
     route: Option<&'a Route>,
     timeout: Duration,
     (head, body): (AttemptHead<'a>, Body),
@@ -707,7 +702,9 @@ fn attempt<'a>(
     // `start`: a reading the caller took just before (both callers await the attempt at
     // once), which the send also judges idle connections by: no clock read of its own.
     let via = Via {
-        own: upstreams.map(|own| (own, &app.resolver, &config.egress_rules)),
+        own: way
+            .own()
+            .map(|own| (own, &app.resolver, &config.egress_rules)),
         pooled: app.client_for(config, route.map(|r| r.upstream)),
     };
     let mut send = upstream::send(via, head, body, start);
@@ -718,16 +715,8 @@ fn attempt<'a>(
         until: start + timeout,
     };
     async move {
-        // The client connection's own timer (see `upstream::timer`); a request inside an
-        // intercepted tunnel has a timer of its own.
-        let own_timer;
-        let mut deadline = match upstreams {
-            Some(own) => own.conns.attempt_deadline(start + timeout),
-            None => {
-                own_timer = ConnTimer::new();
-                own_timer.at(start + timeout)
-            }
-        };
+        // On the client connection's own timer (see `upstream::timer`).
+        let mut deadline = way.attempt_deadline(start + timeout);
         let sent = poll_fn(|cx| match Pin::new(&mut send).poll(cx) {
             Poll::Ready(sent) => Poll::Ready(Some(sent)),
             Poll::Pending => Pin::new(&mut deadline).poll(cx).map(|()| None),

@@ -53,7 +53,14 @@ async fn the_request_paths_futures_stay_within_their_budgets() {
 
     let mut over = Vec::new();
     let target = super::forward::Target::from_uri(req().uri());
-    let f = super::forward::route_and_send(&app, Some(&upstreams), &lc, req(), target, now);
+    let f = super::forward::route_and_send(
+        &app,
+        super::forward::Lent::Own(&upstreams),
+        &lc,
+        req(),
+        target,
+        now,
+    );
     over.extend(within(
         "forward::route_and_send",
         size_of_val(&f),
@@ -69,7 +76,7 @@ async fn the_request_paths_futures_stay_within_their_budgets() {
     let f = pipeline::run(
         &app,
         &live,
-        Some(&own),
+        crate::upstream::Way::Own(&own),
         None,
         (req(), &one, false),
         None,

@@ -32,6 +32,41 @@ pub(crate) use head::{AttemptHead, RequestHead};
 use outbound::Outbound;
 use pinned::{Own, UpstreamResponse};
 use pooled::UpstreamClient;
+use timer::{Deadline, Due, Timers};
+
+/// What a request's client connection lends it: its own plain-HTTP upstream connections
+/// and their timers, or inside an intercepted tunnel (whose requests take the pooled
+/// client) the tunnel's timers.
+#[derive(Clone, Copy)]
+pub(crate) enum Way<'a> {
+    Own(&'a Own<'a>),
+    Tunnel(&'a Timers),
+}
+
+impl<'a> Way<'a> {
+    pub(crate) fn own(self) -> Option<&'a Own<'a>> {
+        match self {
+            Way::Own(own) => Some(own),
+            Way::Tunnel(_) => None,
+        }
+    }
+
+    /// An upstream attempt's deadline.
+    pub(crate) fn attempt_deadline(self, at: Instant) -> Either<Deadline, Due<'a>> {
+        match self {
+            Way::Own(own) => Either::Left(own.conns.attempt_deadline(at)),
+            Way::Tunnel(timers) => Either::Right(timers.at(at)),
+        }
+    }
+
+    /// A request's `total_timeout`.
+    pub(crate) fn total_deadline(self, at: Instant) -> Either<Deadline, Due<'a>> {
+        match self {
+            Way::Own(own) => Either::Left(own.conns.total_deadline(at)),
+            Way::Tunnel(timers) => Either::Right(timers.at(at)),
+        }
+    }
+}
 
 /// The ways one attempt can leave.
 pub(crate) struct Via<'a> {

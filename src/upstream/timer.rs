@@ -191,6 +191,179 @@ impl Deadline {
     }
 }
 
+/// One tokio timer for the deadlines of many requests at once: the attempt and total
+/// deadlines of the requests inside one intercepted tunnel, the streams of an HTTP/2
+/// connection among them, which run side by side where [`ConnTimer`] serves one at a
+/// time. A tokio timer per deadline was a wheel insertion and removal per request, and a
+/// new earliest deadline on an idle worker also wrote to its event loop's eventfd to wake
+/// a thread that was running it.
+///
+/// Invariants, under the lock:
+/// - `sleep` is armed no later than every waiting deadline, unless it has fired: then
+///   the first waiter to see it so wakes all the others to look again.
+/// - `holder` names the waiting deadline whose waker `sleep` holds, whenever one waits
+///   and `sleep` has not fired; a holder that stops waiting hands `sleep` to another.
+pub(crate) struct Timers {
+    shared: Mutex<Many>,
+}
+
+struct Many {
+    sleep: Pin<Box<Sleep>>,
+    /// What `sleep` is set to; `None` until the first deadline, and once it has fired.
+    armed: Option<Instant>,
+    /// The waiting deadlines' wakers, by slot; `None` is a free slot.
+    waiting: Vec<Option<Waker>>,
+    free: Vec<usize>,
+    /// The slot whose waker `sleep` holds.
+    holder: Option<usize>,
+}
+
+impl Timers {
+    /// Needs a tokio runtime (it creates an unarmed tokio timer).
+    pub(crate) fn new() -> Timers {
+        Timers {
+            shared: Mutex::new(Many {
+                sleep: Box::pin(tokio::time::sleep(Duration::from_secs(86_400 * 365))),
+                armed: None,
+                waiting: Vec::new(),
+                free: Vec::new(),
+                holder: None,
+            }),
+        }
+    }
+
+    /// Completes at `at`.
+    pub(crate) fn at(&self, at: Instant) -> Due<'_> {
+        Due {
+            timers: self,
+            at,
+            slot: None,
+        }
+    }
+}
+
+impl Many {
+    /// Keeps `waker` in `slot` (taking a slot for a deadline that had none); whether the
+    /// slot held another waker before.
+    fn keep(&mut self, slot: &mut Option<usize>, waker: &Waker) -> bool {
+        match *slot {
+            Some(i) => match &mut self.waiting[i] {
+                Some(w) if w.will_wake(waker) => false,
+                w => {
+                    *w = Some(waker.clone());
+                    true
+                }
+            },
+            None => {
+                let i = match self.free.pop() {
+                    Some(i) => {
+                        self.waiting[i] = Some(waker.clone());
+                        i
+                    }
+                    None => {
+                        self.waiting.push(Some(waker.clone()));
+                        self.waiting.len() - 1
+                    }
+                };
+                *slot = Some(i);
+                true
+            }
+        }
+    }
+
+    /// `slot`'s deadline no longer waits; if `sleep` held its waker, another waiter's
+    /// takes its place.
+    fn leave(&mut self, slot: usize) {
+        self.waiting[slot] = None;
+        self.free.push(slot);
+        if self.holder != Some(slot) {
+            return;
+        }
+        self.holder = None;
+        let Some((next, waker)) = self
+            .waiting
+            .iter()
+            .enumerate()
+            .find_map(|(i, w)| w.as_ref().map(|w| (i, w)))
+        else {
+            return;
+        };
+        let mut cx = Context::from_waker(waker);
+        if self.sleep.as_mut().poll(&mut cx).is_ready() {
+            // Fired: that waiter sees it and wakes the rest.
+            waker.wake_by_ref();
+        } else {
+            self.holder = Some(next);
+        }
+    }
+}
+
+/// A deadline on [`Timers`].
+pub(crate) struct Due<'a> {
+    timers: &'a Timers,
+    at: Instant,
+    /// Where its waker is kept while it waits.
+    slot: Option<usize>,
+}
+
+impl Future for Due<'_> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        let mut guard = this.timers.shared.lock();
+        let m = &mut *guard;
+        // Set no later than `at` and not fired: it will wake us, or whoever holds it will.
+        if m.armed.is_some_and(|armed| armed <= this.at) && !m.sleep.is_elapsed() {
+            let changed = m.keep(&mut this.slot, cx.waker());
+            if m.holder.is_some() && (m.holder != this.slot || !changed) {
+                return Poll::Pending;
+            }
+            if m.sleep.as_mut().poll(cx).is_pending() {
+                m.holder = this.slot;
+                return Poll::Pending;
+            }
+        }
+        if m.armed.is_some() && m.sleep.is_elapsed() {
+            // It fired for someone: everyone waiting looks again, and the earliest
+            // still to come sets it again.
+            m.armed = None;
+            m.holder = None;
+            for (i, w) in m.waiting.iter().enumerate() {
+                if let Some(w) = w
+                    && Some(i) != this.slot
+                {
+                    w.wake_by_ref();
+                }
+            }
+        }
+        if Instant::now() >= this.at {
+            if let Some(slot) = this.slot.take() {
+                m.leave(slot);
+            }
+            return Poll::Ready(());
+        }
+        // Not set, set for later than `at`, or fired.
+        m.sleep.as_mut().reset(this.at);
+        m.armed = Some(this.at);
+        m.keep(&mut this.slot, cx.waker());
+        m.holder = this.slot;
+        if m.sleep.as_mut().poll(cx).is_ready() {
+            // Fired between the clock read above and here: go round once more.
+            cx.waker().wake_by_ref();
+        }
+        Poll::Pending
+    }
+}
+
+impl Drop for Due<'_> {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            self.timers.shared.lock().leave(slot);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,5 +415,77 @@ mod tests {
         assert_eq!(Instant::now() - t1, Duration::from_secs(5));
         late.await;
         assert_eq!(Instant::now() - t1, Duration::from_secs(60));
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    /// The deadline whose waker the shared timer holds goes away (its request was
+    /// answered): the other, later one still completes on time.
+    #[tokio::test(start_paused = true)]
+    async fn a_deadline_outlives_the_one_that_armed_the_timer() {
+        let timers = Timers::new();
+        let t0 = Instant::now();
+        let mut first = Box::pin(timers.at(t0 + ms(100)));
+        let mut second = Box::pin(timers.at(t0 + ms(300)));
+        assert!(futures_util::poll!(&mut first).is_pending());
+        assert!(futures_util::poll!(&mut second).is_pending());
+        drop(first);
+        // Under paused time a lost wake-up would end only here.
+        tokio::time::timeout(ms(60_000), second)
+            .await
+            .expect("completes");
+        assert_eq!(Instant::now() - t0, ms(300));
+    }
+
+    proptest::proptest! {
+        /// Deadlines waiting side by side on one `Timers`, each polled with a waker of
+        /// its own as an HTTP/2 connection's streams are, some dropped before they are
+        /// due as answered requests' are: each one kept completes at its own instant,
+        /// and none dropped completes before it is dropped.
+        #[test]
+        fn side_by_side_deadlines_complete_on_time(
+            plan in proptest::collection::vec(
+                (0u64..2_000, 1u64..5_000, proptest::option::of(0u64..5_000)),
+                1..24,
+            )
+        ) {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .start_paused(true)
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                use futures_util::StreamExt;
+                let timers = Timers::new();
+                let t0 = Instant::now();
+                let mut waiting = futures_util::stream::FuturesUnordered::new();
+                for (i, &(start, len, drop_after)) in plan.iter().enumerate() {
+                    let timers = &timers;
+                    waiting.push(async move {
+                        tokio::time::sleep_until(t0 + ms(start)).await;
+                        let at = Instant::now() + ms(len);
+                        let due = timers.at(at);
+                        match drop_after {
+                            Some(after) if after < len => {
+                                tokio::select! {
+                                    biased;
+                                    () = due => panic!("deadline {i} completed {after} ms before it was due"),
+                                    () = tokio::time::sleep(ms(after)) => {}
+                                }
+                            }
+                            _ => {
+                                due.await;
+                                assert_eq!(Instant::now(), at, "deadline {i}");
+                            }
+                        }
+                    });
+                }
+                // Under paused time a lost wake-up would end only here.
+                let all = async { while waiting.next().await.is_some() {} };
+                tokio::time::timeout(ms(60_000), all).await.expect("every deadline completes");
+            });
+        }
     }
 }

@@ -72,7 +72,8 @@ pub fn for_localhost(dir: &Path, alpn: &[&[u8]]) -> TestCerts {
     }
 }
 
-/// A TLS upstream on 127.0.0.1 whose certificate is signed by a CA of its own.
+/// A TLS upstream on 127.0.0.1 whose certificate is signed by a CA of its own. It
+/// answers `secure hello`, except to a path with `/stall` in it, which it never answers.
 pub struct TlsUpstream {
     pub addr: SocketAddr,
     pub ca_path: PathBuf,
@@ -108,6 +109,10 @@ pub async fn tls_upstream(dir: &Path) -> TlsUpstream {
                             Instant::now(),
                             format!("{:?} {}", req.version(), req.uri().path()),
                         ));
+                        if req.uri().path().contains("/stall") {
+                            // Never answered: for timeouts.
+                            std::future::pending::<()>().await;
+                        }
                         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(
                             b"secure hello",
                         ))))
