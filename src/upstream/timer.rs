@@ -194,9 +194,9 @@ impl Deadline {
 /// One tokio timer for the deadlines of many requests at once: the attempt and total
 /// deadlines of the requests inside one intercepted tunnel, the streams of an HTTP/2
 /// connection among them, which run side by side where [`ConnTimer`] serves one at a
-/// time. A tokio timer per deadline was a wheel insertion and removal per request, and a
-/// new earliest deadline on an idle worker also wrote to its event loop's eventfd to wake
-/// a thread that was running it.
+/// time. A tokio timer per deadline would be a wheel insertion and removal per request,
+/// and on a worker whose wheel is empty each new earliest deadline also has tokio write
+/// to the event loop's eventfd, to wake the thread that is running it.
 ///
 /// Invariants, under the lock:
 /// - `sleep` is armed no later than every waiting deadline, unless it has fired: then
