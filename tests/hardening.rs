@@ -1321,9 +1321,13 @@ async fn an_http2_stream_in_flight_finishes_during_the_drain() {
     let (resp, _) = client
         .send_request(h2_get(up.addr, "/slow/700"), true)
         .unwrap();
-    while up.seen().is_empty() {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while up.seen().is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the request reached the upstream");
     proxy.shutdown();
     let resp = tokio::time::timeout(Duration::from_secs(5), resp)
         .await

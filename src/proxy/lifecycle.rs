@@ -74,9 +74,10 @@ impl Lifecycle {
     {
         // A token of the connection's own. Polling a token takes its lock, and the
         // drain token is shared by every connection on every worker: polled at each
-        // wakeup of each connection, it was a lock the workers contended for, and a
-        // worker preempted while holding it stalled the other worker's connections for a
-        // time slice (the git history of docs/BENCHMARKS.md). A child is told when its parent is cancelled.
+        // wakeup of each connection, it would be a lock the workers contend for, and a
+        // worker preempted while holding it would stall the other worker's connections
+        // for a time slice (the git history of docs/BENCHMARKS.md). A child is told when
+        // its parent is cancelled.
         let drain = self.drain_child();
         let mut cancelled = pin!(drain.cancelled());
         let mut watch = self.watch();
