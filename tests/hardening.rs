@@ -1265,6 +1265,54 @@ async fn an_http2_connection_without_streams_is_closed_whatever_it_pings() {
     assert!(took < Duration::from_secs(5), "{took:?}");
 }
 
+/// An HTTP/2 connection's idle time runs from its last stream's end: a stream that ends
+/// shortly before the connection would have been closed buys it a whole
+/// `tunnel_idle_timeout` more, and so does one still open when it would have been.
+#[tokio::test]
+async fn an_http2_connections_idle_time_runs_from_its_last_stream() {
+    let up = Upstream::start_h2c().await;
+    let idle = Duration::from_secs(2);
+    let proxy = Proxy::start(&format!(
+        "tunnel_idle_timeout = \"2s\"\n\
+         [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n",
+        up.addr.port()
+    ))
+    .await;
+    let (mut client, mut conn) =
+        h2c_through(proxy.addr, up.addr, &h2::client::Builder::new()).await;
+    let start = tokio::time::Instant::now();
+    // PINGs throughout, so that the tunnel's bytes never idle: only streams count.
+    let mut pings = conn.ping_pong().unwrap();
+    let ended = tokio::spawn(async move {
+        let _ = conn.await;
+        start.elapsed()
+    });
+    tokio::spawn(async move {
+        while pings.ping(h2::Ping::opaque()).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    });
+    // Ends at 1.5 s, before the 2 s the connection alone would have had; then one from
+    // 3 s to 4.5 s, open across the 3.5 s the first stream's end leaves it.
+    for (at, path) in [(1500, "/a"), (3000, "/slow/1500")] {
+        tokio::time::sleep_until(start + Duration::from_millis(at)).await;
+        let (resp, _) = client.send_request(h2_get(up.addr, path), true).unwrap();
+        assert_eq!(resp.await.unwrap().status(), 200, "{path}");
+    }
+    let last = start.elapsed();
+    let took = tokio::time::timeout(Duration::from_secs(10), ended)
+        .await
+        .expect("closed within 10 s")
+        .unwrap();
+    // The proxy may date the stream's end a little before the client saw its answer.
+    assert!(
+        took + Duration::from_millis(100) >= last + idle,
+        "closed {took:?} after opening, the last stream ended at {last:?}"
+    );
+    assert!(took < last + idle + Duration::from_secs(3), "{took:?}");
+    drop(client);
+}
+
 /// A client that never reads (so never answers the GOAWAY's PING) holds no shutdown: an
 /// idle HTTP/2 connection ends a second into the drain, as an idle HTTP/1.1 one ends at
 /// once. Before, it held the drain for its whole `drain_timeout`.

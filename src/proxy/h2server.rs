@@ -21,12 +21,12 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
+use futures_util::task::AtomicWaker;
 use h2::server::SendResponse;
 use h2::{Reason, RecvStream, SendStream};
 use http::{HeaderMap, Request, Response, StatusCode, header};
 use http_body::{Body as HttpBody, Frame};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::oneshot;
 
 use super::forward;
 use super::lifecycle::Lifecycle;
@@ -82,22 +82,30 @@ where
     let mut answering = FuturesUnordered::new();
     // Since when no stream has been open; `None` while one is. PINGs and SETTINGS do
     // not count: a connection holds a slot for its streams, not for its liveliness.
-    let mut quiet_since = Some(tokio::time::Instant::now());
+    let mut quiet_since = Some(crate::clock::now());
+    // Armed no later than `quiet_since + idle` while the connection is quiet, and moved
+    // on only when it fires early: a client that sends one request at a time would
+    // otherwise register and cancel a timer for every request.
+    let mut idle_timer = pin!(tokio::time::sleep_until(crate::clock::now() + idle));
+    let mut idle_armed = true;
     // Once set, the connection ends at this instant whatever the client does: after a
     // GOAWAY with no stream left, a client that never reads would hold it (and the
     // drain) by leaving the GOAWAY's PING unanswered.
     let mut close_at: Option<tokio::time::Instant> = None;
     let mut draining = false;
     loop {
-        let quiet_until = quiet_since.map(|t| t + idle);
         let next = tokio::select! {
             // Streams before the connection, so that what they queued in this turn goes
             // out in the connection's next write, together.
             biased;
             Some(()) = answering.next(), if !answering.is_empty() => {
                 if answering.is_empty() {
-                    let now = tokio::time::Instant::now();
+                    let now = crate::clock::now();
                     quiet_since = Some(now);
+                    if !idle_armed {
+                        idle_timer.as_mut().reset(now + idle);
+                        idle_armed = true;
+                    }
                     if draining {
                         close_at = Some(now + CLOSE_GRACE);
                     }
@@ -114,13 +122,17 @@ where
                 }
                 continue;
             }
-            () = sleep_until_some(quiet_until), if close_at.is_none() => {
-                if answering.is_empty() {
-                    tracing::debug!(?idle, "HTTP/2 connection without a stream for the idle timeout: closed");
-                    conn.graceful_shutdown();
-                    close_at = Some(tokio::time::Instant::now() + CLOSE_GRACE);
+            () = &mut idle_timer, if idle_armed && close_at.is_none() => {
+                match quiet_since.map(|t| t + idle) {
+                    Some(due) if due > idle_timer.deadline() => idle_timer.as_mut().reset(due),
+                    Some(_) => {
+                        tracing::debug!(?idle, "HTTP/2 connection without a stream for the idle timeout: closed");
+                        conn.graceful_shutdown();
+                        close_at = Some(tokio::time::Instant::now() + CLOSE_GRACE);
+                        idle_armed = false;
+                    }
+                    None => idle_armed = false,
                 }
-                quiet_since = None;
                 continue;
             }
             () = sleep_until_some(close_at) => return Ok(()),
@@ -168,32 +180,35 @@ async fn answer(
         .headers()
         .get(header::EXPECT)
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-    let (first_read, mut wants_continue) = oneshot::channel();
-    let received = Arc::new(AtomicBool::new(req.body().is_end_stream()));
+    // Only a request with a body to come has progress to report: a GET's stream has
+    // already ended, and it waits for no `100`.
+    let progress = (!req.body().is_end_stream()).then(|| Arc::new(Progress::default()));
     let req = req.map(|recv| Incoming {
         recv,
-        first_read: expects.then_some(first_read),
+        progress: progress.clone(),
         trailers: false,
-        received: received.clone(),
     });
     let target = tunnel.target(&req);
-    let mut forwarded = pin!(forward::intercepted(app, lc, timers, req, target));
-    let mut continued = !expects;
+    // Boxed: this future lives in the connection's set of streams, which moves it whole
+    // when it is added, and the forward path's future is most of its size.
+    let mut forwarded = Box::pin(forward::intercepted(app, lc, timers, req, target));
+    let mut continued = !expects || progress.is_none();
     let resp = loop {
         tokio::select! {
+            // The response first: on a wake-up it is what has most likely come.
+            biased;
             resp = &mut forwarded => break resp,
-            read = &mut wants_continue, if !continued => {
+            () = poll_fn(|cx| first_read(progress.as_deref(), cx)), if !continued => {
                 continued = true;
-                if read.is_ok() {
-                    let mut head = Response::new(());
-                    *head.status_mut() = StatusCode::CONTINUE;
-                    let _ = respond.send_informational(head);
-                }
+                let mut head = Response::new(());
+                *head.status_mut() = StatusCode::CONTINUE;
+                let _ = respond.send_informational(head);
             }
             // The client reset the stream: its request is cancelled with it.
             _ = poll_fn(|cx| respond.poll_reset(cx)) => return,
         }
     };
+    drop(forwarded);
     let (mut parts, body) = resp.into_parts();
     strip_connection_fields(&mut parts.headers);
     let end = body.is_end_stream();
@@ -208,7 +223,7 @@ async fn answer(
     // holds it (RFC 9113 §8.1). Held a moment first, until the client resets or closes
     // it itself: some clients (curl 7.88) drop a response whose RST_STREAM they read
     // in the same batch.
-    if !received.load(Ordering::Relaxed) {
+    if progress.is_some_and(|p| !p.received.load(Ordering::Relaxed)) {
         let _ = tokio::time::timeout(LINGER, poll_fn(|cx| send.poll_reset(cx))).await;
     }
 }
@@ -295,15 +310,40 @@ async fn relay(body: Body, send: &mut SendStream<Bytes>, send_timeout: std::time
     }
 }
 
+/// What a request body's reader tells its stream: set by [`Incoming`], read by `answer`.
+#[derive(Default)]
+struct Progress {
+    /// The body was first read: the request was admitted, its `100` may go.
+    read: AtomicBool,
+    /// Woken at the first read.
+    reader: AtomicWaker,
+    /// The client has sent all of it.
+    received: AtomicBool,
+}
+
+/// Ready once the body was first read; never without a body.
+fn first_read(progress: Option<&Progress>, cx: &mut Context<'_>) -> Poll<()> {
+    let Some(p) = progress else {
+        return Poll::Pending;
+    };
+    if p.read.load(Ordering::Acquire) {
+        return Poll::Ready(());
+    }
+    p.reader.register(cx.waker());
+    if p.read.load(Ordering::Acquire) {
+        Poll::Ready(())
+    } else {
+        Poll::Pending
+    }
+}
+
 /// A request body read from its stream. Read bytes are released to the client's window
 /// as they are taken, so an upload moves at the pace its upstream reads it.
 struct Incoming {
     recv: RecvStream,
-    /// Told when the body is first read: the request was admitted, its `100` may go.
-    first_read: Option<oneshot::Sender<()>>,
+    /// `None` when the stream had ended before the request went on.
+    progress: Option<Arc<Progress>>,
     trailers: bool,
-    /// Set once the client has sent all of it.
-    received: Arc<AtomicBool>,
 }
 
 impl HttpBody for Incoming {
@@ -314,8 +354,11 @@ impl HttpBody for Incoming {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if let Some(tx) = self.first_read.take() {
-            let _ = tx.send(());
+        if let Some(p) = &self.progress
+            && !p.read.load(Ordering::Relaxed)
+        {
+            p.read.store(true, Ordering::Release);
+            p.reader.wake();
         }
         if !self.trailers {
             match self.recv.poll_data(cx) {
@@ -326,7 +369,9 @@ impl HttpBody for Incoming {
                 Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(Box::new(e)))),
                 Poll::Ready(None) => {
                     self.trailers = true;
-                    self.received.store(true, Ordering::Relaxed);
+                    if let Some(p) = &self.progress {
+                        p.received.store(true, Ordering::Relaxed);
+                    }
                 }
                 Poll::Pending => return Poll::Pending,
             }
