@@ -13,10 +13,12 @@ its defaults otherwise, no log. Rounds interleave; medians of rounds: req/s, p50
 from h2load's per-request log, and the proxy's CPU and context switches (every thread's,
 voluntary and preempted) per request; socat's are not counted.
 
-`--instructions` counts instead: sluice alone under callgrind (one worker, as shipped
-otherwise), 2,000 requests uncounted, then N (default 10,000) over 2 connections of 8
-streams; it prints user-space instructions per request, every thread's. PROFILE=1 adds
-perf's cpu-clock profile of sluice under the load before the rounds.
+`--instructions [connections=2] [streams=8]` counts instead: sluice alone under
+callgrind (one worker, as shipped otherwise), 2,000 requests uncounted, then N (default
+10,000) over that many connections and concurrent streams on each (`1 1`: a client that
+sends one request at a time); it prints user-space instructions per request, every
+thread's. PROFILE=1 adds perf's cpu-clock profile of sluice under the load before the
+rounds.
 """
 
 import os
@@ -53,6 +55,9 @@ ROUNDS = int(ARGS[0]) if len(ARGS) > 0 else 5
 SECONDS = int(ARGS[1]) if len(ARGS) > 1 else 5
 CONNS = int(ARGS[2]) if len(ARGS) > 2 else 8
 STREAMS = int(ARGS[3]) if len(ARGS) > 3 else 16
+# `--instructions [connections] [streams]`: h2load's shape while counting.
+COUNT_CONNS = int(ARGS[0]) if INSTRUCTIONS and len(ARGS) > 0 else 2
+COUNT_STREAMS = int(ARGS[1]) if INSTRUCTIONS and len(ARGS) > 1 else 8
 COUNTED = int(os.environ.get("N", "10000"))
 WORKERS = len(os.sched_getaffinity(0))
 UP, SLUICE_PORT, ADMIN, HAPROXY, HOP_SLUICE, HOP_HAPROXY = 18140, 13200, 19995, 13201, 13202, 13203
@@ -111,7 +116,7 @@ def instructions(procs, work, path):
     time.sleep(1)
 
     def load(n):
-        out = subprocess.run(["h2load", "-c2", "-m8", f"-n{n}", f"--connect-to=127.0.0.1:{HOP_SLUICE}",
+        out = subprocess.run(["h2load", f"-c{COUNT_CONNS}", f"-m{COUNT_STREAMS}", f"-n{n}", f"--connect-to=127.0.0.1:{HOP_SLUICE}",
                               f"https://127.0.0.1:{UP}/"], capture_output=True, text=True, check=True).stdout
         if f"{n} succeeded" not in out:
             raise SystemExit(out)
@@ -121,7 +126,8 @@ def instructions(procs, work, path):
     load(COUNTED)
     dump = callgrind_dump(work, p.pid)
     total, _ = callgrind_counts(dump)
-    print(f"instructions per intercepted HTTP/2 request: {total / COUNTED:,.0f} ({COUNTED} counted)")
+    print(f"instructions per intercepted HTTP/2 request: {total / COUNTED:,.0f} ({COUNTED} counted, "
+          f"h2load -c{COUNT_CONNS} -m{COUNT_STREAMS})")
     if os.environ.get("KEEP"):
         shutil.copy(dump, os.environ["KEEP"])
 

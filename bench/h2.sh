@@ -4,7 +4,7 @@
 # front of the same nginx over TLS. Installs h2load, socat and haproxy when missing.
 # Loopback only; every process is started here and stopped by PID.
 # Usage: bench/h2.sh [rounds=5] [seconds=5] [connections=8] [streams=16]
-#        bench/h2.sh --instructions      # instructions per request under callgrind
+#        bench/h2.sh --instructions [connections=2] [streams=8]   # instructions per request under callgrind
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/prepare.sh
