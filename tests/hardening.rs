@@ -1235,34 +1235,16 @@ async fn an_http2_client_with_a_shut_window_gives_its_permits_back() {
 /// `tunnel_idle_timeout`: before, it stayed open for ever and held its connection slot.
 #[tokio::test]
 async fn an_http2_connection_without_streams_is_closed_whatever_it_pings() {
-    let up = Upstream::start_h2c().await;
-    let proxy = Proxy::start(&format!(
-        "tunnel_idle_timeout = \"2s\"\n\
-         [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n",
-        up.addr.port()
-    ))
-    .await;
-    let (mut client, mut conn) =
-        h2c_through(proxy.addr, up.addr, &h2::client::Builder::new()).await;
+    let (up, _proxy, mut client, _, ended) = pinged_h2c_idle_2s().await;
     // One request first: a connection that has been used is as idle as a new one.
     let (resp, _) = client.send_request(h2_get(up.addr, "/a"), true).unwrap();
-    let mut pings = conn.ping_pong().unwrap();
-    let ended = tokio::spawn(async move {
-        let t = tokio::time::Instant::now();
-        let _ = conn.await;
-        t.elapsed()
-    });
     assert_eq!(resp.await.unwrap().status(), 200);
-    tokio::spawn(async move {
-        while pings.ping(h2::Ping::opaque()).await.is_ok() {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-        }
-    });
     let took = tokio::time::timeout(Duration::from_secs(10), ended)
         .await
         .expect("closed within 10 s")
         .unwrap();
     assert!(took < Duration::from_secs(5), "{took:?}");
+    drop(client);
 }
 
 /// An HTTP/2 connection's idle time runs from its last stream's end: a stream that ends
@@ -1270,28 +1252,8 @@ async fn an_http2_connection_without_streams_is_closed_whatever_it_pings() {
 /// `tunnel_idle_timeout` more, and so does one still open when it would have been.
 #[tokio::test]
 async fn an_http2_connections_idle_time_runs_from_its_last_stream() {
-    let up = Upstream::start_h2c().await;
+    let (up, _proxy, mut client, start, ended) = pinged_h2c_idle_2s().await;
     let idle = Duration::from_secs(2);
-    let proxy = Proxy::start(&format!(
-        "tunnel_idle_timeout = \"2s\"\n\
-         [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n",
-        up.addr.port()
-    ))
-    .await;
-    let (mut client, mut conn) =
-        h2c_through(proxy.addr, up.addr, &h2::client::Builder::new()).await;
-    let start = tokio::time::Instant::now();
-    // PINGs throughout, so that the tunnel's bytes never idle: only streams count.
-    let mut pings = conn.ping_pong().unwrap();
-    let ended = tokio::spawn(async move {
-        let _ = conn.await;
-        start.elapsed()
-    });
-    tokio::spawn(async move {
-        while pings.ping(h2::Ping::opaque()).await.is_ok() {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-        }
-    });
     // Ends at 1.5 s, before the 2 s the connection alone would have had; then one from
     // 3 s to 4.5 s, open across the 3.5 s the first stream's end leaves it.
     for (at, path) in [(1500, "/a"), (3000, "/slow/1500")] {
@@ -1304,13 +1266,47 @@ async fn an_http2_connections_idle_time_runs_from_its_last_stream() {
         .await
         .expect("closed within 10 s")
         .unwrap();
-    // The proxy may date the stream's end a little before the client saw its answer.
+    // The proxy dates the stream's end before the client sees its answer, by however
+    // long a loaded machine takes to deliver it. An early close would come 3 s early.
     assert!(
-        took + Duration::from_millis(100) >= last + idle,
+        took + Duration::from_millis(500) >= last + idle,
         "closed {took:?} after opening, the last stream ended at {last:?}"
     );
     assert!(took < last + idle + Duration::from_secs(3), "{took:?}");
     drop(client);
+}
+
+/// An h2c connection through a proxy whose `tunnel_idle_timeout` is 2 s, sending PINGs
+/// every 300 ms from the start, so that the tunnel's bytes never idle and only streams
+/// count. Returns the upstream and the proxy (to keep), the client's handle, when the
+/// connection opened, and how long after that it ended.
+async fn pinged_h2c_idle_2s() -> (
+    Upstream,
+    Proxy,
+    h2::client::SendRequest<bytes::Bytes>,
+    tokio::time::Instant,
+    tokio::task::JoinHandle<Duration>,
+) {
+    let up = Upstream::start_h2c().await;
+    let proxy = Proxy::start(&format!(
+        "tunnel_idle_timeout = \"2s\"\n\
+         [[upstream]]\nname = \"api\"\nhosts = [\"127.0.0.1:{}\"]\n",
+        up.addr.port()
+    ))
+    .await;
+    let (client, mut conn) = h2c_through(proxy.addr, up.addr, &h2::client::Builder::new()).await;
+    let start = tokio::time::Instant::now();
+    let mut pings = conn.ping_pong().unwrap();
+    let ended = tokio::spawn(async move {
+        let _ = conn.await;
+        start.elapsed()
+    });
+    tokio::spawn(async move {
+        while pings.ping(h2::Ping::opaque()).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    });
+    (up, proxy, client, start, ended)
 }
 
 /// A client that never reads (so never answers the GOAWAY's PING) holds no shutdown: an

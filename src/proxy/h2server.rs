@@ -82,11 +82,12 @@ where
     let mut answering = FuturesUnordered::new();
     // Since when no stream has been open; `None` while one is. PINGs and SETTINGS do
     // not count: a connection holds a slot for its streams, not for its liveliness.
-    let mut quiet_since = Some(crate::clock::now());
+    let opened = crate::clock::now();
+    let mut quiet_since = Some(opened);
     // Armed no later than `quiet_since + idle` while the connection is quiet, and moved
     // on only when it fires early: a client that sends one request at a time would
     // otherwise register and cancel a timer for every request.
-    let mut idle_timer = pin!(tokio::time::sleep_until(crate::clock::now() + idle));
+    let mut idle_timer = pin!(tokio::time::sleep_until(opened + idle));
     let mut idle_armed = true;
     // Once set, the connection ends at this instant whatever the client does: after a
     // GOAWAY with no stream left, a client that never reads would hold it (and the
