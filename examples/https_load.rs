@@ -145,12 +145,21 @@ async fn main() {
         ),
     )
     .expect("config");
+    // As users run it: the default log level (an access line per request), stderr read
+    // through a pipe in large reads, as a container runtime reads it.
     let mut child = Command::new(&sluice)
         .args(["run", "-c", config.to_str().expect("path")])
-        .env("RUST_LOG", "warn")
+        .env_remove("RUST_LOG")
         .stdout(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .expect("start sluice");
+    if let Some(mut stderr) = child.stderr.take() {
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 1 << 16];
+            while matches!(std::io::Read::read(&mut stderr, &mut buf), Ok(n) if n > 0) {}
+        });
+    }
     for _ in 0..100 {
         if reqwest::get(format!("http://{ADMIN}/readyz")).await.is_ok() {
             break;
