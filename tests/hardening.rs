@@ -1232,7 +1232,7 @@ async fn an_http2_client_with_a_shut_window_gives_its_permits_back() {
 }
 
 /// An HTTP/2 connection with no stream, kept up by PINGs alone, is closed after
-/// `tunnel_idle_timeout`: before, it stayed open for ever and held its connection slot.
+/// `tunnel_idle_timeout`: PINGs do not hold its connection slot.
 #[tokio::test]
 async fn an_http2_connection_without_streams_is_closed_whatever_it_pings() {
     let (up, _proxy, mut client, _, ended) = pinged_h2c_idle_2s().await;
