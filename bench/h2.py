@@ -1,4 +1,4 @@
-"""HTTP/2 through interception, sluice next to haproxy (see h2.sh).
+"""HTTP/2 (or with --h1, HTTP/1.1) through interception, sluice next to haproxy (see h2.sh).
 
 h2load speaks no HTTP proxy protocol, so each proxy is reached through one socat hop:
 for sluice, socat opens a CONNECT tunnel (`PROXY:` address) to the TLS upstream, which
@@ -19,6 +19,10 @@ callgrind (one worker, as shipped otherwise), 2,000 requests uncounted, then N (
 sends one request at a time); it prints user-space instructions per request, every
 thread's. PROFILE=1 adds perf's cpu-clock profile of sluice under the load before the
 rounds.
+
+`--h1` makes h2load speak HTTP/1.1 over TLS (ALPN `http/1.1`), so sluice intercepts an
+HTTP/1.1 tunnel and haproxy ends TLS and HTTP/1.1; the streams argument is then requests
+pipelined on a connection, 1 by default (a client that waits for each answer).
 """
 
 import os
@@ -50,14 +54,17 @@ from common import (  # noqa: E402
 )
 
 INSTRUCTIONS = "--instructions" in sys.argv
+H1 = "--h1" in sys.argv
+PROTO = ["--h1"] if H1 else []
+NAME = "HTTP/1.1" if H1 else "HTTP/2"
 ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
 ROUNDS = int(ARGS[0]) if len(ARGS) > 0 else 5
 SECONDS = int(ARGS[1]) if len(ARGS) > 1 else 5
-CONNS = int(ARGS[2]) if len(ARGS) > 2 else 8
-STREAMS = int(ARGS[3]) if len(ARGS) > 3 else 16
+CONNS = int(ARGS[2]) if len(ARGS) > 2 else (32 if H1 else 8)
+STREAMS = int(ARGS[3]) if len(ARGS) > 3 else (1 if H1 else 16)
 # `--instructions [connections] [streams]`: h2load's shape while counting.
 COUNT_CONNS = int(ARGS[0]) if INSTRUCTIONS and len(ARGS) > 0 else 2
-COUNT_STREAMS = int(ARGS[1]) if INSTRUCTIONS and len(ARGS) > 1 else 8
+COUNT_STREAMS = int(ARGS[1]) if INSTRUCTIONS and len(ARGS) > 1 else (1 if H1 else 8)
 COUNTED = int(os.environ.get("N", "10000"))
 WORKERS = len(os.sched_getaffinity(0))
 UP, SLUICE_PORT, ADMIN, HAPROXY, HOP_SLUICE, HOP_HAPROXY = 18140, 13200, 19995, 13201, 13202, 13203
@@ -87,7 +94,7 @@ def certificates(work):
 
 def h2load(port, log):
     out = subprocess.run(
-        ["h2load", f"-c{CONNS}", f"-m{STREAMS}", f"-D{SECONDS}", "--warm-up-time=1", f"--log-file={log}",
+        ["h2load", *PROTO, f"-c{CONNS}", f"-m{STREAMS}", f"-D{SECONDS}", "--warm-up-time=1", f"--log-file={log}",
          f"--connect-to=127.0.0.1:{port}", f"https://127.0.0.1:{UP}/"],
         capture_output=True, text=True, check=True).stdout
     if " 0 failed" not in out or " 0 errored" not in out:
@@ -108,7 +115,7 @@ def h2load(port, log):
 
 
 def instructions(procs, work, path):
-    """User-space instructions per intercepted HTTP/2 request, counted under callgrind."""
+    """User-space instructions per intercepted request, counted under callgrind."""
     p = start_under_callgrind(procs, work, path)
     wait_slow(f"http://127.0.0.1:{ADMIN}/readyz")
     procs.start(["socat", f"TCP-LISTEN:{HOP_SLUICE},bind=127.0.0.1,fork,reuseaddr",
@@ -116,7 +123,7 @@ def instructions(procs, work, path):
     time.sleep(1)
 
     def load(n):
-        out = subprocess.run(["h2load", f"-c{COUNT_CONNS}", f"-m{COUNT_STREAMS}", f"-n{n}", f"--connect-to=127.0.0.1:{HOP_SLUICE}",
+        out = subprocess.run(["h2load", *PROTO, f"-c{COUNT_CONNS}", f"-m{COUNT_STREAMS}", f"-n{n}", f"--connect-to=127.0.0.1:{HOP_SLUICE}",
                               f"https://127.0.0.1:{UP}/"], capture_output=True, text=True, check=True).stdout
         if f"{n} succeeded" not in out:
             raise SystemExit(out)
@@ -126,7 +133,7 @@ def instructions(procs, work, path):
     load(COUNTED)
     dump = callgrind_dump(work, p.pid)
     total, _ = callgrind_counts(dump)
-    print(f"instructions per intercepted HTTP/2 request: {total / COUNTED:,.0f} ({COUNTED} counted, "
+    print(f"instructions per intercepted {NAME} request: {total / COUNTED:,.0f} ({COUNTED} counted, "
           f"h2load -c{COUNT_CONNS} -m{COUNT_STREAMS})")
     if os.environ.get("KEEP"):
         shutil.copy(dump, os.environ["KEEP"])
@@ -167,11 +174,11 @@ upstream_ca = "{ca}"
         time.sleep(1)
         procs.check_alive()
         targets = [("sluice as shipped (intercepted)", HOP_SLUICE, sluice.pid),
-                   (f"haproxy, {WORKERS} threads (TLS and HTTP/2 ended)", HOP_HAPROXY, h.pid)]
+                   (f"haproxy, {WORKERS} threads (TLS and {NAME} ended)", HOP_HAPROXY, h.pid)]
         if os.environ.get("PROFILE"):
             # PROFILE=1: where sluice's CPU goes under this load, from perf's cpu-clock samples.
             data = os.path.join(work, "perf.data")
-            load = subprocess.Popen(["h2load", f"-c{CONNS}", f"-m{STREAMS}", f"-D{SECONDS + 2}",
+            load = subprocess.Popen(["h2load", *PROTO, f"-c{CONNS}", f"-m{STREAMS}", f"-D{SECONDS + 2}",
                                      f"--connect-to=127.0.0.1:{HOP_SLUICE}", f"https://127.0.0.1:{UP}/"],
                                     stdout=subprocess.DEVNULL)
             time.sleep(1)
@@ -200,7 +207,7 @@ upstream_ca = "{ca}"
                 results[name].append((rate, p50, p99, cpu / (rate * elapsed) * 1e6,
                                       switched / (rate * elapsed)))
                 print(f"round {r + 1} {name}: {rate:.0f} req/s", file=sys.stderr)
-        print(f"\nh2load -c{CONNS} -m{STREAMS}, {ROUNDS} rounds × {SECONDS} s interleaved; medians (min–max)\n")
+        print(f"\nh2load {' '.join(PROTO)} -c{CONNS} -m{STREAMS}, {ROUNDS} rounds × {SECONDS} s interleaved; medians (min–max)\n")
         print("| target | req/s | p50 ms | p99 ms | proxy CPU µs per request | proxy's context switches per request |")
         print("| --- | --- | --- | --- | --- | --- |")
         for name, _, _ in targets:
