@@ -20,8 +20,13 @@ use super::{BodyFraming, Error, Framing, Head, Span, encode_request, parse_respo
 use crate::body::BoxError;
 use crate::upstream::outbound::Outbound;
 
-/// Bytes asked of the socket per read.
+/// Bytes asked of the socket per read, once a read has filled what it was given.
 const READ_SIZE: usize = 8 * 1024;
+/// Bytes a connection's reads ask for until then: a small answer's head and body fit. Its
+/// buffer stays a small allocation instead of an 8 KiB one whose first page the answer
+/// touches, 2 KiB less memory per idle client connection (docs/BENCHMARKS.md, "Memory per
+/// idle connection"); a larger answer grows it once, for the connection's life.
+const FIRST_READ: usize = 2048;
 /// Request body bytes gathered before a write.
 const WRITE_BATCH: usize = 64 * 1024;
 /// The most of its encoding buffer a parked request box keeps: room for a head and a
@@ -40,6 +45,8 @@ pub(crate) struct Conn(Box<Parts>);
 pub(crate) struct Parts {
     io: Counted,
     buf: BytesMut,
+    /// What a read reserves room for: `FIRST_READ`, then `READ_SIZE` for good.
+    read_size: usize,
     spans: Vec<Span>,
     /// The last request's box and the buffer inside it that requests are encoded into,
     /// lent to each request in turn so that a request costs no allocation for either
@@ -67,6 +74,7 @@ impl Conn {
         Conn(Box::new(Parts {
             io,
             buf: BytesMut::new(),
+            read_size: FIRST_READ,
             spans: Vec::new(),
             parked: None,
         }))
@@ -78,10 +86,15 @@ impl Parts {
     /// tokio's `AsyncRead`, which remembers a short read, so that the next read waits for
     /// readiness instead of trying the socket first.
     fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
-        if self.buf.capacity() - self.buf.len() < READ_SIZE / 2 {
-            self.buf.reserve(READ_SIZE);
+        if self.buf.capacity() - self.buf.len() < self.read_size / 2 {
+            self.buf.reserve(self.read_size);
         }
-        tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf)
+        let room = self.buf.capacity() - self.buf.len();
+        let read = tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf);
+        if matches!(read, Poll::Ready(Ok(n)) if n >= room) {
+            self.read_size = READ_SIZE;
+        }
+        read
     }
 
     /// The box a request is encoded into (see [`Outgoing::new`]).
@@ -939,5 +952,47 @@ mod tests {
             server.await.unwrap().len() > upload,
             "the upload went out whole"
         );
+    }
+
+    /// A small answer leaves the connection's read buffer at `FIRST_READ`; an answer
+    /// larger than that, head and body, is read whole and the reads ask for `READ_SIZE`
+    /// from then on.
+    #[tokio::test]
+    async fn reads_start_small_and_grow_once_an_answer_fills_them() {
+        async fn answer(reply: &'static [u8]) -> (Vec<u8>, Conn) {
+            let (conn, server) = upstream(reply, 0, false).await;
+            let home = Keeper::default();
+            let Ok(resp) = exchange(conn, request(Method::GET, empty()), home.clone()).await else {
+                panic!("no answer");
+            };
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .unwrap()
+                .to_bytes()
+                .to_vec();
+            server.await.unwrap();
+            let conn = home.0.lock().take().expect("the connection came home");
+            (body, conn)
+        }
+        let (body, conn) = answer(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
+        assert_eq!(body, b"ok");
+        assert_eq!(conn.read_size, FIRST_READ);
+        assert!(
+            conn.buf.capacity() <= FIRST_READ,
+            "an idle connection keeps {} bytes of buffer",
+            conn.buf.capacity()
+        );
+
+        let field = "v".repeat(3 * FIRST_READ);
+        let content = "b".repeat(5 * READ_SIZE);
+        let reply = format!(
+            "HTTP/1.1 200 OK\r\nx-long: {field}\r\ncontent-length: {}\r\n\r\n{content}",
+            content.len()
+        );
+        let (body, conn) = answer(Box::leak(reply.into_bytes().into_boxed_slice())).await;
+        assert_eq!(body, content.as_bytes());
+        assert_eq!(conn.read_size, READ_SIZE);
     }
 }
